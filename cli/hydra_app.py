@@ -1,0 +1,34 @@
+"""Hydra's entry point for `gspo train`: one job of a run or of a multirun sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from gspo.config import CONF_DIR, _register_resolvers, check, register_configs
+
+register_configs()
+_register_resolvers()
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+def hydra_train(cfg: DictConfig) -> float:
+    from gspo.trainer import train
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    if cfg.resume:  # continue the stopped run in its own directory, with its own config
+        run_dir = Path(cfg.resume)
+        saved = OmegaConf.load(run_dir / "config.yaml")
+        dotted = [o for o in hc.overrides.task if "." in o.split("=")[0]]  # e.g. train.steps=400
+        cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist(dotted), {"resume": str(run_dir)})
+        check(cfg)
+    summary = train(cfg, run_dir)
+    base, final = summary.get("base_accuracy"), summary.get("final_accuracy")
+    if base is not None and final is not None:
+        print(f"held-out accuracy: base {base:.1%} -> trained {final:.1%} ({100 * (final - base):+.1f} points)")
+    print(f"run directory: {run_dir}")
+    return final if final is not None else float("nan")

@@ -1,0 +1,50 @@
+"""Checkpoints: Hugging Face format weights plus trainer state, written atomically.
+
+`RUN_DIR/checkpoints/step_<n>/` holds config.json, model.safetensors, the tokenizer
+files and `trainer_state.pt` (optimizer, scheduler, step). Each is written under a
+temporary name and renamed, so a crash mid-write never leaves a broken "latest".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep: int = 1) -> Path:
+    """Save step `step`; keep the newest `keep` checkpoints."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    unwrap(model).save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    torch.save(state, tmp / "trainer_state.pt")
+    final = root / f"step_{step:06d}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(run_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint of a run, or None."""
+    done = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "trainer_state.pt").is_file())
+    return done[-1] if done else None
+
+
+def load_state(ckpt: Path) -> dict:
+    """Trainer state of a checkpoint (tensors and plain types only: never unpickles code)."""
+    return torch.load(Path(ckpt) / "trainer_state.pt", weights_only=True, map_location="cpu")
+
+
+def unwrap(model):
+    """The bare model under a DDP/FSDP wrapper."""
+    return getattr(model, "module", model)

@@ -1,0 +1,640 @@
+"""`gspo compare`: read run directories, aggregate over seeds, plot, tabulate.
+
+    result = compare(["outputs/multirun/2026-01-01/12-00-00"], by="algo")
+    print_report(result)        # console table, warnings, broken run dirs
+
+A PATH is a run directory (config.yaml + metrics.jsonl) or any directory above
+run directories (a Hydra sweep dir, outputs/); `.hydra`, `wandb`, `checkpoints`
+and hidden folders are not searched. Runs are grouped by a dotted config key
+(`algo` means `algo.name`); the runs of a group are treated as seeds.
+
+Aggregation: at each step, mean and sample std (ddof=1) over the group's runs
+with a finite value there; partial runs stop contributing after their last
+step. The collapse flag and the steps-to-target level are defined in
+`detect_collapse` and `accuracy_target`, and explained in docs/compare.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from gspo.errors import ConfigError
+
+REWARD, LOSS, ACC = "reward/mean", "train/loss", "eval/accuracy"
+CLIP, CLIP_LOW, CLIP_HIGH = "clip/frac", "clip/frac_low", "clip/frac_high"
+KL_REF, KL_OLD, ENTROPY = "kl/ref", "kl/old", "policy/entropy"
+LENGTH, ROUTING, STEP_S = "response/len_mean", "moe/routing_volatility", "time/step_s"
+
+# Config keys whose differences make runs incomparable (unless it is the grouping key).
+COMPARABILITY_KEYS = ("model.", "task.", "reward.", "rollout.", "train.steps", "train.minibatches")
+# Keys that never matter for a comparison (bookkeeping, hardware, logging).
+IGNORED_KEYS = (
+    "seed", "name", "resume", "cache_dir", "run_dir", "output_dir", "logger.", "hardware.", "eval.",
+    "model.name", "model.attn_implementation", "model.gradient_checkpointing",
+)
+SKIP_DIRS = {"wandb", "checkpoints", "__pycache__"}
+_MISSING = "<missing>"
+
+
+class CompareError(ConfigError):
+    """Nothing to compare (bad path, no readable run): the CLI exits with code 2."""
+
+
+class _Broken(Exception):
+    pass
+
+
+@dataclass
+class Stat:
+    """Mean and sample std over runs (std None with one run; mean None with none)."""
+
+    mean: float | None
+    std: float | None
+    n: int
+
+    @classmethod
+    def of(cls, values: Iterable[float | None]) -> "Stat":
+        vals = [v for v in values if v is not None and math.isfinite(v)]
+        if not vals:
+            return cls(None, None, 0)
+        mean = float(np.mean(vals))
+        std = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+        if std is not None and std < 1e-12 * max(1.0, abs(mean)):
+            std = 0.0  # rounding noise of equal values
+        return cls(mean, std, len(vals))
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    metrics: dict[str, tuple[np.ndarray, np.ndarray]]  # key -> (steps, values), by step
+    summary: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    collapse: str | None = None  # why the run counts as collapsed; None = it did not
+    collapse_step: int | None = None
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        empty = np.zeros(0)
+        return self.metrics.get(key, (empty, empty))
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get("seed")
+
+    @property
+    def last_step(self) -> int:
+        return max((int(s[-1]) for s, _ in self.metrics.values() if len(s)), default=0)
+
+    @property
+    def partial(self) -> bool:
+        planned = lookup(self.config, "train.steps")
+        finished = (self.summary or {}).get("status") == "finished"
+        return not finished and isinstance(planned, int) and self.last_step < planned
+
+
+@dataclass
+class BrokenRun:
+    path: Path
+    reason: str
+
+
+@dataclass
+class Curve:
+    """A metric aggregated over a group's runs, aligned by step."""
+
+    steps: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray  # sample std; 0 where fewer than 2 runs have the step
+    n: np.ndarray  # runs with a finite value at each step
+    runs: list[tuple[np.ndarray, np.ndarray]]  # each run's own (steps, values)
+
+
+@dataclass
+class Group:
+    label: str
+    value: Any
+    runs: list[Run]
+
+    def curve(self, key: str) -> Curve | None:
+        return aggregate(self.runs, key)
+
+
+@dataclass
+class CompareResult:
+    by: str
+    groups: list[Group]
+    rows: list[dict[str, Any]]
+    target: float | None  # the eval/accuracy level of "steps to target"
+    target_note: str  # how that level was set
+    figures: list[Path]
+    table_path: Path | None
+    broken: list[BrokenRun]
+    warnings: list[str]
+    out_dir: Path
+
+
+# -- reading -------------------------------------------------------------------
+def lookup(config: dict, dotted: str) -> Any:
+    """config["a"]["b"] for "a.b"; a group node stands for its `name`; _MISSING if absent."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node.get("name", _MISSING) if isinstance(node, dict) else node
+
+
+def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+    return flat
+
+
+def _read_metrics(path: Path) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], list[str]]:
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
+        raise _Broken("metrics.jsonl is empty (no step logged yet)")
+    records: dict[int, dict] = {}
+    notes = []
+    for idx, (lineno, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            if idx == len(lines) - 1 and idx > 0:  # cut short by a crash mid-write
+                notes.append(f"{path}: ignored unreadable last line {lineno}")
+                continue
+            raise _Broken(f"metrics.jsonl line {lineno} is not a JSON object with a step ({e})") from None
+        records.setdefault(step, {}).update(record)  # duplicate steps: the later line wins
+    series: dict[str, tuple[list, list]] = {}
+    for step in sorted(records):
+        for key, value in records[step].items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                series.setdefault(key, ([], []))
+                series[key][0].append(step)
+                series[key][1].append(float(value))
+    return {k: (np.asarray(s), np.asarray(v, dtype=float)) for k, (s, v) in series.items()}, notes
+
+
+def _load_run(path: Path) -> Run:
+    has_cfg, has_metrics = (path / "config.yaml").exists(), (path / "metrics.jsonl").exists()
+    if not has_cfg and not has_metrics:
+        raise _Broken("no config.yaml or metrics.jsonl (not started, or crashed before its first step)")
+    if not has_cfg:
+        raise _Broken("no config.yaml")
+    if not has_metrics:
+        raise _Broken("no metrics.jsonl (not started, or crashed before its first step)")
+    from omegaconf import OmegaConf
+
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
+    except Exception as e:
+        raise _Broken(f"config.yaml is unreadable ({e})") from None
+    if not isinstance(config, dict):
+        raise _Broken("config.yaml is not a mapping")
+    metrics, notes = _read_metrics(path / "metrics.jsonl")
+    summary = None
+    if (path / "summary.json").exists():
+        try:
+            summary = json.loads((path / "summary.json").read_text())
+        except ValueError:
+            notes.append(f"{path}: summary.json is unreadable; ignored")
+    return Run(path, config, metrics, summary, notes)
+
+
+def _looks_like_run(path: Path) -> bool:
+    return any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", ".hydra"))
+
+
+def _natural(name: str) -> tuple:
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
+def find_run_dirs(paths: Sequence[Path | str]) -> list[Path]:
+    """Run directories at or under each path, in order, each once."""
+    found: dict[Path, None] = {}
+    for p in map(Path, paths):
+        if not p.exists():
+            raise CompareError(f"{p} does not exist (expected a run directory or a sweep directory)")
+        if p.is_file():
+            p = p.parent
+        if _looks_like_run(p):
+            found[p] = None
+            continue
+        for root, dirs, _ in os.walk(p):
+            here = Path(root)
+            if here != p and _looks_like_run(here):
+                found[here] = None
+                dirs[:] = []
+                continue
+            dirs[:] = sorted((d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS), key=_natural)
+    return list(found)
+
+
+def load_runs(paths: Sequence[Path | str]) -> tuple[list[Run], list[BrokenRun]]:
+    """Readable runs and the run-like dirs that could not be read (with the reason)."""
+    runs, broken = [], []
+    for path in find_run_dirs(paths):
+        try:
+            runs.append(_load_run(path))
+        except _Broken as e:
+            broken.append(BrokenRun(path, str(e)))
+    return runs, broken
+
+
+# -- analysis ------------------------------------------------------------------
+def aggregate(runs: Sequence[Run], key: str) -> Curve | None:
+    """Mean and sample std over runs at each step; non-finite values are left out."""
+    per_run = [r.series(key) for r in runs]
+    per_run = [sv for sv in per_run if len(sv[0])]
+    if not per_run:
+        return None
+    steps = np.unique(np.concatenate([s for s, _ in per_run]))
+    values = np.full((len(per_run), len(steps)), np.nan)
+    for i, (s, v) in enumerate(per_run):
+        values[i, np.searchsorted(steps, s)] = v
+    finite = np.isfinite(values)
+    n = finite.sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(finite, values, 0.0).sum(axis=0) / n
+        sq = np.where(finite, (values - mean) ** 2, 0.0).sum(axis=0)
+        std = np.where(n > 1, np.sqrt(sq / np.maximum(n - 1, 1)), 0.0)
+    return Curve(steps, np.where(n > 0, mean, np.nan), std, n, per_run)
+
+
+def detect_collapse(run: Run) -> tuple[str | None, int | None]:
+    """(reason, step) when the run collapsed, else (None, None).
+
+    Collapsed: (a) any NaN/inf in reward/mean or train/loss; or (b) with n >= 10
+    reward/mean values, ma their trailing moving average over w = max(2, round(0.1·n))
+    steps, initial = ma[0], peak = max(ma), drop = 0.5·max(peak − initial, 0.5·|peak|):
+    drop > 0 and ma < peak − drop on each of the last >= w points up to the end, i.e.
+    after its peak the run lost half its gain (and at least a quarter of the peak,
+    so noise on a flat curve does not count) and never came back. The step is where
+    that final stretch began.
+    """
+    for key in (REWARD, LOSS):
+        steps, values = run.series(key)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            return f"non-finite {key} at step {int(steps[bad][0])}", int(steps[bad][0])
+    steps, rewards = run.series(REWARD)
+    n = len(rewards)
+    if n < 10:
+        return None, None
+    w = max(2, round(0.1 * n))
+    ma = np.convolve(rewards, np.ones(w) / w, mode="valid")  # ma[i] ends at steps[i + w - 1]
+    initial, peak = ma[0], ma.max()
+    drop = 0.5 * max(peak - initial, 0.5 * abs(peak))  # half the gain, at least a quarter of the peak
+    below = ma < peak - drop
+    if drop <= 0 or not below[-1]:
+        return None, None
+    start = len(below) - int(np.argmin(below[::-1])) if not below.all() else 0
+    if len(below) - start < w:
+        return None, None
+    step = int(steps[start + w - 1])
+    return (
+        f"reward/mean moving average (window {w}) fell from {peak:.3g} to {ma[-1]:.3g} "
+        f"at step {step} and did not recover",
+        step,
+    )
+
+
+def group_runs(runs: Sequence[Run], key: str) -> list[Group]:
+    by_value: dict[str, list[Run]] = {}
+    values: dict[str, Any] = {}
+    for run in runs:
+        value = lookup(run.config, key)
+        label = str(value) if key.endswith(".name") else f"{key.rsplit('.', 1)[-1]}={value}"
+        by_value.setdefault(label, []).append(run)
+        values[label] = value
+    numeric = all(isinstance(v, (int, float)) for v in values.values())
+    order = sorted(by_value, key=(lambda l: values[l]) if numeric else str)
+    return [Group(label, values[label], by_value[label]) for label in order]
+
+
+def _diff_text(flats: list[dict], key: str) -> str:
+    counts = Counter(repr(f.get(key, _MISSING)) for f in flats)
+    return f"{key} (" + ", ".join(f"{v} ×{c}" for v, c in counts.most_common()) + ")"
+
+
+def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
+    """Differences other than the grouping key that make the comparison unfair."""
+    own = key[: -len(".name")] + "." if key.endswith(".name") else key
+
+    def relevant(k: str) -> bool:
+        return k != key and not k.startswith(own) and not k.startswith(IGNORED_KEYS)
+
+    runs = [r for g in groups for r in g.runs]
+    flats = [_flatten(r.config) for r in runs]
+    keys = sorted({k for f in flats for k in f})
+    warnings = []
+    differ = [k for k in keys if relevant(k) and k.startswith(COMPARABILITY_KEYS)
+              and len({repr(f.get(k, _MISSING)) for f in flats}) > 1]
+    if differ:
+        warnings.append("runs are NOT comparable (base model, task or rollout budget differ): "
+                        + "; ".join(_diff_text(flats, k) for k in differ))
+    for g in groups:
+        gflats = [_flatten(r.config) for r in g.runs]
+        mixed = [k for k in keys if relevant(k) and not k.startswith(COMPARABILITY_KEYS)
+                 and len({repr(f.get(k, _MISSING)) for f in gflats}) > 1]
+        if mixed:
+            warnings.append(f"group {g.label} mixes runs that differ in "
+                            + "; ".join(_diff_text(gflats, k) for k in mixed)
+                            + " — they are averaged as if they were seeds")
+        dupes = [s for s, c in Counter(repr(r.seed) for r in g.runs).items() if c > 1]
+        if dupes:
+            warnings.append(f"group {g.label} has several runs with seed {', '.join(dupes)}")
+    base: dict[str, dict[str, float]] = {}
+    for g in groups:
+        for r in g.runs:
+            steps, acc = r.series(ACC)
+            if len(steps) and steps[0] == 0 and math.isfinite(acc[0]):
+                base.setdefault(repr(r.seed), {})[g.label] = float(acc[0])
+    for seed, by_group in base.items():
+        if max(by_group.values()) - min(by_group.values()) > 1e-9:
+            warnings.append(f"step-0 eval/accuracy differs between groups for seed {seed} ("
+                            + ", ".join(f"{k} {v:.3f}" for k, v in by_group.items())
+                            + "): are the base weights and eval prompts the same?")
+    return warnings
+
+
+def _run_stats(run: Run, target: float | None) -> dict[str, float | None]:
+    steps, acc = run.series(ACC)
+    ok = np.isfinite(acc)
+    steps, acc = steps[ok], acc[ok]
+
+    def train_mean(key: str) -> float | None:
+        s, v = run.series(key)
+        v = v[(s >= 1) & np.isfinite(v)]
+        return float(v.mean()) if len(v) else None
+
+    _, rewards = run.series(REWARD)
+    tail = rewards[-max(1, round(0.1 * len(rewards))):] if len(rewards) else rewards
+    reached = steps[acc >= target] if target is not None else []
+    return {
+        "base_acc": float(acc[0]) if len(acc) and steps[0] == 0 else None,
+        "final_acc": float(acc[-1]) if len(acc) else None,
+        "best_acc": float(acc.max()) if len(acc) else None,
+        "steps_to_target": float(reached[0]) if len(reached) else None,
+        "final_reward": float(np.mean(tail)) if len(tail) else None,
+        "clip_frac": train_mean(CLIP),
+        "routing_volatility": train_mean(ROUTING),
+        "step_s": train_mean(STEP_S),
+    }
+
+
+def accuracy_target(groups: Sequence[Group], threshold: float | None) -> tuple[float | None, str]:
+    """The eval/accuracy level of "steps to target" and a sentence saying how it was set.
+
+    `threshold` when given; else base + 0.5·(best − base), base = mean step-0
+    eval/accuracy over all runs, best = the highest point of any group's mean
+    eval/accuracy curve; None when no group improved on the base.
+    """
+    if threshold is not None:
+        return float(threshold), f"Steps to target: first step with eval/accuracy >= {threshold:g} (given)."
+    bases = [_run_stats(r, None)["base_acc"] for g in groups for r in g.runs]
+    base = Stat.of(bases).mean
+    curves = [g.curve(ACC) for g in groups]
+    best = max((float(np.nanmax(c.mean)) for c in curves if c is not None and np.isfinite(c.mean).any()),
+               default=None)
+    if base is None or best is None or best <= base:
+        return None, "Steps to target: undefined (no step-0 eval/accuracy, or no group improved on it)."
+    target = base + 0.5 * (best - base)
+    return target, (f"Steps to target: first step with eval/accuracy >= {target:.3f} "
+                    f"= base {base:.3f} + 0.5 × (best group mean {best:.3f} − base).")
+
+
+def summarize_group(group: Group, target: float | None) -> dict[str, Any]:
+    stats = [_run_stats(r, target) for r in group.runs]
+    last = [r.last_step for r in group.runs]
+    row: dict[str, Any] = {
+        "group": group.label,
+        "target": target,
+        "runs": len(group.runs),
+        "seeds": [r.seed for r in group.runs],
+        "steps_min": min(last),
+        "steps_max": max(last),
+        "partial": sum(r.partial for r in group.runs),
+        "collapsed": sum(r.collapse is not None for r in group.runs),
+    }
+    for key in stats[0]:
+        row[key] = Stat.of(s[key] for s in stats)
+    return row
+
+
+# -- output --------------------------------------------------------------------
+def _fmt(stat: Stat, fmt: Callable[[float], str]) -> str:
+    if stat.mean is None:
+        return "—"
+    return fmt(stat.mean) if stat.std is None else f"{fmt(stat.mean)}±{fmt(stat.std)}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
+    ("group", lambda r: str(r["group"])),
+    ("seeds", lambda r: str(r["runs"])),
+    ("steps", lambda r: (f"{r['steps_max']}" if r["steps_min"] == r["steps_max"]
+                         else f"{r['steps_min']}–{r['steps_max']}")
+     + (f" ({r['partial']} partial)" if r["partial"] else "")),
+    ("base acc", lambda r: _fmt(r["base_acc"], "{:.3f}".format)),
+    ("final acc", lambda r: _fmt(r["final_acc"], "{:.3f}".format)),
+    ("best acc", lambda r: _fmt(r["best_acc"], "{:.3f}".format)),
+    ("steps to target", lambda r: "—" if r["target"] is None else
+     f"{_fmt(r['steps_to_target'], '{:.0f}'.format)} ({r['steps_to_target'].n}/{r['runs']})"),
+    ("final reward", lambda r: _fmt(r["final_reward"], "{:.3f}".format)),
+    ("clip/frac", lambda r: _fmt(r["clip_frac"], _pct)),
+    ("routing vol.", lambda r: _fmt(r["routing_volatility"], _pct)),
+    ("s/step", lambda r: _fmt(r["step_s"], "{:.3g}".format)),
+    ("collapsed", lambda r: f"{r['collapsed']}/{r['runs']}"),
+]
+
+
+def format_rows(rows: Sequence[dict]) -> list[list[str]]:
+    return [[cell(r) for _, cell in COLUMNS] for r in rows]
+
+
+def write_markdown(result: CompareResult, path: Path) -> None:
+    lines = [f"# gspo compare — grouped by `{result.by}`", ""]
+    lines += ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in format_rows(result.rows)]
+    lines += ["", "Mean ± sample std over seeds. Final/best acc: last/highest eval/accuracy of each run; "
+              "final reward: mean reward/mean over a run's last 10% of steps; clip/frac, routing vol., "
+              f"s/step: mean over training steps. {result.target_note} (k/n) = runs that reached it. "
+              "See docs/compare.md.", ""]
+    lines += [f"![comparison]({f.name})" for f in result.figures if f.suffix == ".png"]
+    collapsed = [(g.label, r) for g in result.groups for r in g.runs if r.collapse]
+    if collapsed:
+        lines += ["", "## Collapsed runs", ""] + [f"- {lab} `{r.path}`: {r.collapse}" for lab, r in collapsed]
+    if result.warnings:
+        lines += ["", "## Warnings", ""] + [f"- {w}" for w in result.warnings]
+    if result.broken:
+        lines += ["", "## Unreadable run directories (skipped)", ""]
+        lines += [f"- `{b.path}`: {b.reason}" for b in result.broken]
+    path.write_text("\n".join(lines) + "\n")
+
+
+PANELS = [  # title, [(metric, line style)], y scale
+    ("reward/mean", [(REWARD, "-")], "linear"),
+    ("eval/accuracy", [(ACC, "-")], "linear"),
+    ("clip fraction (— frac, -- low, ·· high)", [(CLIP, "-"), (CLIP_LOW, "--"), (CLIP_HIGH, ":")], "symlog"),
+    ("KL (— kl/ref, -- kl/old)", [(KL_REF, "-"), (KL_OLD, "--")], "linear"),
+    ("policy/entropy", [(ENTROPY, "-")], "linear"),
+    ("response/len_mean", [(LENGTH, "-")], "linear"),
+    ("moe/routing_volatility", [(ROUTING, "-")], "linear"),
+]
+
+
+def plot_groups(groups: Sequence[Group], out_dir: Path, stem: str = "compare") -> list[Path]:
+    """One panel per metric present; mean ± std band per group, each seed faint."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    present = {k for g in groups for r in g.runs for k in r.metrics}
+    panels = [p for p in PANELS if any(k in present for k, _ in p[1])]
+    ncols = 4 if len(panels) > 6 else 3 if len(panels) > 4 else 2
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(5.2 * ncols, 3.5 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    colors = [f"C{i % 10}" for i in range(len(groups))]
+    for ax, (title, keys, scale) in zip(axes, panels):
+        positive = []
+        for group, color in zip(groups, colors):
+            first = True
+            for key, style in keys:
+                curve = group.curve(key)
+                if curve is None:
+                    continue
+                marker = "o" if key == ACC else None
+                if first:  # the panel's main metric: every seed faint, and the band
+                    for s, v in curve.runs:
+                        ax.plot(s, v, color=color, alpha=0.25, lw=0.8, marker=marker, ms=2)
+                    lo = curve.mean - curve.std
+                    ax.fill_between(curve.steps, np.maximum(lo, 0) if scale == "symlog" else lo,
+                                    curve.mean + curve.std, color=color, alpha=0.15, lw=0)
+                ax.plot(curve.steps, curve.mean, style, color=color, lw=1.6, marker=marker, ms=3)
+                positive += [v for _, vals in curve.runs for v in vals if v > 0 and math.isfinite(v)]
+                first = False
+            if keys[0][0] == REWARD:  # mark where each collapsed seed collapsed
+                for r in group.runs:
+                    if r.collapse_step is not None:
+                        s, v = r.series(REWARD)
+                        y = v[s == r.collapse_step]
+                        ax.plot([r.collapse_step], [y[0] if len(y) and math.isfinite(y[0]) else 0.0],
+                                "x", color=color, ms=8, mew=2)
+        if scale == "symlog":  # linear below the smallest non-zero value, so 0 stays visible
+            smallest = max(min(positive, default=1e-4), 1e-8)
+            ax.set_yscale("symlog", linthresh=10 ** math.floor(math.log10(smallest)))
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    handles = [_legend_line(c) for c in colors]
+    labels = [f"{g.label} (n={len(g.runs)}"
+              + (f", {sum(r.collapse is not None for r in g.runs)} collapsed ×" if any(r.collapse for r in g.runs) else "")
+              + ")" for g in groups]
+    fig.legend(handles, labels, loc="outside upper center", ncols=min(len(groups), 6), frameon=False)
+    fig.supxlabel("line: mean over seeds · band: ± 1 sample std · faint: each seed · ×: collapse", fontsize=9)
+    paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.svg"]
+    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[1])
+    return paths
+
+
+def _legend_line(color: str):
+    from matplotlib.lines import Line2D
+
+    return Line2D([], [], color=color, lw=2)
+
+
+def _default_out(paths: Sequence[Path], runs: Sequence[Run]) -> Path:
+    """The first PATH that is a sweep (not a run) dir, else the runs' common parent, + /compare."""
+    for p in paths:
+        if p.is_dir() and not _looks_like_run(p):
+            return p / "compare"
+    return Path(os.path.commonpath([r.path.resolve() for r in runs])) / "compare"
+
+
+def compare(
+    paths: Sequence[Path | str] | Path | str,
+    by: str = "algo",
+    out: Path | str | None = None,
+    threshold: float | None = None,
+    plot: bool = True,
+) -> CompareResult:
+    """Load, group, check, aggregate, plot and tabulate; writes OUT/compare.{png,svg,md,json}."""
+    paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if not paths:
+        raise CompareError("give at least one run directory or sweep directory")
+    key = "algo.name" if by == "algo" else by
+    runs, broken = load_runs(paths)
+    if not runs:
+        detail = "".join(f"\n  {b.path}: {b.reason}" for b in broken)
+        raise CompareError(f"no readable run directory under {', '.join(map(str, paths))}{detail}")
+    warnings = [note for r in runs for note in r.notes]
+    for run in runs:
+        run.collapse, run.collapse_step = detect_collapse(run)
+    groups = group_runs(runs, key)
+    if all(lookup(r.config, key) == _MISSING for r in runs):
+        warnings.append(f"no run has the config key {key!r}: all runs form one group")
+    warnings += comparability_warnings(groups, key)
+    partial = [r for r in runs if r.partial]
+    if partial:
+        warnings.append(f"{len(partial)} run(s) are partial (still running or stopped early); "
+                        "group means use the runs that reached each step")
+    target, target_note = accuracy_target(groups, threshold)
+    rows = [summarize_group(g, target) for g in groups]
+    out_dir = Path(out) if out is not None else _default_out(paths, runs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = plot_groups(groups, out_dir) if plot else []
+    result = CompareResult(key, groups, rows, target, target_note, figures, out_dir / "compare.md",
+                           broken, warnings, out_dir)
+    write_markdown(result, result.table_path)
+    (out_dir / "compare.json").write_text(json.dumps(
+        {"by": key, "target": target, "rows": [{k: asdict(v) if isinstance(v, Stat) else v
+                                                 for k, v in r.items()} for r in rows]}, indent=1))
+    return result
+
+
+def print_report(result: CompareResult, console: Any = None) -> None:
+    """The table on the console, then collapsed runs, warnings and unreadable dirs."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"gspo compare — grouped by {result.by}", box=box.SIMPLE_HEAD, padding=(0, 1))
+    for name, _ in COLUMNS:
+        table.add_column(name, justify="left" if name == "group" else "right", overflow="fold",
+                         no_wrap=name in ("group", "steps"))
+    for cells in format_rows(result.rows):
+        table.add_row(*cells)
+    console.print(table)
+    console.print(result.target_note)
+    for g in result.groups:
+        for r in g.runs:
+            if r.collapse:
+                console.print(f"[red]collapsed[/] {g.label} {r.path}: {r.collapse}")
+    for w in result.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    for b in result.broken:
+        console.print(f"[red]skipped[/] {b.path}: {b.reason}")
+    for f in [*result.figures, result.table_path]:
+        if f is not None:
+            console.print(f"wrote {f}")

@@ -1,0 +1,140 @@
+"""Held-out evaluation: greedy accuracy, pass@k, completion length, well-formedness."""
+
+from __future__ import annotations
+
+from math import comb
+
+import torch
+
+from gspo.rollout import generate
+from gspo.tasks import Problem, Task
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, arXiv 2107.03374):
+    1 - C(n-c, k) / C(n, k)."""
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    task: Task,
+    problems: list[Problem],
+    max_new_tokens: int,
+    pass_k: int = 0,
+    temperature: float = 1.0,
+    chat_template: bool = False,
+    batch_size: int = 256,
+    examples: int = 0,
+) -> dict:
+    """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0).
+
+    Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
+    """
+    was_training = model.training
+    model.eval()
+    correct, formed, lengths, shown = [], [], [], []
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        r = generate(model, tokenizer, [p.prompt for p in chunk], 1, max_new_tokens, greedy=True, chat_template=chat_template)
+        for text, p, n in zip(r.texts, chunk, r.lengths.tolist()):
+            v = task.verify(text, p)
+            correct.append(v.correct)
+            formed.append(v.well_formed)
+            lengths.append(n)
+            if len(shown) < examples:
+                shown.append({"prompt": p.prompt, "completion": text, "correct": v.correct, "reference": p.answer})
+    out = {
+        "eval/accuracy": sum(correct) / max(1, len(correct)),
+        "eval/format": sum(formed) / max(1, len(formed)),
+        "eval/len_mean": sum(lengths) / max(1, len(lengths)),
+    }
+    if pass_k > 0:
+        n = 2 * pass_k
+        scores = []
+        for i in range(0, len(problems), max(1, batch_size // n)):
+            chunk = problems[i : i + max(1, batch_size // n)]
+            r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature, chat_template=chat_template)
+            for j, p in enumerate(chunk):
+                c = sum(task.verify(t, p).correct for t in r.texts[j * n : (j + 1) * n])
+                scores.append(pass_at_k(n, c, pass_k))
+        out[f"eval/pass@{pass_k}"] = sum(scores) / max(1, len(scores))
+    if examples:
+        out["examples"] = shown
+    model.train(was_training)
+    return out
+
+
+def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k: int = 4) -> dict:
+    """`gspo eval`: score a run's last checkpoint, a checkpoint directory, or the warm-start base.
+
+    With a run directory, writes RUN_DIR/eval.json. Overrides change the task or the
+    budget (e.g. `task=countdown`, `task.eval_size=500`).
+    """
+    import json
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from gspo import checkpoint
+    from gspo.config import check, compose
+    from gspo.errors import ConfigError
+    from gspo.models import base_model, load_pretrained
+    from gspo.tasks import build_task
+
+    if target is not None and "=" in target:  # `gspo eval task.eval_size=50`: no target, all overrides
+        overrides, target = [target, *overrides], None
+    run_dir, model_dir = None, None
+    if target is None:
+        cfg = compose(overrides)
+    else:
+        path = Path(target)
+        if (path / "config.yaml").is_file():
+            run_dir, model_dir = path, checkpoint.latest(path)
+            if model_dir is None:
+                raise ConfigError(f"{path}: this run has no checkpoint yet")
+        elif (path / "config.json").is_file():
+            model_dir = path
+            run_dir = path.parent.parent if (path.parent.parent / "config.yaml").is_file() else None
+        else:
+            raise ConfigError(f"{target}: neither a run directory (config.yaml) nor a checkpoint (config.json)")
+        if run_dir is not None:
+            cfg = OmegaConf.merge(OmegaConf.load(run_dir / "config.yaml"), OmegaConf.from_dotlist(overrides))
+            check(cfg)
+        else:
+            cfg = compose(overrides)
+    task = build_task(cfg.task)
+    if model_dir is None:
+        model_dir = base_model(cfg, task)
+    model, tokenizer = load_pretrained(model_dir)
+    res = evaluate(model, tokenizer, task, task.eval_set(cfg.task.eval_size), cfg.rollout.max_new_tokens,
+                   pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,
+                   examples=examples)
+    res["model"] = str(model_dir)
+    res["task"] = cfg.task.name
+    res["n"] = cfg.task.eval_size
+    if run_dir is not None:
+        (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
+    _print_eval(res)
+    return res
+
+
+def _print_eval(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"held-out evaluation: {res['task']}, {res['n']} problems\n{res['model']}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for k, v in res.items():
+        if k.startswith("eval/"):
+            t.add_row(k, f"{v:.3f}")
+    console = Console()
+    console.print(t)
+    for ex in res.get("examples", []):
+        mark = "✓" if ex["correct"] else "✗"
+        console.print(f"  {mark} {ex['prompt']}{ex['completion']}   (reference {ex['reference']})", markup=False)

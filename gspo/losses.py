@@ -1,0 +1,368 @@
+"""Policy losses for group-based RL on language models: pure tensor math.
+
+    loss, stats = policy_loss(name, logp, old_logp, advantages, mask, **hyper)
+
+Shapes: logp, old_logp, mask (B, T) over completion tokens (mask 1 on tokens,
+0 on padding; rows may have different lengths); advantages (B,) per sequence or
+(B, T) per token. Notation follows design.md section 3: d_t = logp_t - old_logp_t,
+|y_i| = sum_t m_{i,t}, sg = stop-gradient, A the advantage.
+
+Every loss below is one short function that returns the per-token OBJECTIVE
+J_{i,t} (B, T) to maximise (a per-sequence quantity is broadcast to all of that
+sequence's tokens), the ratio as the algorithm defines it, and where its clip
+was active. `policy_loss` negates the objective, adds beta * KL per token and
+reduces with `aggregate` -- the single place where tokens become a scalar, so a
+loss cannot silently ignore the aggregation it is given.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from gspo.errors import ConfigError
+from gspo.kl import KL_KINDS, kl_penalty
+
+AGG_MODES = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """Keyword hyper-parameters of `policy_loss` (one set for every loss; each uses what it needs)."""
+
+    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low (GMPO: log-ratio at -eps_low)
+    eps_high: float = 0.2  # ratio clipped above at 1 + eps_high (GMPO: log-ratio at +eps_high)
+    clip_ratio_c: Optional[float] = None  # dual clip for A < 0 (arXiv 1912.09729); None = off
+    agg: Optional[str] = None  # aggregation override; None = the loss's own
+    max_tokens: Optional[int] = None  # seq_mean_token_sum_norm constant (Dr. GRPO: generation cap)
+    tau_pos: float = 1.0  # SAPO gate temperature for A > 0
+    tau_neg: float = 1.05  # SAPO gate temperature for A <= 0
+    ref_logp: Optional[Tensor] = None  # (B, T) reference-model log-probs for the KL term
+    beta: float = 0.0  # KL coefficient; 0 = no KL term
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    router_shift: Optional[Tensor] = None  # (B, T) RSPO router-shift factor; None = ones
+    router_shift_floor: float = 0.0  # RSPO lower bound of the factor
+
+
+HYPER_NAMES = tuple(f.name for f in fields(Hyper))
+
+
+@dataclass
+class Terms:
+    """What a loss function hands back to `policy_loss` (all (B, T))."""
+
+    objective: Tensor  # J_{i,t}, maximised; carries the gradient
+    ratio: Tensor  # the algorithm's ratio, for policy/ratio_* stats
+    clip_low: Tensor  # bool: A < 0 side clipped (gradient cut / weight capped)
+    clip_high: Tensor  # bool: A > 0 side clipped
+    clip_dual: Optional[Tensor] = None  # bool: dual clip active (A < 0, ratio > c)
+
+
+LossFn = Callable[[Tensor, Tensor, Tensor, Tensor, Hyper], Terms]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    fn: LossFn
+    agg: str  # default aggregation (the paper's)
+    seq_ratio: bool  # one ratio per sequence: token_mean would weight sequences by length
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, *, agg: str, seq_ratio: bool = False) -> Callable[[LossFn], LossFn]:
+    """Decorator: add a loss to the registry under `name` with its default aggregation."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"loss {name!r}: unknown aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
+
+    def decorator(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered (by {LOSSES[name].fn.__name__})")
+        LOSSES[name] = LossSpec(fn, agg, seq_ratio)
+        return fn
+
+    return decorator
+
+
+def loss_names() -> list[str]:
+    """Names of every registered loss, sorted."""
+    return sorted(LOSSES)
+
+
+def get_loss(name: str) -> LossSpec:
+    """The registry entry for `name`; ValueError (ConfigError) listing valid names otherwise."""
+    if name not in LOSSES:
+        raise ConfigError(f"unknown policy loss {name!r}; valid: {', '.join(loss_names())}")
+    return LOSSES[name]
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_tokens: Optional[int] = None) -> Tensor:
+    """Reduce a per-token loss (B, T) to a scalar over the tokens where mask is 1.
+
+    seq_mean_token_mean      (1/#seqs) sum_i (1/|y_i|) sum_t m x   (GRPO, GSPO); rows with no token are left out
+    token_mean               sum_{i,t} m x / sum_{i,t} m           (DAPO): every token weighs the same
+    seq_mean_token_sum_norm  sum_{i,t} m x / (B * max_tokens)      (Dr. GRPO): a constant, so no length bias
+    """
+    m = mask.to(per_token.dtype)
+    x = torch.where(m > 0, per_token, torch.zeros_like(per_token))  # padding may hold anything
+    if mode == "token_mean":
+        return x.sum() / m.sum().clamp(min=1.0)
+    if mode == "seq_mean_token_mean":
+        lens = m.sum(dim=1)
+        seq = x.sum(dim=1) / lens.clamp(min=1.0)
+        return seq.sum() / (lens > 0).sum().clamp(min=1)
+    if mode == "seq_mean_token_sum_norm":
+        if max_tokens is None or max_tokens <= 0:
+            raise ConfigError(
+                "agg 'seq_mean_token_sum_norm' (Dr. GRPO) needs max_tokens > 0: the generation length cap"
+            )
+        return x.sum() / (per_token.shape[0] * max_tokens)
+    raise ConfigError(f"unknown aggregation {mode!r}; valid: {', '.join(AGG_MODES)}")
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) -> (B,): mean over each row's completion tokens (0 for an empty row)."""
+    return (x * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
+def _ppo_clip(ratio: Tensor, adv: Tensor, h: Hyper) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """PPO's clipped surrogate (arXiv 1707.06347) with the asymmetric range, plus optional dual clip.
+
+    J = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); dual clip: J = max(J, c A) where A < 0.
+    The clipped branch is a constant, so its tokens get no gradient: with A > 0 when r > 1 + eps_high,
+    with A < 0 when r < 1 - eps_low (and, dual, when r > c).
+    """
+    clipped = ratio.clamp(1.0 - h.eps_low, 1.0 + h.eps_high)
+    objective = torch.minimum(ratio * adv, clipped * adv)
+    r = ratio.detach()
+    dual = None
+    if h.clip_ratio_c is not None:
+        # Unbounded r with A < 0 makes -rA arbitrarily large; cap the loss at -cA (Ye et al. 2019).
+        objective = torch.where(adv < 0, torch.maximum(objective, h.clip_ratio_c * adv), objective)
+        dual = (adv < 0) & (r > h.clip_ratio_c)
+    return objective, (adv < 0) & (r < 1.0 - h.eps_low), (adv > 0) & (r > 1.0 + h.eps_high), dual
+
+
+def _no_clip(x: Tensor) -> Tensor:
+    return torch.zeros_like(x, dtype=torch.bool)
+
+
+# --------------------------------------------------------------------------- the losses
+
+
+@register_loss("grpo", agg="seq_mean_token_mean")
+def grpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """GRPO, DeepSeekMath arXiv 2402.03300 §4.1: PPO clip on per-token ratios, per-sequence mean."""
+    w = torch.exp(logp - old_logp)  # w_{i,t} = pi(y_t) / pi_old(y_t)
+    objective, low, high, dual = _ppo_clip(w, adv, h)  # min(w A, clip(w, 1-el, 1+eh) A)
+    return Terms(objective, w, low, high, dual)
+
+
+@register_loss("dapo", agg="token_mean")
+def dapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """DAPO, arXiv 2503.14476: GRPO's token ratio with clip-higher (eps_high > eps_low), token mean."""
+    w = torch.exp(logp - old_logp)
+    objective, low, high, dual = _ppo_clip(w, adv, h)
+    return Terms(objective, w, low, high, dual)
+
+
+@register_loss("dr_grpo", agg="seq_mean_token_sum_norm")
+def dr_grpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """Dr. GRPO, arXiv 2503.20783: GRPO's token ratio, tokens summed over a constant (needs max_tokens)."""
+    w = torch.exp(logp - old_logp)
+    objective, low, high, dual = _ppo_clip(w, adv, h)
+    return Terms(objective, w, low, high, dual)
+
+
+@register_loss("gspo", agg="seq_mean_token_mean", seq_ratio=True)
+def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """GSPO, arXiv 2507.18071: one length-normalised ratio per sequence, clipped per sequence."""
+    # s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|) = exp(sum_t m_t d_t / |y_i|), broadcast (B,) -> (B, T)
+    s = torch.exp(_seq_mean(logp - old_logp, mask)).unsqueeze(1).expand_as(logp)
+    objective, low, high, dual = _ppo_clip(s, adv, h)  # min(s_i A_i, clip(s_i, 1-el, 1+eh) A_i)
+    return Terms(objective, s, low, high, dual)
+
+
+@register_loss("gspo_token", agg="seq_mean_token_mean", seq_ratio=True)
+def gspo_token(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """GSPO-token, arXiv 2507.18071 §4.3: GSPO's ratio value, per-token advantages allowed."""
+    # s_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t)): equals s_i in value, d s_{i,t} = s_i d logp_t
+    log_s = _seq_mean(logp - old_logp, mask).detach().unsqueeze(1)
+    s_t = torch.exp(log_s + logp - logp.detach())
+    objective, low, high, dual = _ppo_clip(s_t, adv, h)
+    return Terms(objective, s_t, low, high, dual)
+
+
+@register_loss("gmpo", agg="seq_mean_token_mean", seq_ratio=True)
+def gmpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """GMPO, arXiv 2507.20673: geometric mean of token ratios, each clipped in log space by sgn(A).
+
+    GMPO's advantage is per sequence: a (B, T) advantage is reduced to its mean over the row's tokens.
+    """
+    a = _seq_mean(adv, mask)  # A_i
+    sgn = torch.sign(a).unsqueeze(1)
+    d = logp - old_logp
+    d_clip = d.clamp(-h.eps_low, h.eps_high)
+    # A > 0: d capped at eps_high; A < 0: d floored at -eps_low (the PPO-pessimistic side only)
+    d_min = sgn * torch.minimum(sgn * d, sgn * d_clip)
+    ratio_i = torch.exp(_seq_mean(d_min, mask))  # (prod_t r_t^clipped)^(1/|y_i|)
+    objective = (ratio_i * a).unsqueeze(1).expand_as(logp)  # J_i = ratio_i * A_i on every token
+    ratio = torch.exp(_seq_mean(d, mask)).detach().unsqueeze(1).expand_as(logp)  # unclipped geo mean
+    dd = d.detach()
+    return Terms(objective, ratio, (sgn < 0) & (dd < -h.eps_low), (sgn > 0) & (dd > h.eps_high))
+
+
+@register_loss("cispo", agg="token_mean")
+def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """CISPO, MiniMax-M1 arXiv 2506.13585: clip the stop-gradient IS weight, never drop a token."""
+    w = torch.exp(logp - old_logp)
+    w_hat = w.clamp(1.0 - h.eps_low, 1.0 + h.eps_high).detach()  # sg(clip(r_{i,t}, 1-el, 1+eh))
+    objective = w_hat * adv * logp  # J = sg(r_hat) A log pi(y_t): REINFORCE with a capped IS weight
+    wd = w.detach()
+    return Terms(objective, wd, wd < 1.0 - h.eps_low, wd > 1.0 + h.eps_high)
+
+
+@register_loss("sapo", agg="seq_mean_token_mean")
+def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """SAPO, arXiv 2511.20347: a soft sigmoid gate on the token ratio instead of a hard clip."""
+    w = torch.exp(logp - old_logp)
+    tau = torch.where(adv > 0, torch.full_like(adv, h.tau_pos), torch.full_like(adv, h.tau_neg))
+    gate = torch.sigmoid(tau * (w - 1.0)) * (4.0 / tau)  # f(w) = sigma(tau (w - 1)) 4/tau; f'(1) = 1
+    return Terms(gate * adv, w, _no_clip(w), _no_clip(w))  # J = f(w_{i,t}) A
+
+
+@register_loss("rspo", agg="seq_mean_token_mean")
+def rspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """RSPO, arXiv 2510.23027: GRPO's token ratio rescaled by the router-shift factor before clipping.
+
+    RECONSTRUCTION: the paper describes a per-token router-shift ratio with stop-gradient and a
+    lower floor that rescales importance ratios before clipping; its exact equation is not public in
+    code, so this is w~ = w * max(sg(router_shift), floor) in GRPO's clip. router_shift=None -> GRPO.
+    """
+    rs = torch.ones_like(logp) if h.router_shift is None else h.router_shift.detach().to(logp.dtype)
+    factor = torch.where(mask > 0, rs.clamp(min=h.router_shift_floor), torch.ones_like(rs))
+    w = torch.exp(logp - old_logp) * factor  # w~_{i,t} = w_{i,t} * max(sg(gamma_{i,t}), floor)
+    objective, low, high, dual = _ppo_clip(w, adv, h)
+    return Terms(objective, w, low, high, dual)
+
+
+@register_loss("nll", agg="seq_mean_token_mean")
+def nll(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """Advantage-weighted log-likelihood J = A log pi(y_t): no ratio, no clip (RFT, reward-softmax baselines).
+
+    policy/ratio_* still report exp(d_t), to show how far the update moved off the rollout policy.
+    """
+    w = torch.exp(logp - old_logp).detach()
+    return Terms(adv * logp, w, _no_clip(w), _no_clip(w))
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _parse_hyper(hyper: dict) -> Hyper:
+    unknown = sorted(set(hyper) - set(HYPER_NAMES))
+    if unknown:
+        raise TypeError(f"policy_loss got unknown hyper-parameter(s) {unknown}; valid: {', '.join(HYPER_NAMES)}")
+    h = Hyper(**hyper)
+    if h.eps_low < 0 or h.eps_high < 0:
+        raise ConfigError(f"eps_low and eps_high must be >= 0, got {h.eps_low}, {h.eps_high}")
+    if h.clip_ratio_c is not None and h.clip_ratio_c <= 1.0:
+        raise ConfigError(f"clip_ratio_c (dual clip) must be > 1, got {h.clip_ratio_c}")
+    if h.tau_pos <= 0 or h.tau_neg <= 0:
+        raise ConfigError(f"SAPO temperatures must be > 0, got tau_pos={h.tau_pos}, tau_neg={h.tau_neg}")
+    if h.beta < 0:
+        raise ConfigError(f"beta must be >= 0, got {h.beta}")
+    if h.kl_estimator not in KL_KINDS:
+        raise ConfigError(f"unknown KL estimator {h.kl_estimator!r}; valid: {', '.join(KL_KINDS)}")
+    return h
+
+
+def _check_shapes(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, h: Hyper) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
+    others = {"old_logp": old_logp, "mask": mask, "ref_logp": h.ref_logp, "router_shift": h.router_shift}
+    for label, t in others.items():
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{label} must have logp's shape {tuple(logp.shape)}, got {tuple(t.shape)}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages must be (B,) or (B, T) = {tuple(logp.shape)}, got {tuple(advantages.shape)}")
+
+
+def _masked_mean(x: Tensor, m: Tensor) -> float:
+    return float((x * m).sum() / m.sum().clamp(min=1.0))
+
+
+def policy_loss(
+    name: str, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, **hyper
+) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss (to minimise) of registered loss `name`, and its stats as python floats.
+
+    loss = aggregate(-J_{i,t} + beta * KL_t(pi || ref), mask, agg). hyper: the fields of `Hyper`
+    (unknown names raise TypeError). Stats: clip/frac_low, clip/frac_high, clip/frac (token
+    fractions), clip/seq_frac, policy/ratio_mean|min|max, kl/old (k3 to the rollout policy) and,
+    with the KL term on, kl/ref (k3 to the reference); clip/frac_dual when dual clip is on.
+    """
+    spec = get_loss(name)
+    h = _parse_hyper(hyper)
+    _check_shapes(logp, old_logp, advantages, mask, h)
+    agg = h.agg if h.agg is not None else spec.agg
+    if agg not in AGG_MODES:
+        raise ConfigError(f"unknown aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
+    if spec.seq_ratio and agg == "token_mean":
+        warnings.warn(
+            f"loss {name!r} has one ratio per sequence; agg='token_mean' weights each sequence by its length "
+            "(a known peer bug), use 'seq_mean_token_mean' as in the paper",
+            stacklevel=2,
+        )
+
+    m = mask.bool()
+    mf = m.to(logp.dtype)
+    zero = torch.zeros_like(logp)
+    # Padding may hold -inf or garbage: zero it so exp() and its backward stay finite there.
+    logp = torch.where(m, logp, zero)
+    old = torch.where(m, old_logp.detach().to(logp.dtype), zero)
+    adv = advantages.detach().to(logp.dtype)
+    adv = torch.where(m, adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, zero)
+
+    terms = spec.fn(logp, old, adv, mf, h)
+    per_token = -terms.objective
+
+    stats: dict[str, float] = {}
+    use_kl = h.beta != 0.0 and h.ref_logp is not None
+    if h.beta != 0.0 and h.ref_logp is None:
+        warnings.warn("beta > 0 but no ref_logp was given: the KL term is skipped", stacklevel=2)
+    if use_kl:
+        ref = torch.where(m, h.ref_logp.detach().to(logp.dtype), zero)
+        per_token = per_token + h.beta * kl_penalty(logp, ref, h.kl_estimator)
+        with torch.no_grad():
+            stats["kl/ref"] = _masked_mean(kl_penalty(logp, ref, "k3"), mf)
+
+    loss = aggregate(per_token, mf, agg, max_tokens=h.max_tokens)
+
+    with torch.no_grad():
+        n_tok = mf.sum().clamp(min=1.0)
+        low, high = terms.clip_low & m, terms.clip_high & m
+        stats["clip/frac_low"] = float(low.sum() / n_tok)
+        stats["clip/frac_high"] = float(high.sum() / n_tok)
+        stats["clip/frac"] = stats["clip/frac_low"] + stats["clip/frac_high"]
+        stats["clip/seq_frac"] = float((low | high).any(dim=1).sum() / m.any(dim=1).sum().clamp(min=1))
+        if terms.clip_dual is not None:
+            stats["clip/frac_dual"] = float((terms.clip_dual & m).sum() / n_tok)
+        r = terms.ratio.detach()[m]
+        empty = r.numel() == 0
+        stats["policy/ratio_mean"] = 1.0 if empty else float(r.mean())
+        stats["policy/ratio_min"] = 1.0 if empty else float(r.min())
+        stats["policy/ratio_max"] = 1.0 if empty else float(r.max())
+        stats["kl/old"] = _masked_mean(kl_penalty(logp, old, "k3"), mf)
+    return loss, stats

@@ -1,0 +1,163 @@
+"""Policies: tiny Qwen3 / Qwen3-MoE built from config, or a local Hugging Face checkpoint.
+
+The tiny models are the real `transformers` classes, so every code path (KV cache,
+sdpa attention, MoE routers, save/load) is the one a real Qwen3 checkpoint takes.
+A random-init model earns no reward, so `base_model` warm-starts it with
+supervised steps on the task's reference solutions and caches the result by its
+config: every run of a sweep starts from the very same weights, built once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from gspo.errors import ConfigError
+
+transformers.utils.logging.disable_progress_bar()  # no per-load progress bars between our own lines
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+CACHE_VERSION = 1  # bump when warm-start code changes, so stale bases are rebuilt
+
+
+def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer in Hugging Face format: one token per character."""
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *sorted(set(alphabet))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+
+
+def build_model(mcfg, vocab_size: int, tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
+    """A randomly initialised tiny Qwen3 (dense) or Qwen3-MoE from the model config."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=mcfg.hidden_size,
+        num_hidden_layers=mcfg.num_layers,
+        num_attention_heads=mcfg.num_heads,
+        num_key_value_heads=mcfg.num_kv_heads,
+        head_dim=mcfg.head_dim,
+        intermediate_size=mcfg.intermediate_size,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        attn_implementation=mcfg.attn_implementation,
+    )
+    torch.manual_seed(seed)
+    if mcfg.arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common))
+    if mcfg.arch == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            **common,
+            num_experts=mcfg.num_experts,
+            num_experts_per_tok=mcfg.top_k,
+            moe_intermediate_size=mcfg.moe_intermediate_size,
+            norm_topk_prob=mcfg.norm_topk_prob,
+            router_aux_loss_coef=mcfg.router_aux_loss_coef,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        return Qwen3MoeForCausalLM(config)
+    raise ConfigError(f"model.arch={mcfg.arch}: valid values are qwen3, qwen3_moe, hf")
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
+    """A local causal-LM checkpoint and its tokenizer, loaded with safetensors."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path={path}: not a Hugging Face checkpoint directory (no config.json there)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, use_safetensors=True)
+    return model, tokenizer
+
+
+def _base_key(cfg) -> str:
+    from omegaconf import OmegaConf
+
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    for k in ("name", "router_aux_loss_coef", "gradient_checkpointing", "attn_implementation"):
+        m.pop(k, None)  # do not change the weights the warm start produces
+    t = OmegaConf.to_container(cfg.task, resolve=True)
+    t.pop("eval_size", None)
+    blob = json.dumps({"v": CACHE_VERSION, "model": m, "task": t, "T": cfg.rollout.max_new_tokens}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def base_model(cfg, task, log=print) -> Path:
+    """The directory of the warm-started base for this config, building it on first use.
+
+    Written to a temporary directory and renamed, so parallel sweep jobs never see
+    a half-written base; the first one to finish wins and the others reuse it.
+    """
+    if cfg.model.arch == "hf":
+        if not cfg.model.path:
+            raise ConfigError("model=hf needs model.path=DIR (a local Hugging Face checkpoint directory)")
+        return Path(cfg.model.path)
+    target = Path(cfg.cache_dir) / f"base-{cfg.model.name}-{cfg.task.name}-{_base_key(cfg)}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = char_tokenizer(task.alphabet)
+    model = build_model(cfg.model, len(tokenizer), tokenizer, seed=cfg.model.warm_start.seed)
+    t0 = time.time()
+    warm_start(model, tokenizer, task, cfg.model.warm_start, log=log)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warm_start.json").write_text(json.dumps({"seconds": time.time() - t0, "steps": cfg.model.warm_start.steps}))
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another job finished first: use its base
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def warm_start(model, tokenizer, task, wcfg, log=print) -> None:
+    """Supervised steps on (prompt, reference answer + EOS); loss on the answer tokens only."""
+    if wcfg.steps <= 0:
+        return
+    rng = random.Random(wcfg.seed)
+    torch.manual_seed(wcfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / wcfg.steps))
+    model.train()
+    for step in range(wcfg.steps):
+        problems = task.sample_train(rng, wcfg.batch_size)
+        ids, labels = [], []
+        for p in problems:
+            prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+            answer = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+        width = max(map(len, ids))
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
+        label_t = torch.tensor([y + [-100] * (width - len(y)) for y in labels])
+        mask = torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]
+        out = model(input_ids=input_ids, attention_mask=mask.long(), labels=label_t)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == wcfg.steps - 1:
+            log(f"warm start {step + 1}/{wcfg.steps}: loss {out.loss.item():.3f}")
+    model.eval()

@@ -1,0 +1,330 @@
+"""Mixture-of-Experts routing: capture, Routing Replay (R2/R3) and routing statistics.
+
+Works on any Hugging Face MoE whose router is a module with ``top_k``, ``num_experts``
+and ``weight`` that returns ``(router_logits (N, E), scores (N, k), indices (N, k))``
+(transformers >= 5: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, Granite-MoE ...).
+
+We wrap routers with forward hooks rather than re-implementing their forward: the
+router computes exactly what it always does and the hook only reads (capture) or
+rewrites (replay) its output tuple. Hooks are removed on context exit, and replay
+hooks are *prepended* so that capture, whatever the nesting order, records the
+routing the experts actually used.
+
+Conventions (shared by every tensor below):
+  * a router call sees ``N = B*T`` rows: the MoE block flattens ``(B, T, H)`` with
+    ``view(-1, H)``, i.e. row-major, row ``n = b*T + t``;
+  * "layer" ``l`` is the l-th router in :func:`find_routers` order (the l-th *MoE*
+    layer; dense layers such as Qwen3-MoE's ``mlp_only_layers`` are skipped);
+  * routing indices are ``(B, T, L, k)`` long, ``-1`` meaning "no routing recorded"
+    (e.g. the last sampled token, which never went through the model);
+  * router log-probs are ``(B, T, L, E)`` float32 ``log_softmax(router_logits)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "RoutingTrace", "capture_routing", "expert_load", "find_routers", "is_moe",
+    "moe_metrics", "replay_routing", "router_shift", "routing_volatility",
+]
+
+
+# ----------------------------------------------------------------------------- discovery
+def _is_router(module: nn.Module) -> bool:
+    """A top-k router by duck typing: the attributes every HF (>= 5) MoE router carries."""
+    top_k, num_experts = getattr(module, "top_k", None), getattr(module, "num_experts", None)
+    # The sparse MoE block of some models also has top_k/num_experts, but no `weight`;
+    # the experts module has num_experts but no top_k.
+    return (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts
+            and isinstance(getattr(module, "weight", None), torch.Tensor))
+
+
+def find_routers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE routers in layer order (module registration order); [] for dense models."""
+    return [m for _, m in model.named_modules() if _is_router(m)]
+
+
+def is_moe(model: nn.Module) -> bool:
+    """True when the model has at least one top-k router."""
+    return bool(find_routers(model))
+
+
+def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not (isinstance(output, (tuple, list)) and len(output) == 3):
+        raise TypeError(f"{type(router).__name__} looks like a router but does not return "
+                        "(logits, scores, indices); routing capture/replay cannot wrap it")
+    return output[0], output[1], output[2]
+
+
+# ----------------------------------------------------------------------------- capture
+class RoutingTrace:
+    """Routing recorded by :func:`capture_routing`, one entry per router per forward call.
+
+    Calls may differ in N (prefill ``B*P`` rows, then decode steps of ``B*1``); the
+    accessors reshape each call to ``(B, N/B, ...)`` and concatenate calls along T.
+    """
+
+    def __init__(self, num_layers: int, record_logprobs: bool, device: torch.device | str | None):
+        self._idx: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._lp: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.record_logprobs = record_logprobs
+        self.device = device
+
+    def _record(self, layer: int, indices: torch.Tensor, logits: torch.Tensor) -> None:
+        k = indices.shape[-1]
+        self._idx[layer].append(indices.detach().reshape(-1, k).to(self.device, torch.long))
+        if self.record_logprobs:
+            lp = F.log_softmax(logits.detach().float().reshape(-1, logits.shape[-1]), dim=-1)
+            self._lp[layer].append(lp.to(self.device))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._idx)
+
+    @property
+    def num_calls(self) -> int:
+        """Number of complete forward calls recorded."""
+        counts = {len(calls) for calls in self._idx}
+        if len(counts) > 1:  # a crashed forward, or checkpoint recomputation inside the context
+            raise RuntimeError(f"routers recorded unequal numbers of calls: {sorted(counts)}")
+        return counts.pop() if counts else 0
+
+    def clear(self) -> None:
+        for calls in (*self._idx, *self._lp):
+            calls.clear()
+
+    def _assemble(self, per_layer: list[list[torch.Tensor]], batch_size: int,
+                  length: int | None, pad: float) -> torch.Tensor:
+        chunks = []
+        for c in range(self.num_calls):
+            rows = torch.stack([calls[c] for calls in per_layer], dim=1)  # (N, L, *)
+            if rows.shape[0] % batch_size:
+                raise ValueError(f"call {c} routed {rows.shape[0]} rows, not a multiple of B={batch_size}")
+            chunks.append(rows.view(batch_size, -1, *rows.shape[1:]))
+        if not chunks:
+            raise RuntimeError("no forward pass was recorded")
+        out = torch.cat(chunks, dim=1)
+        if length is not None:
+            if length < out.shape[1]:
+                raise ValueError(f"length={length} is shorter than the {out.shape[1]} recorded positions")
+            out = F.pad(out.movedim(1, -1), (0, length - out.shape[1]), value=pad).movedim(-1, 1)
+        return out
+
+    def indices(self, batch_size: int, length: int | None = None) -> torch.Tensor:
+        """(B, T, L, k) expert indices the experts used; positions past T padded with -1 up to length."""
+        return self._assemble(self._idx, batch_size, length, -1)
+
+    def logprobs(self, batch_size: int, length: int | None = None) -> torch.Tensor:
+        """(B, T, L, E) float32 log-softmax of the live router logits; padding is 0."""
+        if not self.record_logprobs:
+            raise RuntimeError("trace was captured with logprobs=False")
+        return self._assemble(self._lp, batch_size, length, 0.0)
+
+    def live_indices(self, batch_size: int, length: int | None = None) -> torch.Tensor:
+        """(B, T, L, k) top-k of the recorded log-probs: what the router itself would pick.
+
+        Equals :meth:`indices` without replay (for softmax-top-k routers); under replay it
+        gives the live routing needed for ``moe/routing_volatility``.
+        """
+        k = self.indices(batch_size).shape[-1]
+        live = self.logprobs(batch_size).topk(k, dim=-1).indices
+        if length is not None:
+            live = F.pad(live.movedim(1, -1), (0, length - live.shape[1]), value=-1).movedim(-1, 1)
+        return live
+
+    def batch(self, batch_size: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices (B, T, L, k), logprobs (B, T, L, E))."""
+        return self.indices(batch_size, length), self.logprobs(batch_size, length)
+
+
+@contextlib.contextmanager
+def capture_routing(model: nn.Module, logprobs: bool = True,
+                    device: torch.device | str | None = None) -> Iterator[RoutingTrace]:
+    """Record every router's routing for all forward passes run inside the context.
+
+    ``logprobs=False`` skips the (N, E) log-probs (they dominate memory on wide MoEs);
+    ``device="cpu"`` offloads the records. Run backward (and so gradient-checkpoint
+    recomputation) outside the context, or recomputed calls are recorded too.
+    """
+    routers = find_routers(model)
+    trace = RoutingTrace(len(routers), logprobs, device)
+
+    def make_hook(layer: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            logits, _, indices = _unpack(output, module)
+            trace._record(layer, indices, logits)
+        return hook
+
+    handles = [r.register_forward_hook(make_hook(l)) for l, r in enumerate(routers)]
+    try:
+        yield trace
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------- replay
+@torch.no_grad()  # a check only: saving tensors here would break checkpoint recomputation
+def _renormalises(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor,
+                  indices: torch.Tensor) -> bool:
+    """Whether the router's scores are softmax(logits) at the top-k renormalised to sum 1.
+
+    Checked against the router's own output so that we never silently replay a router
+    with another scoring rule (e.g. DeepSeek-V3's sigmoid + bias): softmax-at-top-k,
+    top-k softmax (GPT-OSS, Granite) and renormalised softmax are the same thing.
+    """
+    p = F.softmax(logits.float(), dim=-1).gather(-1, indices.long())
+    tol = 1e-4 if scores.dtype in (torch.float32, torch.float64) else 2e-2
+    raw_ok = torch.allclose(scores.float(), p, atol=tol)
+    norm_ok = torch.allclose(scores.float(), p / p.sum(-1, keepdim=True), atol=tol)
+    declared = getattr(router, "norm_topk_prob", None)
+    if isinstance(declared, bool) and (norm_ok if declared else raw_ok):
+        return declared
+    if norm_ok or raw_ok:
+        return norm_ok
+    raise RuntimeError(f"{type(router).__name__}: scores are not a softmax of the logits at the top-k; "
+                       "routing replay does not support this router")
+
+
+@contextlib.contextmanager
+def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
+    """Force each router's experts to ``indices`` (B, T, L, k) for forward passes inside.
+
+    The forward done inside must route exactly ``B*T`` rows per router (same (B, T) as
+    ``indices``); it may run several times. With gradient checkpointing, run backward
+    inside the context too: the recomputed forward must see the same forced experts.
+    Rows whose k entries contain a -1 keep the live routing. Forced experts get live
+    weights, softmax(live logits) gathered at the forced experts (renormalised when the
+    router renormalises), so the router weight still gets gradient; the live logits are
+    returned unchanged, so ``output_router_logits`` and the aux loss still work (the aux
+    loss re-derives top-k from those logits: it balances the live, not the forced routing).
+    """
+    routers = find_routers(model)
+    if indices.dim() != 4 or indices.shape[2] != len(routers):
+        raise ValueError(f"indices must be (B, T, L={len(routers)}, k), got {tuple(indices.shape)}")
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool:
+        raise TypeError(f"indices must be an integer tensor, got {indices.dtype}")
+    B, T, _, k = indices.shape
+    for r in routers:
+        if r.top_k != k:
+            raise ValueError(f"indices have k={k} but a router has top_k={r.top_k}")
+    if indices.numel() and int(indices.max()) >= min(r.num_experts for r in routers):
+        raise ValueError("indices contain an expert id >= num_experts")
+    # (B, T, L, k) -> per layer (B*T, k), row-major like the MoE block's view(-1, H).
+    forced = [indices[:, :, l, :].reshape(B * T, k) for l in range(len(routers))]
+    normalise: dict[int, bool] = {}  # resolved once per layer, on the first non-empty call
+
+    def make_hook(layer: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> tuple:
+            logits, scores, live = _unpack(output, module)
+            shape = live.shape
+            live = live.reshape(-1, k)
+            if live.shape[0] != B * T:
+                raise ValueError(f"replay_routing got {live.shape[0]} rows at router {layer}, "
+                                 f"expected B*T = {B}*{T} from the replayed indices")
+            if layer not in normalise and live.shape[0]:
+                normalise[layer] = _renormalises(module, logits.reshape(-1, logits.shape[-1]),
+                                                 scores.reshape(-1, k), live)
+            want = forced[layer].to(live.device)
+            keep_live = (want < 0).any(-1, keepdim=True)
+            idx = torch.where(keep_live, live, want.to(live.dtype))
+            # Live router probabilities at the forced experts: the gradient path to the router.
+            w = F.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1).gather(-1, idx.long())
+            if normalise.get(layer, True):
+                w = w / w.sum(-1, keepdim=True)
+            w = torch.where(keep_live, scores.reshape(-1, k), w.to(scores.dtype))
+            return type(output)((logits, w.reshape(scores.shape), idx.reshape(shape)))
+        return hook
+
+    # prepend: run before capture hooks (and HF's own output recorders) on the same router.
+    handles = [r.register_forward_hook(make_hook(l), prepend=True) for l, r in enumerate(routers)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------- statistics
+def _valid_rows(idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T, L) bool: token in mask and a full routing recorded (no -1) for that layer."""
+    return mask.bool()[..., None] & (idx >= 0).all(-1)
+
+
+@torch.no_grad()
+def routing_volatility(old_idx: torch.Tensor, new_idx: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[float, list[float]]:
+    """Fraction of old (token, layer, slot) expert choices absent from the new top-k set.
+
+    old_idx, new_idx: (B, T, L, k); mask: (B, T). Compared as sets per token and layer
+    (slot order does not matter). Returns (overall, per-layer); 0 where nothing is valid.
+    """
+    valid = (_valid_rows(old_idx, mask) & _valid_rows(new_idx, mask)).float()  # (B, T, L)
+    moved = ~(old_idx[..., :, None] == new_idx[..., None, :]).any(-1)  # (B, T, L, k)
+    changed = (moved.float().sum(-1) * valid).flatten(0, 1).sum(0)  # (L,)
+    slots = valid.flatten(0, 1).sum(0) * old_idx.shape[-1]  # (L,)
+    per_layer = (changed / slots.clamp_min(1)).tolist()
+    return float(changed.sum() / slots.sum().clamp_min(1)), per_layer
+
+
+@torch.no_grad()
+def router_shift(old_logprobs: torch.Tensor, new_logprobs: torch.Tensor, old_idx: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """RSPO-style router-shift factor per token, and its masked mean (1 = no shift).
+
+    Per token: geometric mean over layers of mean_{e in old top-k} exp(-|log p_new(e) -
+    log p_old(e)|). Log-probs (B, T, L, E), old_idx (B, T, L, k), mask (B, T). Layers
+    without recorded routing (-1) are left out; masked-out tokens get 1.
+    """
+    valid = _valid_rows(old_idx, mask)  # (B, T, L)
+    at = old_idx.clamp_min(0)
+    gap = (new_logprobs.float().gather(-1, at) - old_logprobs.float().gather(-1, at)).abs()
+    log_layer = torch.exp(-gap).mean(-1).log()  # (B, T, L)
+    n_layers = valid.sum(-1)
+    log_tok = torch.where(valid, log_layer, 0.0).sum(-1) / n_layers.clamp_min(1)
+    per_token = torch.where(n_layers > 0, log_tok.exp(), 1.0)
+    counted = n_layers > 0
+    mean = float(per_token[counted].mean()) if counted.any() else 1.0
+    return per_token, mean
+
+
+@torch.no_grad()
+def expert_load(idx: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(L, E) share of routed (token, slot) pairs per expert per layer; rows sum to 1 (or 0 if empty)."""
+    valid = _valid_rows(idx, mask)  # (B, T, L)
+    L = idx.shape[2]
+    flat = idx.clamp_min(0).movedim(2, 0).reshape(L, -1)  # (L, B*T*k)
+    weight = valid.movedim(2, 0).reshape(L, -1, 1).expand(-1, -1, idx.shape[-1]).reshape(L, -1)
+    counts = torch.zeros(L, num_experts, device=idx.device).scatter_add_(1, flat, weight.float())
+    return counts / counts.sum(-1, keepdim=True).clamp_min(1)
+
+
+@torch.no_grad()
+def moe_metrics(old_idx: torch.Tensor, new_idx: torch.Tensor, old_logprobs: torch.Tensor,
+                new_logprobs: torch.Tensor, mask: torch.Tensor, num_experts: int) -> dict[str, float]:
+    """Routing diagnostics between the old (rollout) and new (updated) policy on the same tokens.
+
+    new_idx must be the *live* routing of the new policy (under replay use
+    ``RoutingTrace.live_indices``, else volatility is 0 by construction). Expert load is
+    measured on new_idx.
+    """
+    vol, vol_layers = routing_volatility(old_idx, new_idx, mask)
+    _, shift = router_shift(old_logprobs, new_logprobs, old_idx, mask)
+    load = expert_load(new_idx, mask, num_experts)  # (L, E)
+    # Normalised entropy: 1 = perfectly balanced, 0 = one expert takes everything.
+    entropy = -torch.xlogy(load, load).sum(-1) / math.log(num_experts) if num_experts > 1 \
+        else torch.ones(load.shape[0])
+    out = {"moe/routing_volatility": vol, "moe/router_shift": shift,
+           "moe/expert_load_max": float(load.max()) if load.numel() else 0.0,
+           "moe/expert_load_entropy": float(entropy.mean()) if load.numel() else 0.0}
+    out.update({f"moe/routing_volatility/layer_{i}": v for i, v in enumerate(vol_layers)})
+    for i, row in enumerate(load.tolist()):
+        out.update({f"moe/expert_load/layer_{i}/expert_{j}": v for j, v in enumerate(row)})
+    return out

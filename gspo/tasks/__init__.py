@@ -1,0 +1,65 @@
+"""Tasks with verifiable answers: prompt generators, reference solutions, verifiers.
+
+Every task splits its problem space into a training part and a held-out part by a
+stable hash of the problem, so training never samples a held-out problem, and the
+held-out evaluation set is the same for every run, seed and algorithm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from gspo.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str  # what the model is given
+    answer: str  # a reference solution (warm-start target; the verifier may accept others)
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    correct: bool  # the completion solves the problem
+    well_formed: bool  # the completion has the expected form (TinyZero's format reward)
+
+
+class Task(Protocol):
+    name: str
+    alphabet: str  # every character prompts and answers may contain
+
+    def sample_train(self, rng: random.Random, n: int) -> list[Problem]: ...
+    def eval_set(self, n: int) -> list[Problem]: ...
+    def verify(self, completion: str, problem: Problem) -> Verdict: ...
+
+
+def is_heldout(key: str, fraction: float) -> bool:
+    """Stable membership of a problem in the held-out split (independent of seeds and processes)."""
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    return (h % 1_000_000) < fraction * 1_000_000
+
+
+TASKS: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str) -> Callable:
+    def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
+        if name in TASKS:
+            raise ValueError(f"task {name!r} registered twice")
+        TASKS[name] = factory
+        return factory
+
+    return deco
+
+
+def build_task(cfg) -> Task:
+    """Build the task named by `cfg.name` from its config node."""
+    from gspo.tasks import arithmetic, jsonl  # noqa: F401  (registers the tasks)
+
+    if cfg.name not in TASKS:
+        raise ConfigError(f"task={cfg.name}: no such task. Valid: {', '.join(sorted(TASKS))}")
+    return TASKS[cfg.name](cfg)

@@ -1,0 +1,294 @@
+"""gspo compare on synthetic run directories written here (no training)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from gspo.compare import (
+    CompareError,
+    Run,
+    aggregate,
+    compare,
+    detect_collapse,
+    load_runs,
+    print_report,
+)
+
+BASE_CFG = {
+    "algo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.2},
+    "model": {"name": "tiny-moe", "hidden_size": 64, "attn_implementation": "sdpa"},
+    "task": {"name": "addition", "digits": 2},
+    "reward": {"name": "tinyzero"},
+    "rollout": {"group_size": 8, "prompts_per_step": 16, "max_new_tokens": 8, "temperature": 1.0},
+    "train": {"steps": 20, "minibatches": 4, "lr": 1e-3},
+    "hardware": {"name": "cpu", "device": "cpu"},
+    "logger": {"name": "jsonl", "wandb": False},
+    "seed": 0,
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and key in out else value
+    return out
+
+
+def write_run(path: Path, cfg: dict | None = None, lines: list[dict] | None = None,
+              summary: dict | None = None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / ".hydra").mkdir(exist_ok=True)
+    (path / ".hydra" / "config.yaml").write_text("not: the one we read\n")
+    if cfg is not None:
+        OmegaConf.save(OmegaConf.create(cfg), path / "config.yaml")
+    if lines is not None:
+        (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def make_run(path: Path, algo="grpo", seed=0, steps=20, rewards=None, acc=None, cfg=None,
+             extra=None, finished=True) -> Path:
+    """Reward per step 1..steps; eval/accuracy as {step: value}; `extra` adds metrics to every step."""
+    rewards = rewards if rewards is not None else [0.1 + 0.02 * t for t in range(steps)]
+    acc = acc if acc is not None else {0: 0.3, steps: 0.5}
+    lines = [{"step": 0, "eval/accuracy": acc[0]}]
+    for t, r in enumerate(rewards, start=1):
+        line = {"step": t, "reward/mean": r, "train/loss": 0.1, "clip/frac": 0.01,
+                "clip/frac_low": 0.004, "clip/frac_high": 0.006, "kl/old": 1e-3,
+                "policy/entropy": 1.0, "response/len_mean": 5.0, "time/step_s": 0.5, **(extra or {})}
+        if t in acc:
+            line["eval/accuracy"] = acc[t]
+        lines.append(line)
+    config = merge(merge(BASE_CFG, {"algo": {"name": algo}, "seed": seed}), cfg or {})
+    summary = {"status": "finished", "wall_s": 10.0} if finished else None
+    return write_run(path, config, lines, summary)
+
+
+def sweep(tmp_path: Path) -> Path:
+    """grpo seeds 0,1,2 and gspo seeds 0,1 as Hydra multirun job dirs."""
+    root = tmp_path / "multirun" / "12-00-00"
+    root.mkdir(parents=True)
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    specs = [("grpo", 0, 0.1, 0.5), ("grpo", 1, 0.2, 0.6), ("grpo", 2, 0.6, 0.7),
+             ("gspo", 0, 0.3, 0.8), ("gspo", 1, 0.5, 0.9)]
+    for job, (algo, seed, r1, final) in enumerate(specs):
+        rewards = [r1] + [0.5] * 19
+        make_run(root / str(job), algo, seed, rewards=rewards, acc={0: 0.3, 10: 0.4, 20: final},
+                 cfg={"algo": {"eps_low": 3e-4 if algo == "gspo" else 0.2}},
+                 extra={"moe/routing_volatility": 0.1} if algo == "gspo" else None)
+    return root
+
+
+def test_groups_by_algo_and_aggregates_seeds(tmp_path):
+    root = sweep(tmp_path)
+    result = compare([root], plot=False)
+    assert result.by == "algo.name"
+    assert [g.label for g in result.groups] == ["grpo", "gspo"]
+    grpo, gspo = result.rows
+    assert grpo["runs"] == 3 and grpo["seeds"] == [0, 1, 2] and gspo["runs"] == 2
+    # step 1 rewards 0.1, 0.2, 0.6: mean 0.3, sample std sqrt((0.04 + 0.01 + 0.09) / 2)
+    curve = result.groups[0].curve("reward/mean")
+    assert curve.mean[0] == pytest.approx(0.3) and curve.std[0] == pytest.approx(math.sqrt(0.07))
+    assert curve.n[0] == 3 and curve.std[-1] == pytest.approx(0.0)
+    # final eval/accuracy 0.5, 0.6, 0.7 -> 0.6 ± 0.1; best = final here; base 0.3 ± 0
+    assert (grpo["final_acc"].mean, grpo["final_acc"].std) == pytest.approx((0.6, 0.1))
+    assert grpo["best_acc"].mean == pytest.approx(0.6)
+    assert (gspo["final_acc"].mean, gspo["final_acc"].std) == pytest.approx((0.85, math.sqrt(0.005)))
+    assert grpo["base_acc"].mean == pytest.approx(0.3) and grpo["base_acc"].std == pytest.approx(0.0)
+    assert grpo["clip_frac"].mean == pytest.approx(0.01) and grpo["step_s"].mean == pytest.approx(0.5)
+    assert grpo["routing_volatility"].mean is None and gspo["routing_volatility"].mean == pytest.approx(0.1)
+    assert grpo["final_reward"].mean == pytest.approx(0.5)
+    assert grpo["collapsed"] == 0 and result.broken == [] and result.warnings == []
+    assert result.out_dir == root / "compare"
+    md = (root / "compare" / "compare.md").read_text()
+    assert "| grpo | 3 | 20 | 0.300±0.000 | 0.600±0.100 |" in md and "| — |" in md
+    assert json.loads((root / "compare" / "compare.json").read_text())["rows"][1]["runs"] == 2
+    # `--by algo` is `algo.name`
+    assert [g.label for g in compare([root], by="algo.name", plot=False).groups] == ["grpo", "gspo"]
+
+
+def test_groups_by_any_dotted_key(tmp_path):
+    root = sweep(tmp_path)
+    result = compare([root], by="algo.eps_low", plot=False)
+    assert [g.label for g in result.groups] == ["eps_low=0.0003", "eps_low=0.2"]  # numeric order
+    assert [r["runs"] for r in result.rows] == [2, 3]
+    by_seed = compare([root], by="seed", plot=False)
+    assert [g.label for g in by_seed.groups] == ["seed=0", "seed=1", "seed=2"]
+    # the seed groups mix algorithms: say so
+    assert any("group seed=0 mixes runs that differ in algo.eps_low" in w for w in by_seed.warnings)
+
+
+def test_steps_to_target(tmp_path):
+    root = sweep(tmp_path)
+    result = compare([root], plot=False)
+    # base 0.3; best group-mean accuracy is gspo's 0.85 at step 20 -> target 0.3 + 0.5 * 0.55 = 0.575
+    assert result.target == pytest.approx(0.575)
+    grpo, gspo = result.rows
+    # grpo finals 0.5, 0.6, 0.7 -> seeds 1 and 2 reach it at step 20; gspo both at step 20
+    assert grpo["steps_to_target"].n == 2 and grpo["steps_to_target"].mean == pytest.approx(20)
+    assert gspo["steps_to_target"].n == 2
+    explicit = compare([root], threshold=0.4, plot=False)
+    assert explicit.target == 0.4
+    assert explicit.rows[0]["steps_to_target"].mean == pytest.approx(10)  # step-10 eval is 0.4
+    assert "10±0 (3/3)" in (root / "compare" / "compare.md").read_text()
+
+
+def series_run(rewards, loss=None) -> Run:
+    steps = np.arange(1, len(rewards) + 1)
+    metrics = {"reward/mean": (steps, np.asarray(rewards, dtype=float))}
+    if loss is not None:
+        metrics["train/loss"] = (steps, np.asarray(loss, dtype=float))
+    return Run(Path("x"), {}, metrics)
+
+
+def test_collapse_flag():
+    rise = list(np.linspace(0.2, 0.8, 50))
+    collapsed = series_run(rise + [0.05] * 50)
+    reason, step = detect_collapse(collapsed)
+    assert reason is not None and "did not recover" in reason
+    assert 50 < step <= 60  # the moving average (window 10) crosses the half-way level soon after
+    recovered = series_run(rise + [0.1] * 20 + [0.8] * 30)
+    assert detect_collapse(recovered) == (None, None)
+    steady = series_run(rise + [0.8] * 50)
+    assert detect_collapse(steady) == (None, None)
+    nan_reward = series_run(rise[:10] + [float("nan")] + rise[10:])
+    assert detect_collapse(nan_reward) == ("non-finite reward/mean at step 11", 11)
+    inf_loss = series_run(rise, loss=[0.1] * 30 + [float("inf")] * 20)
+    assert detect_collapse(inf_loss)[1] == 31
+    assert detect_collapse(series_run([0.5, 0.0, 0.0])) == (None, None)  # too short to judge
+    assert detect_collapse(series_run([0.0] * 40)) == (None, None)  # flat at zero: no learning, no collapse
+    # a drop in the last few steps only (shorter than the window) is not yet a collapse
+    assert detect_collapse(series_run(rise + [0.8] * 45 + [0.0] * 5)) == (None, None)
+
+
+def test_collapsed_runs_are_counted(tmp_path):
+    root = tmp_path / "s"
+    rise = list(np.linspace(0.2, 0.8, 10))
+    make_run(root / "0", "grpo", 0, rewards=rise + [0.0] * 10)
+    make_run(root / "1", "grpo", 1, rewards=rise[:5] + [float("nan")] * 15)
+    make_run(root / "2", "grpo", 2, rewards=rise + [0.1] * 4 + [0.8] * 6)
+    result = compare([root], plot=False)
+    assert result.rows[0]["collapsed"] == 2
+    assert "2/3" in (root / "compare" / "compare.md").read_text()
+    assert [r.collapse is not None for r in result.groups[0].runs] == [True, True, False]
+    # non-finite values are left out of the mean: step 6 averages seeds 0 and 2 only
+    curve = result.groups[0].curve("reward/mean")
+    assert curve.n[5] == 2 and curve.mean[5] == pytest.approx(rise[5])
+
+
+def test_broken_run_dirs_are_listed_and_skipped(tmp_path):
+    root = tmp_path / "s"
+    make_run(root / "0", "grpo", 0)
+    write_run(root / "1", BASE_CFG, lines=[])  # empty metrics
+    (root / "1" / "metrics.jsonl").write_text("")
+    write_run(root / "2", None, [{"step": 0, "eval/accuracy": 0.3}])  # no config
+    write_run(root / "3", BASE_CFG)  # no metrics
+    write_run(root / "4", BASE_CFG)
+    (root / "4" / "metrics.jsonl").write_text("garbage\n{\"step\": 1}\n")
+    write_run(root / "5")  # .hydra only: job started, nothing else yet
+    make_run(root / "6", "grpo", 1)
+    with (root / "6" / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 21, "reward/m')  # cut short by a crash: ignored with a note
+    (root / "7" / "wandb").mkdir(parents=True)  # not run-like: not listed
+    runs, broken = load_runs([root])
+    assert [r.path.name for r in runs] == ["0", "6"]
+    reasons = {b.path.name: b.reason for b in broken}
+    assert set(reasons) == {"1", "2", "3", "4", "5"}
+    assert "empty" in reasons["1"] and "config.yaml" in reasons["2"] and "metrics.jsonl" in reasons["3"]
+    assert "line 1" in reasons["4"] and "not started" in reasons["5"]
+    result = compare([root], plot=False)
+    assert len(result.broken) == 5 and result.rows[0]["runs"] == 2
+    assert any("unreadable last line" in w for w in result.warnings)
+    with pytest.raises(CompareError, match="does not exist"):
+        compare([tmp_path / "nope"])
+    with pytest.raises(CompareError, match="no readable run"):
+        compare([root / "1", root / "3"])
+
+
+def test_partial_runs(tmp_path):
+    root = tmp_path / "s"
+    make_run(root / "0", "gspo", 0, rewards=[0.2] * 20)
+    make_run(root / "1", "gspo", 1, rewards=[0.4] * 8, acc={0: 0.3, 5: 0.35}, finished=False)
+    result = compare([root], plot=False)
+    curve = result.groups[0].curve("reward/mean")
+    assert list(curve.n[:8]) == [2] * 8 and list(curve.n[8:]) == [1] * 12
+    assert curve.mean[0] == pytest.approx(0.3) and curve.mean[-1] == pytest.approx(0.2)
+    row = result.rows[0]
+    assert (row["steps_min"], row["steps_max"], row["partial"]) == (8, 20, 1)
+    assert (row["final_acc"].mean) == pytest.approx((0.5 + 0.35) / 2)
+    assert any("partial" in w for w in result.warnings)
+    assert "8–20 (1 partial)" in (root / "compare" / "compare.md").read_text()
+
+
+def test_incomparable_runs_warn(tmp_path):
+    root = tmp_path / "s"
+    make_run(root / "0", "grpo", 0)
+    make_run(root / "1", "gspo", 0, cfg={"rollout": {"group_size": 4}, "model": {"hidden_size": 128,
+                                                                                   "attn_implementation": "eager"}})
+    make_run(root / "2", "gspo", 1, cfg={"rollout": {"group_size": 4}, "train": {"lr": 3e-4}})
+    result = compare([root], plot=False)
+    [warning] = [w for w in result.warnings if "NOT comparable" in w]
+    assert "rollout.group_size (8 ×1, 4 ×2)" in warning or "rollout.group_size (4 ×2, 8 ×1)" in warning
+    assert "model.hidden_size" in warning and "attn_implementation" not in warning
+    assert any(w.startswith("group gspo mixes runs that differ in model.hidden_size") is False
+               and "train.lr" in w for w in result.warnings)
+    # grouping by the differing key itself is not a warning about that key
+    by_g = compare([root], by="rollout.group_size", plot=False)
+    assert not any("rollout.group_size (" in w for w in by_g.warnings)
+
+
+def test_step0_eval_mismatch_warns(tmp_path):
+    root = tmp_path / "s"
+    make_run(root / "0", "grpo", 0, acc={0: 0.3, 20: 0.5})
+    make_run(root / "1", "gspo", 0, acc={0: 0.4, 20: 0.5})
+    assert any("step-0 eval/accuracy differs" in w for w in compare([root], plot=False).warnings)
+
+
+def test_figures_and_report(tmp_path):
+    root = sweep(tmp_path)
+    make_run(root / "9", "grpo", 3, rewards=list(np.linspace(0.2, 0.8, 10)) + [0.0] * 10)  # collapsed seed
+    out = tmp_path / "out"
+    result = compare([root], out=out)
+    assert [p.name for p in result.figures] == ["compare.png", "compare.svg"]
+    assert all(p.stat().st_size > 1000 for p in result.figures)
+    assert (out / "compare.md").exists() and "![comparison](compare.png)" in (out / "compare.md").read_text()
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    print_report(result, console)
+    text = console.export_text()
+    assert "grpo" in text and "gspo" in text and "collapsed" in text and "compare.png" in text
+    # a single run dir works too, clip fractions all zero (symlog keeps 0 visible)
+    single = make_run(tmp_path / "one", "gspo", 0, extra={"clip/frac": 0.0, "clip/frac_low": 0.0,
+                                                         "clip/frac_high": 0.0})
+    assert compare(single).out_dir == single / "compare"
+
+
+def test_aggregate_aligns_steps():
+    a = Run(Path("a"), {}, {"m": (np.array([0, 2, 4]), np.array([1.0, 2.0, 3.0]))})
+    b = Run(Path("b"), {}, {"m": (np.array([2, 3]), np.array([4.0, 5.0]))})
+    curve = aggregate([a, b], "m")
+    assert list(curve.steps) == [0, 2, 3, 4]
+    assert list(curve.mean) == [1.0, 3.0, 5.0, 3.0] and list(curve.n) == [1, 2, 1, 1]
+    assert curve.std[1] == pytest.approx(math.sqrt(2.0)) and curve.std[0] == 0.0
+    assert aggregate([a, b], "missing") is None
+
+
+def test_target_undefined_without_improvement(tmp_path):
+    root = tmp_path / "s"
+    make_run(root / "0", "grpo", 0, acc={0: 0.5, 20: 0.4})
+    make_run(root / "1", "gspo", 0, acc={0: 0.5, 20: 0.5})
+    result = compare([root], plot=False)
+    assert result.target is None and "undefined" in result.target_note
+    assert "| grpo | 1 | 20 | 0.500 | 0.400 | 0.500 | — |" in result.table_path.read_text()
+    # a group node stands for its name: `--by model` groups by model.name
+    assert [g.label for g in compare([root], by="model", plot=False).groups] == ["model=tiny-moe"]

@@ -1,0 +1,465 @@
+"""The policy losses, checked against the papers' equations.
+
+Reference values come from hand-worked numbers or from straight-line formulas
+written here with per-token Python loops (never the vectorised implementation),
+on small batches with unequal lengths and garbage in the padding. Values AND
+gradients (torch.autograd.grad) are compared.
+"""
+
+import math
+
+import pytest
+import torch
+
+from gspo.kl import kl_penalty
+from gspo.losses import aggregate, policy_loss, register_loss
+
+F64 = torch.float64
+LENGTHS = [4, 2, 3]  # unequal completion lengths; T = 5 leaves padding on every row
+B, T = len(LENGTHS), 5
+
+
+def make_batch(seed=0, noise=0.3, adv=(0.9, -1.3, 0.4)):
+    """logp (leaf, grad), old_logp, mask, advantages; padding holds -inf (log 0): -inf - -inf = nan."""
+    g = torch.Generator().manual_seed(seed)
+    old = -0.1 - 2.0 * torch.rand(B, T, generator=g, dtype=F64)
+    logp = old + noise * torch.randn(B, T, generator=g, dtype=F64)
+    mask = torch.zeros(B, T, dtype=F64)
+    for i, L in enumerate(LENGTHS):
+        mask[i, :L] = 1.0
+    logp[mask == 0] = -math.inf  # nan d_t if padding leaked into any sum
+    old[mask == 0] = -math.inf
+    return logp.requires_grad_(), old, mask, torch.tensor(adv, dtype=F64)
+
+
+def clip(x, lo, hi):
+    return max(min(x, hi), lo)  # python min/max on 0-dim tensors: the gradient follows the pick
+
+
+def ppo(w, a, el, eh, c=None):
+    j = min(w * a, clip(w, 1 - el, 1 + eh) * a)
+    if c is not None and a < 0:
+        j = max(j, c * a)
+    return j
+
+
+def reduce_loops(objs, agg, max_tokens=None):
+    """objs: list (per sequence) of lists (per token) of objectives -> scalar loss = -aggregate."""
+    if agg == "seq_mean_token_mean":
+        return -sum(sum(o) / len(o) for o in objs) / len(objs)
+    if agg == "token_mean":
+        return -sum(sum(o) for o in objs) / sum(len(o) for o in objs)
+    if agg == "seq_mean_token_sum_norm":
+        return -sum(sum(o) for o in objs) / (len(objs) * max_tokens)
+    raise AssertionError(agg)
+
+
+def reference(name, logp, old, adv, el=0.2, eh=0.2, agg=None, max_tokens=None, c=None,
+              tau_pos=1.0, tau_neg=1.05, rs=None, floor=0.0):
+    """Straight-line per-token formulas of each paper; adv is (B,) or (B, T)."""
+    def A(i, t):
+        return adv[i] if adv.dim() == 1 else adv[i, t]
+
+    objs = []
+    for i, L in enumerate(LENGTHS):
+        d = [logp[i, t] - old[i, t] for t in range(L)]
+        if name in ("grpo", "dapo", "dr_grpo", "rspo"):
+            fac = [1.0] * L if rs is None else [max(float(rs[i, t]), floor) for t in range(L)]
+            o = [ppo(torch.exp(d[t]) * fac[t], A(i, t), el, eh, c) for t in range(L)]
+        elif name == "gspo":
+            s = torch.exp(sum(d) / L)
+            o = [ppo(s, A(i, t), el, eh, c) for t in range(L)]
+        elif name == "gspo_token":
+            s = torch.exp(sum(x.detach() for x in d) / L)
+            o = [ppo(s * torch.exp(logp[i, t] - logp[i, t].detach()), A(i, t), el, eh, c) for t in range(L)]
+        elif name == "gmpo":
+            a = sum(A(i, t) for t in range(L)) / L
+            if a > 0:
+                dm = [min(x, clip(x, -el, eh)) for x in d]
+            elif a < 0:
+                dm = [max(x, clip(x, -el, eh)) for x in d]
+            else:
+                dm = [0.0 * x for x in d]
+            o = [torch.exp(sum(dm) / L) * a] * L
+        elif name == "cispo":
+            r_hat = [float(clip(torch.exp(d[t].detach()), 1 - el, 1 + eh)) for t in range(L)]  # sg(clip(r))
+            o = [r_hat[t] * A(i, t) * logp[i, t] for t in range(L)]
+        elif name == "sapo":
+            o = []
+            for t in range(L):
+                tau = tau_pos if A(i, t) > 0 else tau_neg
+                o.append(torch.sigmoid(tau * (torch.exp(d[t]) - 1)) * 4 / tau * A(i, t))
+        elif name == "nll":
+            o = [A(i, t) * logp[i, t] for t in range(L)]
+        else:
+            raise AssertionError(name)
+        objs.append(o)
+    default = {"dapo": "token_mean", "cispo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
+    return reduce_loops(objs, agg or default.get(name, "seq_mean_token_mean"), max_tokens)
+
+
+def grad(loss, x):
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def check(name, seed=0, noise=0.3, adv=(0.9, -1.3, 0.4), **hyper):
+    logp, old, mask, a = make_batch(seed, noise, adv)
+    ours, stats = policy_loss(name, logp, old, a, mask, **hyper)
+    kw = {k: v for k, v in hyper.items() if k in ("agg", "max_tokens")}
+    kw.update(el=hyper.get("eps_low", 0.2), eh=hyper.get("eps_high", 0.2), c=hyper.get("clip_ratio_c"))
+    ref = reference(name, logp, old, a, **kw)
+    torch.testing.assert_close(ours, ref)
+    g = grad(ours, logp)
+    torch.testing.assert_close(g, grad(ref, logp))
+    assert torch.isfinite(g).all()
+    return stats
+
+
+# ---------------------------------------------------------------- registry and arguments
+
+
+def test_unknown_loss_lists_valid_names():
+    logp, old, mask, a = make_batch()
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'.*gspo.*sapo"):
+        policy_loss("ppo2", logp, old, a, mask)
+
+
+def test_unknown_hyper_is_type_error():
+    logp, old, mask, a = make_batch()
+    with pytest.raises(TypeError, match="epsilon"):
+        policy_loss("grpo", logp, old, a, mask, epsilon=0.2)
+
+
+def test_duplicate_registration_rejected():
+    with pytest.raises(ValueError, match="already registered"):
+        register_loss("grpo", agg="token_mean")(lambda *a: None)
+
+
+def test_bad_shapes_and_missing_max_tokens():
+    logp, old, mask, a = make_batch()
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss("grpo", logp, old, a[:2], mask)
+    with pytest.raises(ValueError, match="max_tokens"):
+        policy_loss("dr_grpo", logp, old, a, mask)
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def test_aggregation_modes_by_hand():
+    x = torch.tensor([[1.0, 2, 3, 4], [5, 6, 99, 99], [7, 7, 7, 7]])
+    m = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])  # the empty row counts only for Dr. GRPO
+    assert aggregate(x, m, "seq_mean_token_mean").item() == pytest.approx((2.5 + 5.5) / 2)
+    assert aggregate(x, m, "token_mean").item() == pytest.approx(21 / 6)
+    assert aggregate(x, m, "seq_mean_token_sum_norm", max_tokens=5).item() == pytest.approx(21 / (3 * 5))
+    with pytest.raises(ValueError, match="valid"):
+        aggregate(x, m, "sum")
+
+
+# ---------------------------------------------------------------- GRPO family, hand-worked
+
+
+def test_grpo_hand_worked():
+    # seq 0 (A=+1): w = [1.5, 0.5] -> min(1.5, 1.2)=1.2 (clipped high), min(0.5, 0.8)=0.5; mean 0.85
+    # seq 1 (A=-1): w = [0.5] -> min(-0.5, -0.8) = -0.8 (clipped low)
+    # loss = -(0.85 - 0.8) / 2 = -0.025; only seq 0 token 1 has gradient: -(1/2)(1/2)(w A) = -0.125
+    old = torch.zeros(2, 2, dtype=F64)
+    logp = torch.tensor([[math.log(1.5), math.log(0.5)], [math.log(0.5), 0.0]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=F64)
+    loss, st = policy_loss("grpo", logp, old, torch.tensor([1.0, -1.0], dtype=F64), mask)
+    assert loss.item() == pytest.approx(-0.025)
+    torch.testing.assert_close(grad(loss, logp), torch.tensor([[0.0, -0.125], [0.0, 0.0]], dtype=F64))
+    assert st["clip/frac_high"] == pytest.approx(1 / 3) and st["clip/frac_low"] == pytest.approx(1 / 3)
+    assert st["clip/frac"] == pytest.approx(2 / 3) and st["clip/seq_frac"] == 1.0
+    assert (st["policy/ratio_min"], st["policy/ratio_max"]) == pytest.approx((0.5, 1.5))
+    assert st["policy/ratio_mean"] == pytest.approx(2.5 / 3)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_token_ratio_losses_match_reference(seed):
+    st = check("grpo", seed)
+    assert 0 < st["clip/frac"] < 1  # both branches exercised
+    check("grpo", seed, eps_low=0.1, eps_high=0.3)
+    check("dapo", seed, eps_low=0.2, eps_high=0.28)
+    check("dr_grpo", seed, max_tokens=7)
+    check("grpo", seed, agg="token_mean")
+
+
+def test_dual_clip():
+    # A = -1, w = 5 > c = 3: PPO alone gives min(-5, -1.2) = -5 (loss 5, gradient 5);
+    # dual clip floors the objective at c A = -3: loss 3, no gradient
+    logp = torch.tensor([[math.log(5.0)]], dtype=F64, requires_grad=True)
+    old, mask, a = torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64), torch.tensor([-1.0], dtype=F64)
+    plain, _ = policy_loss("grpo", logp, old, a, mask)
+    assert plain.item() == pytest.approx(5.0) and grad(plain, logp).item() == pytest.approx(5.0)
+    dual, st = policy_loss("grpo", logp, old, a, mask, clip_ratio_c=3.0)
+    assert dual.item() == pytest.approx(3.0) and grad(dual, logp).item() == 0.0
+    assert st["clip/frac_dual"] == 1.0
+    check("grpo", 0, noise=1.5, clip_ratio_c=1.5)  # mixed batch against the reference
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss("grpo", logp, old, a, mask, clip_ratio_c=0.5)
+
+
+def test_dr_grpo_unchanged_when_padding_grows():
+    logp, old, mask, a = make_batch()
+    loss, _ = policy_loss("dr_grpo", logp, old, a, mask, max_tokens=8)
+    pad = 3
+    logp2 = torch.cat([logp.detach(), torch.full((B, pad), -math.inf, dtype=F64)], 1).requires_grad_()
+    old2 = torch.cat([old, torch.full((B, pad), -math.inf, dtype=F64)], 1)
+    mask2 = torch.cat([mask, torch.zeros(B, pad, dtype=F64)], 1)
+    loss2, _ = policy_loss("dr_grpo", logp2, old2, a, mask2, max_tokens=8)
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(grad(loss2, logp2)[:, :T], grad(loss, logp))
+
+
+# ---------------------------------------------------------------- GSPO
+
+
+@pytest.mark.parametrize("eps", [(0.2, 0.2), (0.05, 0.08), (3e-4, 4e-4)])
+def test_gspo_matches_reference(eps):
+    check("gspo", 0, eps_low=eps[0], eps_high=eps[1])
+    check("gspo_token", 0, eps_low=eps[0], eps_high=eps[1])
+
+
+def test_gspo_hand_worked_sequence_ratio():
+    # one sequence, d = [0.1, -0.3, 0.5]: s = exp(0.3/3) = e^0.1; A = 2; unclipped (eps 0.2)
+    # loss = -s A; d loss / d logp_t = -A s / |y| for every token
+    logp = torch.tensor([[0.1, -0.3, 0.5]], dtype=F64, requires_grad=True)
+    loss, st = policy_loss("gspo", logp, torch.zeros(1, 3, dtype=F64), torch.tensor([2.0], dtype=F64),
+                           torch.ones(1, 3, dtype=F64))
+    s = math.exp(0.1)
+    assert loss.item() == pytest.approx(-2 * s)
+    torch.testing.assert_close(grad(loss, logp), torch.full((1, 3), -2 * s / 3, dtype=F64))
+    assert st["policy/ratio_mean"] == pytest.approx(s) and st["clip/frac"] == 0.0
+
+
+def test_gspo_and_gspo_token_identical_with_sequence_advantages():
+    for eps in [(0.2, 0.2), (0.02, 0.02)]:
+        logp, old, mask, a = make_batch(3, noise=0.2)
+        l1, s1 = policy_loss("gspo", logp, old, a, mask, eps_low=eps[0], eps_high=eps[1])
+        l2, s2 = policy_loss("gspo_token", logp, old, a, mask, eps_low=eps[0], eps_high=eps[1])
+        torch.testing.assert_close(l1, l2)
+        torch.testing.assert_close(grad(l1, logp), grad(l2, logp))
+        assert s1 == pytest.approx(s2)
+
+
+def test_gspo_token_per_token_advantages():
+    logp, old, mask, _ = make_batch(1)
+    adv = torch.randn(B, T, generator=torch.Generator().manual_seed(5), dtype=F64)
+    ours, _ = policy_loss("gspo_token", logp, old, adv, mask, eps_low=0.05, eps_high=0.05)
+    ref = reference("gspo_token", logp, old, adv, el=0.05, eh=0.05)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grad(ours, logp), grad(ref, logp))
+
+
+def test_gspo_clipped_sequence_gets_no_gradient():
+    # seq 0: every d = +0.01 -> s = e^0.01 > 1 + 4e-4 with A > 0: clipped, whole sequence silent
+    # seq 1: every d = -0.01 -> s < 1 - 3e-4 with A < 0: clipped on the low side, silent
+    # seq 2: every d = -0.01 with A > 0: the ratio is out of range on the harmless side -> gradient flows
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=F64)
+    logp = (torch.tensor([[0.01] * 4, [-0.01] * 4, [-0.01] * 4], dtype=F64) * mask).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 1.0], dtype=F64)
+    for name in ("gspo", "gspo_token"):
+        loss, st = policy_loss(name, logp, torch.zeros(3, 4, dtype=F64), adv, mask, eps_low=3e-4, eps_high=4e-4)
+        g = grad(loss, logp)
+        assert (g[0] == 0).all() and (g[1] == 0).all() and (g[2] != 0).all()
+        # every token of a clipped sequence counts: 3 + 2 of 9 tokens, 2 of 3 sequences
+        assert st["clip/frac_high"] == pytest.approx(3 / 9) and st["clip/frac_low"] == pytest.approx(2 / 9)
+        assert st["clip/seq_frac"] == pytest.approx(2 / 3)
+
+
+def test_sequence_ratio_with_token_mean_warns():
+    logp, old, mask, a = make_batch()
+    for name in ("gspo", "gspo_token", "gmpo"):
+        with pytest.warns(UserWarning, match="weights each sequence by its length"):
+            policy_loss(name, logp, old, a, mask, agg="token_mean")
+
+
+# ---------------------------------------------------------------- GMPO, CISPO, SAPO, RSPO, NLL
+
+
+def test_gmpo_matches_reference_and_counts_log_clips():
+    st = check("gmpo", 0, noise=0.6, eps_low=0.4, eps_high=0.4)
+    # count by hand: tokens whose log-ratio crossed the bound on the advantage's side
+    logp, old, mask, a = make_batch(0, 0.6)
+    n_low = n_high = 0
+    for i, L in enumerate(LENGTHS):
+        for t in range(L):
+            d = float(logp[i, t].detach() - old[i, t])
+            n_high += a[i] > 0 and d > 0.4
+            n_low += a[i] < 0 and d < -0.4
+    assert n_low + n_high > 0
+    assert st["clip/frac_high"] == pytest.approx(n_high / 9) and st["clip/frac_low"] == pytest.approx(n_low / 9)
+
+
+def test_gmpo_hand_worked():
+    # A = +1, d = [0.6, -0.6]: the +0.6 is capped at 0.4, the -0.6 is kept (A > 0 clips the top only)
+    # ratio = exp((0.4 - 0.6) / 2) = e^-0.1; loss = -e^-0.1; only token 1 has gradient: -e^-0.1 / 2
+    logp = torch.tensor([[0.6, -0.6]], dtype=F64, requires_grad=True)
+    loss, st = policy_loss("gmpo", logp, torch.zeros(1, 2, dtype=F64), torch.tensor([1.0], dtype=F64),
+                           torch.ones(1, 2, dtype=F64), eps_low=0.4, eps_high=0.4)
+    assert loss.item() == pytest.approx(-math.exp(-0.1))
+    torch.testing.assert_close(grad(loss, logp), torch.tensor([[0.0, -math.exp(-0.1) / 2]], dtype=F64))
+    assert st["clip/frac_high"] == 0.5 and st["clip/frac_low"] == 0.0
+
+
+def test_cispo_matches_reference_and_keeps_every_gradient():
+    st = check("cispo", 0, noise=0.6, eps_low=10.0, eps_high=0.2)
+    assert st["clip/frac_high"] > 0 and st["clip/frac_low"] == 0.0
+    # gradient of every token = -sg(clip(w)) A / N_tokens: clipped tokens still learn
+    logp, old, mask, a = make_batch(0, 0.6)
+    loss, _ = policy_loss("cispo", logp, old, a, mask, eps_low=10.0, eps_high=0.2)
+    g = grad(loss, logp)
+    for i, L in enumerate(LENGTHS):
+        for t in range(L):
+            w = min(math.exp(float(logp[i, t].detach() - old[i, t])), 1.2)
+            assert g[i, t].item() == pytest.approx(-w * float(a[i]) / 9)
+
+
+def test_sapo_matches_reference():
+    check("sapo", 0, noise=0.5)
+    logp, old, mask, a = make_batch(0, 0.5)
+    ours, st = policy_loss("sapo", logp, old, a, mask, tau_pos=2.0, tau_neg=3.0)
+    ref = reference("sapo", logp, old, a, tau_pos=2.0, tau_neg=3.0)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grad(ours, logp), grad(ref, logp))
+    assert st["clip/frac"] == 0.0  # a soft gate never clips
+
+
+def test_sapo_gate_by_hand():
+    # A = +1, w = 2, tau_pos = 1: f = sigmoid(1) * 4; loss = -f; d/dlogp = -w * 4 sigmoid'(1) = -8 s(1)(1-s(1))
+    logp = torch.tensor([[math.log(2.0)]], dtype=F64, requires_grad=True)
+    loss, _ = policy_loss("sapo", logp, torch.zeros(1, 1, dtype=F64), torch.tensor([1.0], dtype=F64),
+                          torch.ones(1, 1, dtype=F64), tau_pos=1.0)
+    s = 1 / (1 + math.exp(-1))
+    assert loss.item() == pytest.approx(-4 * s)
+    assert grad(loss, logp).item() == pytest.approx(-8 * s * (1 - s))
+
+
+def test_rspo_router_shift_floor_and_stop_gradient():
+    logp, old, mask, a = make_batch(2)
+    rs = torch.rand(B, T, generator=torch.Generator().manual_seed(9), dtype=F64).requires_grad_()
+    ours, _ = policy_loss("rspo", logp, old, a, mask, router_shift=rs, router_shift_floor=0.5)
+    ref = reference("rspo", logp, old, a, rs=rs.detach(), floor=0.5)
+    torch.testing.assert_close(ours, ref)
+    g_logp, g_rs = torch.autograd.grad(ours, [logp, rs], allow_unused=True)
+    torch.testing.assert_close(g_logp, grad(ref, logp))
+    assert g_rs is None or (g_rs == 0).all()  # sg(router_shift)
+    # no router-shift signal: RSPO is GRPO
+    l1, _ = policy_loss("rspo", logp, old, a, mask)
+    l2, _ = policy_loss("grpo", logp, old, a, mask)
+    torch.testing.assert_close(l1, l2)
+
+
+def test_nll_is_weighted_log_likelihood():
+    check("nll", 0)
+    st = check("nll", 0, noise=1.0, agg="token_mean")
+    assert st["clip/frac"] == 0.0
+
+
+# ---------------------------------------------------------------- identities at ratio 1
+
+
+def reinforce(logp, adv, agg, max_tokens=None):
+    objs = [[adv[i] * logp[i, t] for t in range(L)] for i, L in enumerate(LENGTHS)]
+    return reduce_loops(objs, agg, max_tokens)
+
+
+@pytest.mark.parametrize("name,hyper,agg", [
+    ("grpo", {}, "seq_mean_token_mean"),
+    ("gspo", {"eps_low": 3e-4, "eps_high": 4e-4}, "seq_mean_token_mean"),
+    ("gspo_token", {"eps_low": 3e-4, "eps_high": 4e-4}, "seq_mean_token_mean"),
+    ("dapo", {"eps_high": 0.28}, "token_mean"),
+    ("dr_grpo", {"max_tokens": 6}, "seq_mean_token_sum_norm"),
+    ("gmpo", {"eps_low": 0.4, "eps_high": 0.4}, "seq_mean_token_mean"),
+    ("cispo", {"eps_low": 10.0}, "token_mean"),
+    ("sapo", {}, "seq_mean_token_mean"),
+    ("rspo", {}, "seq_mean_token_mean"),
+    ("nll", {}, "seq_mean_token_mean"),
+])
+def test_on_policy_gradient_is_reinforce(name, hyper, agg):
+    logp, _, mask, a = make_batch(4)
+    old = logp.detach().clone()
+    old[mask == 0] = -math.inf
+    loss, st = policy_loss(name, logp, old, a, mask, **hyper)
+    torch.testing.assert_close(grad(loss, logp), grad(reinforce(logp, a, agg, hyper.get("max_tokens")), logp))
+    assert st["clip/frac"] == st["clip/frac_low"] == st["clip/frac_high"] == st["clip/seq_frac"] == 0.0
+    assert st["policy/ratio_min"] == st["policy/ratio_max"] == 1.0
+    assert st["kl/old"] == pytest.approx(0.0)
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_kl_estimators_by_hand():
+    lp = torch.tensor([[-1.0, -0.5]], dtype=F64)
+    ref = torch.tensor([[-1.5, -0.5]], dtype=F64)
+    # x = ref - logp = [-0.5, 0]
+    torch.testing.assert_close(kl_penalty(lp, ref, "k1"), torch.tensor([[0.5, 0.0]], dtype=F64))
+    torch.testing.assert_close(kl_penalty(lp, ref, "k2"), torch.tensor([[0.125, 0.0]], dtype=F64))
+    torch.testing.assert_close(kl_penalty(lp, ref, "k3"), torch.tensor([[math.exp(-0.5) - 0.5, 0.0]], dtype=F64))
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        kl_penalty(lp, ref, "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_term_added_per_token_before_aggregation(kind):
+    logp, old, mask, a = make_batch(6)
+    ref = old + 0.1
+    loss, st = policy_loss("grpo", logp, old, a, mask, ref_logp=ref, beta=0.04, kl_estimator=kind)
+    objs = []
+    for i, L in enumerate(LENGTHS):
+        o = []
+        for t in range(L):
+            x = ref[i, t] - logp[i, t]
+            k = {"k1": -x, "k2": 0.5 * x * x, "k3": torch.exp(x) - x - 1}[kind]
+            o.append(ppo(torch.exp(logp[i, t] - old[i, t]), a[i], 0.2, 0.2) - 0.04 * k)
+        objs.append(o)
+    ref_loss = reduce_loops(objs, "seq_mean_token_mean")
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad(loss, logp), grad(ref_loss, logp))
+    lp = logp.detach()
+    k3 = [float(torch.exp(ref[i, t] - lp[i, t]) - (ref[i, t] - lp[i, t]) - 1)
+          for i, L in enumerate(LENGTHS) for t in range(L)]
+    assert st["kl/ref"] == pytest.approx(sum(k3) / len(k3))
+
+
+def test_kl_skipped_when_beta_zero():
+    logp, old, mask, a = make_batch()
+    l0, s0 = policy_loss("grpo", logp, old, a, mask)
+    l1, s1 = policy_loss("grpo", logp, old, a, mask, ref_logp=old + 1.0, beta=0.0)
+    torch.testing.assert_close(l0, l1)
+    assert "kl/ref" not in s1 and s0 == s1
+
+
+def test_kl_old_by_hand():
+    logp, old, mask, a = make_batch(7)
+    _, st = policy_loss("grpo", logp, old, a, mask)
+    lp = logp.detach()
+    vals = [math.exp(float(old[i, t] - lp[i, t])) - float(old[i, t] - lp[i, t]) - 1
+            for i, L in enumerate(LENGTHS) for t in range(L)]
+    assert st["kl/old"] == pytest.approx(sum(vals) / len(vals))
+    assert all(isinstance(v, float) for v in st.values())
+
+
+# ---------------------------------------------------------------- presets
+
+
+def test_every_algo_preset_fits_the_schema_and_the_registries():
+    from omegaconf import OmegaConf
+
+    from gspo.advantages import ADVANTAGES
+    from gspo.config import CONF_DIR, AlgoConfig
+    from gspo.losses import HYPER_NAMES, LOSSES
+
+    presets = sorted((CONF_DIR / "algo").glob("*.yaml"))
+    assert {p.stem for p in presets} >= {"grpo", "gspo", "gspo_token", "dapo", "dr_grpo", "gmpo", "cispo",
+                                         "sapo", "rspo", "rft", "softmax_weighted"}
+    logp, old, mask, a = make_batch()
+    for p in presets:
+        cfg = OmegaConf.merge(OmegaConf.structured(AlgoConfig), OmegaConf.load(p))  # unknown key -> error
+        assert cfg.name == p.stem and cfg.loss in LOSSES and cfg.advantage in ADVANTAGES
+        hyper = {k: cfg[k] for k in HYPER_NAMES if k in cfg}
+        loss, _ = policy_loss(cfg.loss, logp, old, a, mask, max_tokens=8, ref_logp=old, **hyper)
+        assert torch.isfinite(loss)

@@ -1,0 +1,333 @@
+"""Tests for gspo.moe: routing capture / replay on a tiny Qwen3-MoE, and the routing statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import (
+    MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+)
+
+from gspo.moe import (
+    capture_routing, expert_load, find_routers, is_moe, moe_metrics, replay_routing, router_shift,
+    routing_volatility,
+)
+
+B, T, L, K, E = 2, 6, 2, 2, 8
+
+
+def tiny_moe(norm_topk_prob: bool = False, seed: int = 0) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=32, hidden_size=32, num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=E, num_experts_per_tok=K,
+        norm_topk_prob=norm_topk_prob,
+    )
+    model = Qwen3MoeForCausalLM(config).eval()
+    # Large router weights: well-separated top-k, so float noise (KV cache vs full pass) never flips a choice.
+    for router in find_routers(model):
+        torch.nn.init.normal_(router.weight, std=1.0)
+    return model
+
+
+def ids(seed: int = 1, length: int = T) -> torch.Tensor:
+    return torch.randint(0, 32, (B, length), generator=torch.Generator().manual_seed(seed))
+
+
+def perturb_routers(model: torch.nn.Module) -> None:
+    """Simulate a big optimiser update on the routers only."""
+    with torch.no_grad():
+        for r in find_routers(model):
+            r.weight.add_(torch.randn_like(r.weight) * 3.0)
+
+
+# ----------------------------------------------------------------------------- discovery
+def test_find_routers_moe_and_dense():
+    model = tiny_moe()
+    routers = find_routers(model)
+    assert len(routers) == L and is_moe(model)
+    assert routers == [layer.mlp.gate for layer in model.model.layers]  # layer order
+
+    dense = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=64,
+    ))
+    assert find_routers(dense) == [] and not is_moe(dense)
+
+
+# ----------------------------------------------------------------------------- capture
+def test_capture_shapes_and_topk_of_logprobs():
+    model = tiny_moe()
+    with torch.no_grad(), capture_routing(model) as trace:
+        model(ids())
+    idx, lp = trace.batch(B)
+    assert idx.shape == (B, T, L, K) and idx.dtype == torch.long
+    assert lp.shape == (B, T, L, E) and lp.dtype == torch.float32 and not lp.requires_grad
+    assert torch.allclose(lp.exp().sum(-1), torch.ones(B, T, L))
+    assert torch.equal(idx, lp.topk(K, dim=-1).indices)
+    assert torch.equal(trace.live_indices(B), idx)
+    # Row-major (B, T) order: batch row 1 alone routes like row 1 of the batch.
+    with torch.no_grad(), capture_routing(model) as single:
+        model(ids()[1:])
+    assert torch.equal(single.indices(1)[0], idx[1])
+    # Padding to a longer length marks the extra positions as "no routing".
+    padded = trace.indices(B, length=T + 1)
+    assert padded.shape == (B, T + 1, L, K) and (padded[:, -1] == -1).all()
+    assert torch.equal(padded[:, :T], idx)
+    assert trace.logprobs(B, length=T + 1).shape == (B, T + 1, L, E)
+
+
+def test_capture_incremental_decoding_matches_full_pass():
+    model = tiny_moe()
+    seq = ids(length=T + 2)
+    with torch.no_grad(), capture_routing(model) as full:
+        model(seq)
+    with torch.no_grad(), capture_routing(model) as inc:
+        out = model(seq[:, :T], use_cache=True)
+        for t in (T, T + 1):
+            out = model(seq[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+    assert inc.num_calls == 3
+    assert inc.indices(B).shape == (B, T + 2, L, K)
+    assert torch.equal(inc.indices(B).sort(-1).values, full.indices(B).sort(-1).values)
+    assert torch.allclose(inc.logprobs(B), full.logprobs(B), atol=1e-4)
+
+
+def test_capture_hooks_removed_on_exit():
+    model = tiny_moe()
+    with torch.no_grad(), capture_routing(model) as trace:
+        model(ids())
+    with torch.no_grad():
+        model(ids())
+    assert trace.num_calls == 1
+
+
+# ----------------------------------------------------------------------------- replay
+@pytest.mark.parametrize("norm", [False, True])
+def test_replay_forces_old_routing(norm):
+    model = tiny_moe(norm_topk_prob=norm)
+    x = ids()
+    with torch.no_grad(), capture_routing(model) as old:
+        model(x)
+    old_idx = old.indices(B)
+    perturb_routers(model)
+
+    with torch.no_grad(), capture_routing(model) as live:
+        model(x)
+    vol, _ = routing_volatility(old_idx, live.indices(B), torch.ones(B, T))
+    assert vol > 0.2  # the update really changed the routing
+
+    with torch.no_grad(), replay_routing(model, old_idx), capture_routing(model) as replayed:
+        model(x)
+    assert routing_volatility(old_idx, replayed.indices(B), torch.ones(B, T))[0] == 0.0
+    assert torch.equal(replayed.indices(B), old_idx)
+    # The live choice is still visible through the log-probs (what moe_metrics needs).
+    assert routing_volatility(old_idx, replayed.live_indices(B), torch.ones(B, T))[0] > 0.2
+
+    # Capture entered outside replay still records the forced routing (hook order).
+    with torch.no_grad(), capture_routing(model) as outer:
+        with replay_routing(model, old_idx):
+            model(x)
+    assert torch.equal(outer.indices(B), old_idx)
+
+
+def test_replay_of_own_routing_is_identity_in_values_and_gradients():
+    for norm in (False, True):
+        model = tiny_moe(norm_topk_prob=norm)
+        x = ids()
+        with torch.no_grad(), capture_routing(model) as own:
+            model(x)
+        ref = model(x).logits
+        ref_grads = torch.autograd.grad(ref.square().mean(), [r.weight for r in find_routers(model)])
+        with replay_routing(model, own.indices(B)):
+            got = model(x).logits
+        grads = torch.autograd.grad(got.square().mean(), [r.weight for r in find_routers(model)])
+        assert torch.allclose(got, ref, atol=1e-5)
+        for g, r in zip(grads, ref_grads):
+            assert torch.allclose(g, r, atol=1e-6)
+
+
+def test_replay_gradients_reach_every_router():
+    model = tiny_moe(norm_topk_prob=True)
+    x = ids()
+    with torch.no_grad(), capture_routing(model) as old:
+        model(x)
+    perturb_routers(model)
+    with replay_routing(model, old.indices(B)):
+        out = model(x, output_router_logits=True)
+    out.logits.square().mean().backward()
+    for r in find_routers(model):
+        assert r.weight.grad is not None and r.weight.grad.abs().sum() > 0
+    # Live logits are passed through: the aux loss is computed and layer 0 sees the live input.
+    assert torch.isfinite(out.aux_loss)
+    with torch.no_grad():
+        live = model(x, output_router_logits=True)
+    assert torch.allclose(out.router_logits[0], live.router_logits[0], atol=1e-6)
+
+
+def test_replay_minus_one_uses_live_routing():
+    model = tiny_moe()
+    x = ids()
+    with torch.no_grad(), capture_routing(model) as old:
+        model(x)
+    old_idx = old.indices(B)
+    perturb_routers(model)
+    with torch.no_grad(), capture_routing(model) as live:
+        ref = model(x).logits
+    live_idx = live.indices(B)
+
+    with torch.no_grad(), replay_routing(model, torch.full_like(old_idx, -1)):
+        assert torch.equal(model(x).logits, ref)  # all -1: exactly the live pass
+
+    partial = old_idx.clone()
+    partial[:, -1] = -1  # the last token was never routed during sampling
+    with torch.no_grad(), replay_routing(model, partial), capture_routing(model) as got:
+        model(x)
+    got_idx = got.indices(B)
+    assert torch.equal(got_idx[:, :-1], old_idx[:, :-1])
+    # The last token's routing is live: layer 0 sees the same input as the live pass.
+    assert torch.equal(got_idx[:, -1, 0], live_idx[:, -1, 0])
+    assert torch.equal(got_idx[:, -1], got.live_indices(B)[:, -1])
+
+
+def test_replay_with_gradient_checkpointing():
+    model = tiny_moe(norm_topk_prob=True)
+    x = ids()
+    with torch.no_grad(), capture_routing(model) as old:
+        model(x)
+    perturb_routers(model)
+    weights = [r.weight for r in find_routers(model)]
+    with replay_routing(model, old.indices(B)):
+        ref = torch.autograd.grad(model(x).logits.square().mean(), weights)
+    model.activation_checkpointing_enable()
+    model.train()  # checkpointing is only active in training mode
+    with replay_routing(model, old.indices(B)):  # backward inside: recomputation is replayed too
+        got = torch.autograd.grad(model(x, use_cache=False).logits.square().mean(), weights)
+    for g, r in zip(got, ref):
+        assert torch.allclose(g, r, atol=1e-6)
+
+
+def test_replay_generic_router_without_norm_attribute():
+    """Mixtral's router always renormalises and has no norm_topk_prob: detected from its output."""
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=32, hidden_size=32, num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=64, num_local_experts=E, num_experts_per_tok=K,
+    )).eval()
+    assert len(find_routers(model)) == L
+    for r in find_routers(model):
+        torch.nn.init.normal_(r.weight, std=1.0)
+    x = ids()
+    with torch.no_grad(), capture_routing(model) as own:
+        ref = model(x).logits
+    with torch.no_grad(), replay_routing(model, own.indices(B)):
+        assert torch.allclose(model(x).logits, ref, atol=1e-6)
+
+
+class SigmoidRouter(torch.nn.Module):
+    """A router with the right signature but sigmoid scores (DeepSeek-V3 style): not replayable."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k, self.num_experts = K, E
+        self.weight = torch.nn.Parameter(torch.randn(E, 4))
+
+    def forward(self, h):
+        logits = h @ self.weight.T
+        scores, idx = logits.sigmoid().topk(self.top_k, dim=-1)
+        return logits, scores, idx
+
+
+def test_replay_rejects_non_softmax_router():
+    model = torch.nn.Sequential(SigmoidRouter())
+    assert is_moe(model)
+    with pytest.raises(RuntimeError, match="not a softmax"), torch.no_grad():
+        with replay_routing(model, torch.zeros(1, 3, 1, K, dtype=torch.long)):
+            model(torch.randn(3, 4))
+
+
+def test_replay_rejects_wrong_shapes():
+    model = tiny_moe()
+    with pytest.raises(ValueError, match="L=2"):
+        with replay_routing(model, torch.zeros(B, T, 3, K, dtype=torch.long)):
+            pass
+    with pytest.raises(ValueError, match="rows"), torch.no_grad():
+        with replay_routing(model, torch.zeros(B, T + 1, L, K, dtype=torch.long)):
+            model(ids())
+    with pytest.raises(ValueError, match="num_experts"):
+        with replay_routing(model, torch.full((B, T, L, K), E, dtype=torch.long)):
+            pass
+
+
+# ----------------------------------------------------------------------------- statistics
+# One sequence, two tokens, L=2 layers, k=2, E=8 (set semantics: order within k is irrelevant).
+OLD = torch.tensor([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]])
+NEW = torch.tensor([[[[1, 0], [2, 5]], [[4, 6], [0, 1]]]])
+#  t0: layer0 same set (0 changed), layer1 3 -> 5 (1 changed)
+#  t1: layer0 5 -> 6 (1 changed), layer1 both changed (2)
+
+
+def test_routing_volatility_hand_computed():
+    vol, layers = routing_volatility(OLD, NEW, torch.tensor([[1, 1]]))
+    assert vol == pytest.approx(4 / 8) and layers == pytest.approx([1 / 4, 3 / 4])
+    vol, layers = routing_volatility(OLD, NEW, torch.tensor([[1, 0]]))
+    assert vol == pytest.approx(1 / 4) and layers == pytest.approx([0.0, 1 / 2])
+    # -1 rows (no recorded routing) are left out.
+    new = NEW.clone()
+    new[0, 1, 1] = -1
+    vol, layers = routing_volatility(OLD, new, torch.tensor([[1, 1]]))
+    assert vol == pytest.approx(2 / 6) and layers == pytest.approx([1 / 4, 1 / 2])
+
+
+def test_router_shift_hand_computed():
+    old_lp = torch.zeros(1, 3, 2, 4)
+    new_lp = torch.zeros(1, 3, 2, 4)
+    idx = torch.tensor([[[[0, 1], [2, 3]]] * 3])  # (1, 3, 2, 2)
+    new_lp[0, 0, 0, 0] = -math.log(2)  # t0 layer0: factors 1/2, 1 -> 3/4; layer1: 1 -> token sqrt(3/4)
+    new_lp[0, 1, 0, :2] = math.log(4)  # t1 layer0: 1/4, 1/4 -> 1/4; layer1: 1 -> token 1/2
+    new_lp[0, 2, 1, 3] = 5.0  # masked-out token: reported as 1
+    new_lp[0, 0, 0, 2] = 9.0  # experts outside the old top-k do not count
+    per_token, mean = router_shift(old_lp, new_lp, idx, torch.tensor([[1, 1, 0]]))
+    assert per_token.shape == (1, 3)
+    assert per_token[0].tolist() == pytest.approx([math.sqrt(0.75), 0.5, 1.0])
+    assert mean == pytest.approx((math.sqrt(0.75) + 0.5) / 2)
+    assert router_shift(old_lp, old_lp, idx, torch.ones(1, 3))[1] == pytest.approx(1.0)
+
+
+def test_expert_load_and_metrics_hand_computed():
+    idx = torch.tensor([[[[0, 1], [3, 2]], [[0, 2], [3, 1]], [[7, 6], [7, 6]]]])  # (1, 3, 2, 2)
+    mask = torch.tensor([[1, 1, 0]])
+    load = expert_load(idx, mask, 8)
+    expected = torch.zeros(2, 8)
+    expected[0, :3] = torch.tensor([0.5, 0.25, 0.25])
+    expected[1, 1:4] = torch.tensor([0.25, 0.25, 0.5])
+    assert torch.allclose(load, expected)
+
+    lp = torch.zeros(1, 3, 2, 8)
+    m = moe_metrics(idx, idx, lp, lp, mask, num_experts=8)
+    assert m["moe/routing_volatility"] == 0.0 and m["moe/router_shift"] == pytest.approx(1.0)
+    assert m["moe/expert_load_max"] == pytest.approx(0.5)
+    # Entropy of (1/2, 1/4, 1/4) = 1.5 ln 2, normalised by ln 8 = 3 ln 2 -> 0.5, in both layers.
+    assert m["moe/expert_load_entropy"] == pytest.approx(0.5)
+    assert m["moe/expert_load/layer_1/expert_3"] == pytest.approx(0.5)
+    assert m["moe/routing_volatility/layer_1"] == 0.0
+    expected_keys = {"moe/routing_volatility", "moe/router_shift", "moe/expert_load_max",
+                     "moe/expert_load_entropy"}
+    expected_keys |= {f"moe/routing_volatility/layer_{i}" for i in range(2)}
+    expected_keys |= {f"moe/expert_load/layer_{i}/expert_{j}" for i in range(2) for j in range(8)}
+    assert set(m) == expected_keys and all(isinstance(v, float) for v in m.values())
+
+
+def test_metrics_on_real_capture_after_update():
+    model = tiny_moe()
+    x = ids()
+    with torch.no_grad(), capture_routing(model) as old:
+        model(x)
+    perturb_routers(model)
+    with torch.no_grad(), replay_routing(model, old.indices(B)), capture_routing(model) as new:
+        model(x)
+    m = moe_metrics(old.indices(B), new.live_indices(B), old.logprobs(B), new.logprobs(B),
+                    torch.ones(B, T), num_experts=E)
+    assert 0 < m["moe/routing_volatility"] <= 1 and 0 < m["moe/router_shift"] < 1
+    assert 0 < m["moe/expert_load_entropy"] <= 1

@@ -1,0 +1,96 @@
+"""Rollout: EOS handling and masks, left padding, log-probs that ignore padding."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from gspo.config import ModelConfig
+from gspo.models import build_model, char_tokenizer
+from gspo.rollout import cat_rollouts, generate, token_logprobs
+
+TOK = char_tokenizer("0123456789+=")
+EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
+
+
+class ScriptedLM(torch.nn.Module):
+    """Emits, for row i, the tokens script[i] one per step (then EOS), whatever the input."""
+
+    def __init__(self, script: list[list[int]]):
+        super().__init__()
+        self.script = script
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True):
+        t = 0 if past_key_values is None else past_key_values + 1
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], len(TOK)), -1e9)
+        for i, s in enumerate(self.script):
+            logits[i, -1, s[t] if t < len(s) else EOS] = 0.0
+        return SimpleNamespace(logits=logits, past_key_values=t)
+
+
+def tok(s):
+    return TOK.convert_tokens_to_ids(list(s))
+
+
+def test_masks_stop_at_the_first_eos_and_flag_truncation():
+    script = [tok("12") + [EOS], tok("3") + [EOS, *tok("99")], tok("4567")]
+    r = generate(ScriptedLM(script), TOK, ["1+1=", "2+22=", "3="], group_size=1, max_new_tokens=4, greedy=True)
+    assert r.texts == ["12", "3", "4567"]
+    assert r.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]  # EOS counts as a token
+    assert r.truncated.tolist() == [False, False, True]
+    assert r.completion_ids[1].tolist() == [tok("3")[0], EOS, PAD, PAD]  # nothing after EOS survives
+    # left padding: every prompt ends in the last prompt column
+    assert r.prompt_len == 5
+    assert r.attention_mask[:, :5].tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert r.input_ids[2, :3].tolist() == [PAD] * 3
+
+
+def test_loop_stops_once_every_row_has_ended():
+    r = generate(ScriptedLM([[EOS], tok("1") + [EOS]]), TOK, ["1=", "2="], 1, max_new_tokens=8, greedy=True)
+    assert r.completion_mask.shape[1] == 2
+
+
+def test_groups_are_contiguous():
+    r = generate(ScriptedLM([[EOS]] * 6), TOK, ["1=", "2=", "3="], group_size=2, max_new_tokens=2, greedy=True)
+    assert r.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    assert r.input_ids[0].tolist() == r.input_ids[1].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = OmegaConf.structured(ModelConfig(name="t", arch="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1,
+                                           head_dim=16, intermediate_size=64, num_layers=2))
+    return build_model(cfg, len(TOK), TOK, seed=0).eval()
+
+
+def test_greedy_generation_ignores_left_padding(tiny_model):
+    prompts = ["1+1=", "12+345=", "7="]
+    batched = generate(tiny_model, TOK, prompts, 1, 6, greedy=True)
+    alone = [generate(tiny_model, TOK, [p], 1, 6, greedy=True).texts[0] for p in prompts]
+    assert batched.texts == alone
+
+
+def test_logprobs_match_kv_cached_sampling_and_ignore_padding(tiny_model):
+    prompts = ["1+1=", "12+345="]
+    r = generate(tiny_model, TOK, prompts, 2, 5, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    logp, entropy, _ = token_logprobs(tiny_model, r, temperature=0.7, with_entropy=True)
+    assert logp.shape == r.completion_mask.shape and torch.all(entropy >= 0)
+    for i in range(len(r.texts)):  # one row at a time, no padding at all
+        n = int(r.completion_mask[i].sum())
+        keep = r.attention_mask[i].bool()
+        ids = r.input_ids[i][keep][None]
+        logits = tiny_model(input_ids=ids).logits[0, -n - 1 : -1] / 0.7
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, -n:, None]).squeeze(-1)
+        torch.testing.assert_close(logp[i, :n], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cat_rollouts_repads_prompts_and_completions():
+    a = generate(ScriptedLM([tok("1") + [EOS]]), TOK, ["1="], 1, 4, greedy=True)
+    b = generate(ScriptedLM([tok("123")]), TOK, ["12+3="], 1, 3, greedy=True)
+    c = cat_rollouts([a, b])
+    assert c.prompt_len == 5 and c.completion_mask.shape == (2, 3)
+    assert c.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert c.attention_mask[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 0]
+    assert c.texts == ["1", "123"]
