@@ -313,12 +313,19 @@ def detect_collapse(run: Run) -> tuple[str | None, int | None]:
     )
 
 
+def _label(key: str, value: Any) -> str:
+    return str(value) if key.endswith(".name") else f"{key.rsplit('.', 1)[-1]}={value}"
+
+
 def group_runs(runs: Sequence[Run], key: str) -> list[Group]:
+    """Group runs by the value of `key` (several keys: comma-separated, e.g. "algo.name,moe.routing_replay")."""
+    keys = key.split(",")
     by_value: dict[str, list[Run]] = {}
     values: dict[str, Any] = {}
     for run in runs:
-        value = lookup(run.config, key)
-        label = str(value) if key.endswith(".name") else f"{key.rsplit('.', 1)[-1]}={value}"
+        parts = [lookup(run.config, k) for k in keys]
+        value = parts[0] if len(keys) == 1 else " ".join(map(str, parts))
+        label = " ".join(_label(k, v) for k, v in zip(keys, parts))
         by_value.setdefault(label, []).append(run)
         values[label] = value
     numeric = all(isinstance(v, (int, float)) for v in values.values())
@@ -333,10 +340,11 @@ def _diff_text(flats: list[dict], key: str) -> str:
 
 def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
     """Differences other than the grouping key that make the comparison unfair."""
-    own = key[: -len(".name")] + "." if key.endswith(".name") else key
+    group_keys = key.split(",")
+    own = tuple(k[: -len(".name")] + "." if k.endswith(".name") else k for k in group_keys)
 
     def relevant(k: str) -> bool:
-        return k != key and not k.startswith(own) and not k.startswith(IGNORED_KEYS)
+        return k not in group_keys and not k.startswith(own) and not k.startswith(IGNORED_KEYS)
 
     runs = [r for g in groups for r in g.runs]
     flats = [_flatten(r.config) for r in runs]
@@ -582,7 +590,7 @@ def compare(
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not paths:
         raise CompareError("give at least one run directory or sweep directory")
-    key = "algo.name" if by == "algo" else by
+    key = ",".join("algo.name" if k.strip() == "algo" else k.strip() for k in by.split(","))
     runs, broken = load_runs(paths)
     if not runs:
         detail = "".join(f"\n  {b.path}: {b.reason}" for b in broken)
@@ -591,7 +599,7 @@ def compare(
     for run in runs:
         run.collapse, run.collapse_step = detect_collapse(run)
     groups = group_runs(runs, key)
-    if all(lookup(r.config, key) == _MISSING for r in runs):
+    if any(all(lookup(r.config, k) == _MISSING for r in runs) for k in key.split(",")):
         warnings.append(f"no run has the config key {key!r}: all runs form one group")
     warnings += comparability_warnings(groups, key)
     partial = [r for r in runs if r.partial]

@@ -44,7 +44,7 @@ class AlgoConfig:
 
 @dataclass
 class WarmStartConfig:
-    steps: int = 300  # supervised steps on the task's reference solutions (0 = none)
+    steps: int = 500  # supervised steps on the task's reference solutions (0 = none)
     lr: float = 3e-3
     batch_size: int = 64
     seed: int = 0  # own seed, so every RL seed of a sweep starts from the same base

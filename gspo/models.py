@@ -24,11 +24,12 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from gspo.errors import ConfigError
+from gspo.moe import is_moe
 
 transformers.utils.logging.disable_progress_bar()  # no per-load progress bars between our own lines
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-CACHE_VERSION = 1  # bump when warm-start code changes, so stale bases are rebuilt
+CACHE_VERSION = 2  # bump when warm-start code changes, so stale bases are rebuilt
 
 
 def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
@@ -93,7 +94,7 @@ def _base_key(cfg) -> str:
     from omegaconf import OmegaConf
 
     m = OmegaConf.to_container(cfg.model, resolve=True)
-    for k in ("name", "router_aux_loss_coef", "gradient_checkpointing", "attn_implementation"):
+    for k in ("name", "gradient_checkpointing", "attn_implementation"):
         m.pop(k, None)  # do not change the weights the warm start produces
     t = OmegaConf.to_container(cfg.task, resolve=True)
     t.pop("eval_size", None)
@@ -138,6 +139,7 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> None:
     torch.manual_seed(wcfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / wcfg.steps))
+    moe_kwargs = {"output_router_logits": True} if is_moe(model) else {}
     model.train()
     for step in range(wcfg.steps):
         problems = task.sample_train(rng, wcfg.batch_size)
@@ -152,7 +154,9 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> None:
         input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
         label_t = torch.tensor([y + [-100] * (width - len(y)) for y in labels])
         mask = torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]
-        out = model(input_ids=input_ids, attention_mask=mask.long(), labels=label_t)
+        # MoE: the load-balancing loss is on here as in RL, so RL starts from balanced experts
+        # instead of spending its first steps re-routing tokens to satisfy the aux loss.
+        out = model(input_ids=input_ids, attention_mask=mask.long(), labels=label_t, **moe_kwargs)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -292,3 +292,12 @@ def test_target_undefined_without_improvement(tmp_path):
     assert "| grpo | 1 | 20 | 0.500 | 0.400 | 0.500 | — |" in result.table_path.read_text()
     # a group node stands for its name: `--by model` groups by model.name
     assert [g.label for g in compare([root], by="model", plot=False).groups] == ["model=tiny-moe"]
+
+
+def test_groups_by_several_keys(tmp_path):
+    make_run(tmp_path / "a", "grpo", 0, cfg={"moe": {"routing_replay": "none"}})
+    make_run(tmp_path / "b", "grpo", 0, cfg={"moe": {"routing_replay": "R2"}})
+    make_run(tmp_path / "c", "gspo", 0, cfg={"moe": {"routing_replay": "none"}})
+    result = compare([tmp_path], by="algo,moe.routing_replay", plot=False)
+    assert sorted(g.label for g in result.groups) == [
+        "grpo routing_replay=R2", "grpo routing_replay=none", "gspo routing_replay=none"]

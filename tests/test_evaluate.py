@@ -1,0 +1,39 @@
+"""Held-out evaluation: the unbiased pass@k estimator by hand, and `gspo eval` on a run."""
+
+import json
+from math import comb
+
+import pytest
+
+from gspo.config import compose
+from gspo.evaluate import pass_at_k, run_eval
+from gspo.trainer import train
+
+from conftest import tiny
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 4, 2) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # 1 - C(3,1)/C(4,1) = 1 - 3/4
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # C(6,4) = 15, C(8,4) = 70
+    assert pass_at_k(8, 7, 2) == 1.0  # fewer than k wrong: every k-subset has a correct one
+    n, c, k = 10, 3, 5
+    assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_eval_of_a_run_writes_eval_json(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run_dir)
+    res = run_eval(str(run_dir), ["task.eval_size=8"], examples=2, pass_k=2)
+    saved = json.loads((run_dir / "eval.json").read_text())
+    assert saved["n"] == 8 and 0.0 <= saved["eval/accuracy"] <= 1.0 and "eval/pass@2" in saved
+    assert len(res["examples"]) == 2 and "checkpoints/step_000001" in saved["model"]
+
+
+def test_eval_of_the_warm_start_base(cache_dir):
+    res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 8}), examples=0, pass_k=1)
+    assert "base-" in res["model"] and 0.0 <= res["eval/accuracy"] <= 1.0
