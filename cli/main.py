@@ -61,9 +61,11 @@ def train(
 ) -> None:
     overrides = [a for a in ctx.args if not a.startswith("-")]
     hydra_flags = [a for a in ctx.args if a.startswith("-")]
+    from gspo.distributed import check as check_distributed
+
     try:
         for combo in sweep_combinations(overrides) if multirun else [overrides]:
-            compose(combo)
+            check_distributed(compose(combo))  # e.g. prompts that do not split over hardware.nproc: exit 2
     except ConfigError as e:
         _fail(str(e))
     from cli.hydra_app import hydra_train

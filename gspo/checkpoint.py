@@ -16,14 +16,20 @@ from typing import Optional
 import torch
 
 
-def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep: int = 1) -> Path:
-    """Save step `step`; keep the newest `keep` checkpoints."""
+def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep: int = 1,
+         model_state: Optional[dict] = None, optimizer_state: Optional[dict] = None) -> Path:
+    """Save step `step`; keep the newest `keep` checkpoints.
+
+    `model_state` / `optimizer_state`: full state dicts gathered by the caller (FSDP);
+    None = the model's and optimizer's own.
+    """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    unwrap(model).save_pretrained(tmp, safe_serialization=True)
+    unwrap(model).save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     tokenizer.save_pretrained(tmp)
-    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    optim = optimizer.state_dict() if optimizer_state is None else optimizer_state
+    state = {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict()}
     torch.save(state, tmp / "trainer_state.pt")
     final = root / f"step_{step:06d}"
     if final.exists():

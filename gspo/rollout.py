@@ -93,10 +93,10 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 def encode_prompts(tokenizer, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
     if chat_template and getattr(tokenizer, "chat_template", None):
-        return [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-            for p in prompts
-        ]
+        # render, then tokenize: apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+                 for p in prompts]
+        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
@@ -110,11 +110,16 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     greedy: bool = False,
-    generator: Optional[torch.Generator] = None,
+    generator: Optional[torch.Generator | list[torch.Generator]] = None,
     chat_template: bool = False,
     capture_routing: bool = False,
 ) -> Rollout:
-    """Sample `group_size` completions for each prompt (rows group-contiguous)."""
+    """Sample `group_size` completions for each prompt (rows group-contiguous).
+
+    `generator` may be a list with one generator per prompt: each group then draws its
+    own noise, so its completions do not depend on the rest of the batch (how a prompt
+    sampled on rank r of W matches the same prompt sampled by one process).
+    """
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     encoded = encode_prompts(tokenizer, prompts, chat_template)
@@ -180,6 +185,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool
         sorted_p, idx = probs.sort(-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
+    if isinstance(generator, (list, tuple)):  # one generator per prompt group
+        groups = probs.split(probs.shape[0] // len(generator))
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(groups, generator)]).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

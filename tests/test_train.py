@@ -117,3 +117,23 @@ def read_config_algo(run_dir):
     import yaml
 
     return yaml.safe_load((run_dir / "config.yaml").read_text())["algo"]["name"]
+
+
+def test_routing_replay_removes_the_update_pass_mismatch(tmp_path, cache_dir):
+    """R2 forces the old policy's experts in every update pass: what the update routed equals
+    the old routing exactly; without replay the second minibatch already routes differently."""
+    overrides = {"train.steps": 2, "train.minibatches": 4, "train.lr": 0.05, "algo": "grpo"}
+    train(compose(tiny(cache_dir, **overrides, **{"moe.routing_replay": "R2"})), tmp_path / "r2")
+    assert all(m["moe/update_mismatch"] == 0.0 for m in read_metrics(tmp_path / "r2")[1:])
+    train(compose(tiny(cache_dir, **overrides, **{"moe.routing_replay": "R3"})), tmp_path / "r3")
+    assert all(m["moe/update_mismatch"] < 0.05 for m in read_metrics(tmp_path / "r3")[1:])
+    train(compose(tiny(cache_dir, **overrides)), tmp_path / "none")
+    assert any(m["moe/update_mismatch"] > 0.0 for m in read_metrics(tmp_path / "none")[1:])
+
+
+def test_routing_replay_with_gradient_checkpointing(tmp_path, cache_dir):
+    """Backward recomputes the forward under checkpointing: replay must still be in force there."""
+    overrides = {"train.steps": 1, "moe.routing_replay": "R2", "model.gradient_checkpointing": True}
+    summary = train(compose(tiny(cache_dir, **overrides)), tmp_path)
+    assert summary["status"] == "finished"
+    assert read_metrics(tmp_path)[-1]["moe/update_mismatch"] == 0.0

@@ -1,0 +1,477 @@
+"""Multi-process training on torch.distributed: DDP or FSDP2, one process per device.
+
+`gspo train hardware=cpu-ddp` (or gpu-ddp, gpu-fsdp) starts `hardware.nproc` workers
+with torchrun's own launcher (`torch.distributed.run`, called inside the Hydra job) and
+waits for them; each worker runs `python -m gspo.distributed RUN_DIR`, which trains
+with the run directory's resolved config.yaml. `torchrun --nproc-per-node N -m cli.main
+train hardware=cpu-ddp ...` by hand works too: every rank takes rank 0's run directory.
+
+How the work is split, and why 2 ranks x P prompts compute what 1 rank x 2P prompts
+does (tests/test_distributed.py checks it):
+
+- prompts: every rank draws the step's whole prompt list from the shared seed and keeps
+  its contiguous share [r P/W, (r+1) P/W). A group never straddles ranks, so group
+  advantages need no communication.
+- sampling noise: each prompt group samples from its own generator, seeded by (seed,
+  step, draw, global prompt index), not by rank: a group's completions do not depend on
+  which rank samples it, nor on what else is in the batch.
+- minibatches: rows are shuffled within their group (by a generator of the group's own)
+  and dealt to minibatch (global row slot mod M); rank r holds slots [r N/W, (r+1) N/W),
+  so a one-process minibatch is exactly the union of the ranks' minibatches.
+- gradients: DDP averages them over ranks (FSDP reduce-scatters the same average). Each
+  rank's loss is scaled by W x local/global count of what the aggregation divides by
+  (sequences, tokens or rows), so the average is the gradient of the one-process loss on
+  the whole minibatch, whatever the ranks' completion lengths.
+- metrics are reduced over ranks (mean; min/max for *_min/*_max; max for time/*; sum for
+  throughput/*); evaluation is split over ranks and recombined; rank 0 alone writes
+  metrics.jsonl, checkpoints and summary.json.
+- FSDP: parameters, gradients and optimizer state are sharded (fp32 master shards,
+  `hardware.dtype` compute). Sampling and evaluation run a data-dependent number of
+  forward passes per rank, so they run inside `gathered()`, which all-gathers the full
+  weights once instead of once per forward.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as tdist
+
+from gspo import checkpoint
+from gspo.errors import ConfigError
+
+# --------------------------------------------------------------------------- launching
+
+
+def in_torchrun() -> bool:
+    """True inside a worker started by torchrun (it sets RANK, LOCAL_RANK and WORLD_SIZE)."""
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def is_main_process() -> bool:
+    """Rank 0, or a plain single process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def needs_launch(hw) -> bool:
+    """Whether this process must start workers: a multi-process profile, and not a worker yet."""
+    return hw.strategy != "none" and not in_torchrun()
+
+
+def check(cfg, world: Optional[int] = None) -> None:
+    """Config errors a multi-process run would otherwise meet only once its workers run."""
+    hw = cfg.hardware
+    torchrun_world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else 1
+    if hw.strategy == "none":
+        if torchrun_world > 1:
+            raise ConfigError(f"started by torchrun with {torchrun_world} processes but hardware.strategy=none: "
+                              "pick a multi-process profile, e.g. hardware=cpu-ddp, hardware=gpu-ddp or hardware=gpu-fsdp")
+        return
+    world = world or (torchrun_world if in_torchrun() else hw.nproc)
+    if world < 1:
+        raise ConfigError(f"hardware.nproc={hw.nproc}: must be at least 1")
+    if hw.backend == "nccl" and hw.device == "cpu":
+        raise ConfigError("hardware.backend=nccl needs CUDA devices; on the CPU use backend gloo (hardware=cpu-ddp)")
+    P, G, M = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.train.minibatches
+    if P % world:
+        raise ConfigError(f"rollout.prompts_per_step={P} does not split evenly over {world} processes (each samples "
+                          f"whole prompt groups): use a multiple of {world}")
+    if (P // world) * G < M:
+        raise ConfigError(f"train.minibatches={M} is more than the {(P // world) * G} completions each of the {world} "
+                          "processes holds: lower train.minibatches or raise rollout.prompts_per_step")
+
+
+def launch(cfg, run_dir: Path) -> dict:
+    """Start `hardware.nproc` workers on this machine with torchrun, wait for them; rank 0's summary.
+
+    The workers re-enter with RUN_DIR/config.yaml (the resolved config, written here), so
+    they all train the same config into the same directory.
+    """
+    from omegaconf import OmegaConf
+    from torch.distributed.run import get_args_parser, run
+
+    hw, n = cfg.hardware, cfg.hardware.nproc
+    check(cfg, n)
+    visible = torch.cuda.device_count()
+    if _device(hw).type == "cuda" and visible < n:
+        raise ConfigError(f"hardware.nproc={n} but {visible} CUDA devices are visible: set hardware.nproc={visible}"
+                          if visible else f"hardware.device={hw.device} but no CUDA device is visible; use hardware=cpu-ddp")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    env = {}
+    if _device(hw).type == "cpu" and not hw.threads and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // n))  # share the cores instead of oversubscribing
+    args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.distributed", str(run_dir)]
+    print(f"gspo: starting {n} processes: torchrun {' '.join(args)}", flush=True)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        run(get_args_parser().parse_args(args))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def shared_run_dir(run_dir: Path, hw) -> Path:
+    """Rank 0's run directory, under torchrun started by hand (where every rank ran Hydra).
+
+    Hydra names a run directory by the second it started, which may differ between
+    ranks; the directory a rank made for nothing (only Hydra's own files) is removed.
+    """
+    if not in_torchrun() or (int(os.environ["WORLD_SIZE"]) == 1 and hw.strategy == "none"):
+        return Path(run_dir)
+    _init(hw, _device(hw))
+    box = [str(run_dir)]
+    tdist.broadcast_object_list(box, src=0)
+    shared = Path(box[0])
+    mine = Path(run_dir)
+    if mine.resolve() != shared.resolve() and mine.is_dir():
+        if all(p.name == ".hydra" or p.suffix == ".log" for p in mine.iterdir()):
+            shutil.rmtree(mine, ignore_errors=True)
+    return shared
+
+
+def _worker(argv: list[str]) -> int:
+    """A torchrun worker: train RUN_DIR/config.yaml into RUN_DIR."""
+    from omegaconf import OmegaConf
+
+    from gspo.trainer import train
+
+    if len(argv) != 1:
+        print("usage: python -m gspo.distributed RUN_DIR  (started by torchrun)", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0])
+    try:
+        train(OmegaConf.load(run_dir / "config.yaml"), run_dir)
+    except ConfigError as e:
+        print(f"gspo: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _device(hw) -> torch.device:
+    name = hw.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _init(hw, device: torch.device) -> torch.device:
+    """Join the process group torchrun describes in the environment (once); this rank's device."""
+    world = int(os.environ["WORLD_SIZE"])
+    if hw.strategy == "none":
+        raise ConfigError(f"started by torchrun with {world} processes but hardware.strategy=none: "
+                          "pick a multi-process profile, e.g. hardware=cpu-ddp or hardware=gpu-ddp")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not tdist.is_initialized():
+        tdist.init_process_group(hw.backend, device_id=device if device.type == "cuda" else None)
+        atexit.register(_destroy)
+    return device
+
+
+def _destroy() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the trainer's view
+
+
+def setup(cfg, device: torch.device) -> "Dist":
+    """This process's place in the run: one process, or a rank of the torchrun group."""
+    hw = cfg.hardware
+    if not in_torchrun() or (int(os.environ["WORLD_SIZE"]) == 1 and hw.strategy == "none"):
+        return Dist(device=device)
+    device = _init(hw, device)
+    check(cfg, tdist.get_world_size())
+    return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), strategy=hw.strategy, device=device)
+
+
+def group_generator(seed: int, step: int, draw: int, prompt: int, device, purpose: str = "sample") -> torch.Generator:
+    """A generator of one prompt group's own: keyed by (seed, step, draw, global prompt index), never by rank."""
+    key = hashlib.blake2b(f"{purpose}-{seed}-{step}-{draw}-{prompt}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(key, "little") >> 1)
+
+
+def minibatches(prompt_index: torch.Tensor, group_size: int, n: int, seed: int, step: int,
+                offset: int = 0) -> list[torch.Tensor]:
+    """Row indices of the minibatches of a rank's batch (rows group-contiguous).
+
+    Rows are shuffled within their group by the group's generator, then the row in slot s
+    (counted over all ranks: offset = rank x rows per rank) goes to minibatch s mod n, n =
+    min(n, rows). So a one-process minibatch is the union of the ranks' minibatches, and
+    every minibatch holds about the same share of every group.
+    """
+    N = prompt_index.numel()
+    n = max(1, min(n, N))
+    order = torch.cat([
+        g + torch.randperm(group_size, generator=group_generator(seed, step, 0, int(prompt_index[g]), "cpu", "minibatch"))
+        for g in range(0, N, group_size)
+    ])
+    slot = (offset + torch.arange(N)) % n
+    return [order[slot == m] for m in range(n)]
+
+
+class NullLogger:
+    """The metrics sink of ranks other than 0: nothing is written."""
+
+    def log(self, metrics, step: int) -> None:
+        pass
+
+    def should_log_samples(self, step: int) -> bool:
+        return False
+
+    def log_samples(self, step: int, rows) -> None:
+        pass
+
+    def close(self, exit_code: int = 0) -> None:
+        pass
+
+
+@dataclass
+class Dist:
+    """One process's place in a run: rank, world size, strategy, device (one process: 0, 1, none)."""
+
+    rank: int = 0
+    world: int = 1
+    strategy: str = "none"  # none | ddp | fsdp
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, n: int) -> tuple[int, int]:
+        """This rank's contiguous share [lo, hi) of n items (n divisible by the world size)."""
+        k = n // self.world
+        return self.rank * k, (self.rank + 1) * k
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            tdist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. builds the warm-started base), then the others."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    # -- models ----------------------------------------------------------------
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """FSDP keeps fp32 master shards and computes in `dtype`; DDP and one process store `dtype`."""
+        return torch.float32 if self.strategy == "fsdp" else dtype
+
+    def wrap(self, model: torch.nn.Module, dtype: torch.dtype, frozen: bool = False) -> torch.nn.Module:
+        """The module to train through: DDP around `model`, or `model` sharded in place by fully_shard."""
+        if self.strategy == "ddp" and not frozen:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # no buffer sync per forward: buffers (rotary tables) never change, and a per-forward
+            # broadcast would tie every forward pass, sampling's too, to the other ranks
+            sig = inspect.signature(DistributedDataParallel.__init__).parameters
+            no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in sig else {"broadcast_buffers": False}
+            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                           **no_sync)
+        if self.strategy == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world,))
+            mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+            blocks = set(getattr(model, "_no_split_modules", None) or ())  # HF: the decoder layer classes
+            for m in [m for m in model.modules() if type(m).__name__ in blocks]:
+                fully_shard(m, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+
+    @contextlib.contextmanager
+    def gathered(self, model: torch.nn.Module) -> Iterator[None]:
+        """FSDP: full weights on every rank for the block (no collective per forward); else nothing.
+
+        Every rank must enter it (the all-gather is collective); inside, ranks may run
+        different numbers of forward passes (sampling stops when its batch is done).
+        """
+        if self.strategy != "fsdp":
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        before = [_reshards_after_forward(m) for m in mods]
+        for m in mods:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m, b in zip(mods, before):
+                m.reshard()
+                m.set_reshard_after_forward(b, recurse=False)
+
+    # -- loss and metrics ------------------------------------------------------
+    def loss_scale(self, mask: torch.Tensor, agg: str) -> float:
+        """Factor on this rank's loss so that the DDP average is the one-process loss's gradient.
+
+        W x (this rank's / all ranks' count of what `agg` divides by); 1 in one process.
+        """
+        if self.world == 1:
+            return 1.0
+        counts = {"token_mean": lambda: mask.sum(), "seq_mean_token_mean": lambda: (mask.sum(1) > 0).sum(),
+                  "seq_mean_token_sum_norm": lambda: mask.shape[0]}
+        local = float(counts[agg]())
+        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(total)
+        return local * self.world / max(float(total.item()), 1.0)
+
+    def common_groups(self, n_groups: int) -> int:
+        """The smallest group count over ranks (dynamic sampling may leave a rank short)."""
+        if self.world == 1:
+            return n_groups
+        t = torch.tensor([n_groups], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+        return int(t.item())
+
+    def reduce_metrics(self, metrics: dict, rows: int) -> dict:
+        """Step metrics over ranks: mean, min for *_min, max for *_max and time/*, sum for throughput/*.
+
+        `reward/std` is recombined from the ranks' first and second moments (`rows` each).
+        """
+        if self.world == 1:
+            return metrics
+        m = dict(metrics)
+        has_std = "reward/std" in m and "reward/mean" in m
+        if has_std:  # E[r^2] of this rank's rows, from its unbiased std
+            m["reward/_sq"] = m["reward/std"] ** 2 * (rows - 1) / max(rows, 1) + m["reward/mean"] ** 2
+        keys = sorted(m)
+        crc = zlib.crc32("\n".join(keys).encode())
+        x = torch.tensor([float(m[k]) for k in keys] + [float(crc)], dtype=torch.float64, device=self.device)
+        lo, hi, total = x.clone(), x.clone(), x.clone()
+        tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
+        tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
+        tdist.all_reduce(total)
+        if lo[-1] != hi[-1]:
+            raise RuntimeError("ranks logged different metric keys; cannot reduce them")
+        out = {}
+        for i, k in enumerate(keys):
+            if k.endswith("_min"):
+                out[k] = lo[i].item()
+            elif k.endswith("_max") or k.startswith("time/"):
+                out[k] = hi[i].item()
+            elif k.startswith("throughput/"):
+                out[k] = total[i].item()
+            else:
+                out[k] = total[i].item() / self.world
+        if has_std:
+            n = rows * self.world
+            var = max(out.pop("reward/_sq") - out["reward/mean"] ** 2, 0.0) * n / max(n - 1, 1)
+            out["reward/std"] = var ** 0.5
+        return out
+
+    def evaluate(self, fn: Callable[[list], dict], problems: list, model: torch.nn.Module) -> dict:
+        """`fn(problems)` on this rank's strided share of `problems`, combined over ranks (per-problem means)."""
+        share = problems[self.rank :: self.world]
+        with self.gathered(model):
+            out = fn(share)
+        if self.world == 1:
+            return out
+        keys = sorted(k for k, v in out.items() if isinstance(v, (int, float)))
+        x = torch.tensor([out[k] * len(share) for k in keys] + [len(share)], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(x)
+        return {k: (x[i] / x[-1].clamp(min=1)).item() for i, k in enumerate(keys)}
+
+    # -- checkpoints -----------------------------------------------------------
+    def save_checkpoint(self, run_dir: Path, step: int, model, tokenizer, opt, sched) -> None:
+        """Rank 0 writes the checkpoint (FSDP: full tensors gathered from every rank first)."""
+        model_state = optim_state = None
+        if self.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                                 get_optimizer_state_dict)
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0 only
+            model_state = get_model_state_dict(model, options=opts)
+            optim_state = get_optimizer_state_dict(model, opt, options=opts)
+            tied = _tied_aliases(model)  # e.g. lm_head.weight = embed_tokens.weight: saved once, as HF does
+            model_state = {k: v for k, v in model_state.items() if k not in tied}
+        if self.is_main:
+            checkpoint.save(run_dir, step, model, tokenizer, opt, sched, model_state=model_state,
+                            optimizer_state=optim_state)
+        self.barrier()
+
+    def load_optimizer_state(self, model, opt, state: dict) -> None:
+        """Load a checkpoint's optimizer state, whichever strategy (and world size) wrote it.
+
+        One process and DDP save `optimizer.state_dict()` (keyed by parameter number); FSDP
+        saves the full state keyed by parameter name. Either loads into either.
+        """
+        names = [n for n, _ in checkpoint.unwrap(model).named_parameters()]
+        by_name = any(isinstance(p, str) for g in state["param_groups"] for p in g["params"])
+        if self.strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            state = state if by_name else _rekey(state, dict(enumerate(names)))
+            set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(_rekey(state, {n: i for i, n in enumerate(names)}) if by_name else state)
+
+
+def _rekey(state: dict, key: dict) -> dict:
+    """An optimizer state dict with its parameter keys mapped through `key` (number <-> name)."""
+    return {"state": {key[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [key[p] for p in g["params"]]} for g in state["param_groups"]]}
+
+
+def _tied_aliases(model) -> set[str]:
+    """Names under which an already-named parameter appears again (tied weights)."""
+    seen, aliases = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        seen.add(id(p))
+    return aliases
+
+
+def _reshards_after_forward(module) -> bool:
+    """An FSDP module's reshard-after-forward setting (the root's is off by default)."""
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    return group is None or getattr(group, "post_forward_mesh_info", True) is not None
+
+
+def scalar(x) -> float:
+    """A Python float from a tensor or DTensor (FSDP's grad norm) or a number."""
+    if hasattr(x, "full_tensor"):
+        x = x.full_tensor()
+    return float(x.item() if hasattr(x, "item") else x)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))

@@ -1,0 +1,236 @@
+"""Multi-process training (gloo on the CPU): 2 ranks x P prompts compute what 1 process x 2P
+prompts computes -- the same completions and rewards, loss and updated weights -- and the
+ways to start such a run (`gspo train hardware=cpu-ddp`, torchrun by hand, resume) work.
+Hydra's sweep launchers (joblib, submitit) run a tiny sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from gspo import checkpoint, distributed
+from gspo.config import compose
+from gspo.errors import ConfigError
+from gspo.models import base_model
+from gspo.tasks import build_task
+from gspo.trainer import train
+
+from conftest import tiny
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def small(cache_dir, **extra) -> list[str]:
+    """A dense tiny model, 4 prompts x 4 completions (2 prompts a rank), 2 minibatches, 1 step;
+    GRPO with token-mean aggregation and a KL reference, so the loss scaling by token counts
+    and the reference model are on the path."""
+    opts = {"model": "qwen3-tiny", "algo": "grpo", "algo.agg": "token_mean", "train.steps": 1, "train.lr": 1e-3,
+            "train.warmup_steps": 0, "logger.wandb_cfg.samples_every": 1, **extra}
+    return tiny(cache_dir, **opts)
+
+
+def cli(*args, cwd, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else []
+    res = subprocess.run([sys.executable, *launcher, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(checkpoint.latest(run_dir) / "model.safetensors")
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.rglob("config.yaml") if p.parent.name != ".hydra")
+
+
+# --------------------------------------------------------------------------- the pieces
+
+
+def test_a_group_samples_the_same_completions_in_any_batch():
+    """Per-group generators: sampling 4 prompts at once = sampling them 2 and 2 (different padding, lengths)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from gspo.models import char_tokenizer
+    from gspo.rollout import generate
+
+    tok = char_tokenizer("0123456789+=")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).eval()
+    prompts = ["1+2=", "12+345=", "7=", "98+1="]
+    gens = lambda lo, hi: [distributed.group_generator(3, 1, 0, i, "cpu") for i in range(lo, hi)]  # noqa: E731
+    whole = generate(model, tok, prompts, 4, 12, generator=gens(0, 4))
+    halves = [generate(model, tok, prompts[:2], 4, 12, generator=gens(0, 2)),
+              generate(model, tok, prompts[2:], 4, 12, generator=gens(2, 4))]
+    assert whole.texts == halves[0].texts + halves[1].texts
+    assert whole.lengths.tolist() == torch.cat([h.lengths for h in halves]).tolist()
+    assert len(set(whole.texts)) > 4  # really sampled
+
+
+def test_minibatches_of_one_process_are_the_union_of_the_ranks():
+    P, G, M, W = 4, 4, 2, 2
+    n = P * G // W  # rows per rank
+    one = distributed.minibatches(torch.arange(P).repeat_interleave(G), G, M, seed=0, step=1)
+    ranks = [distributed.minibatches(torch.arange(r * P // W, (r + 1) * P // W).repeat_interleave(G), G, M, 0, 1,
+                                     offset=r * n) for r in range(W)]
+    for m in range(M):
+        assert torch.cat([ranks[r][m] + r * n for r in range(W)]).tolist() == one[m].tolist()
+        assert all(len(ranks[r][m]) == n // M for r in range(W))
+    assert sorted(torch.cat(one).tolist()) == list(range(P * G))  # every row once
+    assert one[0].tolist() != list(range(0, P * G, M))  # shuffled within groups
+
+
+def test_profiles_compose_and_bad_splits_are_config_errors():
+    for name, strategy, backend in [("cpu-ddp", "ddp", "gloo"), ("gpu-ddp", "ddp", "nccl"), ("gpu-fsdp", "fsdp", "nccl")]:
+        hw = compose([f"hardware={name}"]).hardware
+        assert (hw.strategy, hw.backend) == (strategy, backend) and hw.nproc >= 1
+    distributed.check(compose(["hardware=cpu-ddp", "rollout.prompts_per_step=4"]))
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        distributed.check(compose(["hardware=cpu-ddp", "rollout.prompts_per_step=3"]))
+    with pytest.raises(ConfigError, match="minibatches"):
+        distributed.check(compose(["hardware=cpu-ddp", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                                   "train.minibatches=4"]))
+    with pytest.raises(ConfigError, match="nccl"):
+        distributed.check(compose(["hardware=gpu-ddp", "hardware.device=cpu"]))
+
+
+def test_cli_rejects_a_prompt_count_that_does_not_split(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "cli.main", "train", "hardware=cpu-ddp", "hardware.nproc=3"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "multiple of 3" in res.stderr and "Traceback" not in res.stderr
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("one-process")
+    train(compose(small(cache_dir)), run_dir)
+    return run_dir
+
+
+def assert_same_run(one: Path, two: Path) -> None:
+    a, b = jsonl(one / "metrics.jsonl"), jsonl(two / "metrics.jsonl")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1]
+    assert a[0]["eval/accuracy"] == b[0]["eval/accuracy"]  # evaluation split over ranks and recombined
+    # per-row metrics, the loss and the gradient are exact; per-token diagnostics (clip/*, kl/*, entropy)
+    # are averaged over ranks with equal weight, so they differ by the ranks' token-count imbalance
+    for key in ("reward/mean", "reward/std", "reward/frac_zero_std", "response/len_mean", "response/truncated_frac",
+                "train/loss", "train/grad_norm"):
+        assert b[1][key] == pytest.approx(a[1][key], rel=1e-5, abs=1e-7), key
+    # the first rank's rows are the first rows of the one-process batch: same completions, same rewards
+    sa, sb = jsonl(one / "samples.jsonl"), jsonl(two / "samples.jsonl")
+    assert [(s["prompt"], s["completion"], s["reward"]) for s in sa] == [(s["prompt"], s["completion"], s["reward"])
+                                                                         for s in sb]
+    wa, wb = weights(one), weights(two)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    cfg = OmegaConf.load(one / "config.yaml")
+    base = load_file(base_model(cfg, build_task(cfg.task)) / "model.safetensors")
+    assert max((wa[k] - base[k]).abs().max().item() for k in wa if k in base) > 1e-4  # the step moved the weights
+
+
+def test_two_ranks_compute_what_one_process_computes(one_process, tmp_path, cache_dir):
+    """`gspo train hardware=cpu-ddp` (2 gloo processes, launched by gspo) vs `hardware=cpu`."""
+    res = cli("train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'ddp'}", *small(cache_dir), cwd=tmp_path)
+    assert "starting 2 processes" in res.stdout and "run directory" in res.stdout
+    assert_same_run(one_process, tmp_path / "ddp")
+
+
+@pytest.mark.slow
+def test_fsdp_computes_what_one_process_computes(one_process, tmp_path, cache_dir):
+    """fully_shard over 2 gloo processes (parameters, gradients, AdamW state sharded), then resume it."""
+    cli("train", "hardware=cpu-ddp", "hardware.strategy=fsdp", f"hydra.run.dir={tmp_path / 'fsdp'}",
+        *small(cache_dir), cwd=tmp_path)
+    assert_same_run(one_process, tmp_path / "fsdp")
+    optim = checkpoint.load_state(checkpoint.latest(tmp_path / "fsdp"))["optimizer"]
+    assert isinstance(optim["param_groups"][0]["params"][0], str)  # full state, keyed by parameter name
+    cli("train", f"resume={tmp_path / 'fsdp'}", "train.steps=2", cwd=tmp_path)
+    assert [m["step"] for m in jsonl(tmp_path / "fsdp" / "metrics.jsonl")] == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------- launching
+
+
+@pytest.mark.slow
+def test_torchrun_by_hand_then_resume_with_two_ranks(tmp_path, cache_dir):
+    """`torchrun --nproc-per-node 2 -m cli.main train hardware=cpu-ddp`: one run directory for both ranks;
+    then `gspo train resume=DIR` continues it with 2 ranks (every rank loads the checkpoint)."""
+    res = cli("train", "hardware=cpu-ddp", *small(cache_dir), cwd=tmp_path, torchrun=2)
+    assert res.stdout.count("run directory") == 1  # rank 0 reports
+    (run,) = run_dirs(tmp_path / "outputs")
+    assert [d for d in (tmp_path / "outputs").glob("*/*") if d.is_dir()] == [run]  # none left by rank 1's Hydra
+    assert [m["step"] for m in jsonl(run / "metrics.jsonl")] == [0, 1]
+    cli("train", f"resume={run}", "train.steps=2", cwd=tmp_path)
+    assert [m["step"] for m in jsonl(run / "metrics.jsonl")] == [0, 1, 2]
+    assert checkpoint.load_state(checkpoint.latest(run))["step"] == 2
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+
+
+def test_a_checkpoint_resumes_under_another_world_size(tmp_path, cache_dir):
+    """A one-process checkpoint continues under 2 ranks (and its optimizer state loads)."""
+    train(compose(small(cache_dir)), tmp_path)
+    cli("train", f"resume={tmp_path}", "train.steps=2", "hardware.strategy=ddp", "hardware.nproc=2", cwd=tmp_path)
+    assert [m["step"] for m in jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    assert OmegaConf.load(tmp_path / "config.yaml").hardware.strategy == "ddp"
+
+
+# --------------------------------------------------------------------------- real checkpoints
+
+
+def test_hf_checkpoint_with_chat_template_and_gradient_checkpointing(tmp_path, cache_dir):
+    """`model=hf model.path=DIR` on a Qwen3 checkpoint saved here, with a chat template (what a real
+    Qwen3 tokenizer has) and gradient checkpointing on."""
+    from gspo.models import load_pretrained
+    from gspo.rollout import encode_prompts
+
+    cfg = compose(small(cache_dir))
+    model, tok = load_pretrained(base_model(cfg, build_task(cfg.task)))
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ckpt = tmp_path / "qwen3"
+    model.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    _, tok = load_pretrained(ckpt)
+    assert tok.chat_template and encode_prompts(tok, ["1+2="], chat_template=True) == [tok("1+2=")["input_ids"]]
+    summary = train(compose(small(cache_dir, model="hf", **{"model.path": str(ckpt),
+                                                             "model.gradient_checkpointing": True})), tmp_path / "run")
+    assert summary["status"] == "finished"
+    assert summary["final_accuracy"] is not None
+
+
+# --------------------------------------------------------------------------- sweep launchers
+
+
+def test_joblib_launcher_runs_a_two_job_sweep_in_parallel(tmp_path, cache_dir):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    cli("train", "-m", "hydra/launcher=parallel", "seed=0,1", *small(cache_dir, algo="gspo", **{"algo.agg": "null"}),
+        cwd=tmp_path)
+    jobs = run_dirs(tmp_path / "outputs" / "multirun")
+    assert [json.loads((j / "summary.json").read_text())["status"] for j in jobs] == ["finished", "finished"]
+
+
+@pytest.mark.slow
+def test_submitit_launcher_with_its_local_executor(tmp_path, cache_dir):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    cli("train", "-m", "hydra/launcher=local-submitit", "seed=0", *small(cache_dir), cwd=tmp_path)
+    (job,) = run_dirs(tmp_path / "outputs" / "multirun")
+    assert json.loads((job / "summary.json").read_text())["status"] == "finished"
