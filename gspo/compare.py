@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -626,7 +627,8 @@ def print_report(result: CompareResult, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    # in a log or a pipe rich would fold the table to 80 columns; a wide table reads better there
+    console = console or (Console() if sys.stdout.isatty() else Console(width=220))
     table = Table(title=f"gspo compare — grouped by {result.by}", box=box.SIMPLE_HEAD, padding=(0, 1))
     for name, _ in COLUMNS:
         table.add_column(name, justify="left" if name == "group" else "right", overflow="fold",

@@ -169,20 +169,11 @@ def grpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
     return Terms(objective, w, low, high, dual)
 
 
-@register_loss("dapo", agg="token_mean")
-def dapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
-    """DAPO, arXiv 2503.14476: GRPO's token ratio with clip-higher (eps_high > eps_low), token mean."""
-    w = torch.exp(logp - old_logp)
-    objective, low, high, dual = _ppo_clip(w, adv, h)
-    return Terms(objective, w, low, high, dual)
-
-
-@register_loss("dr_grpo", agg="seq_mean_token_sum_norm")
-def dr_grpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
-    """Dr. GRPO, arXiv 2503.20783: GRPO's token ratio, tokens summed over a constant (needs max_tokens)."""
-    w = torch.exp(logp - old_logp)
-    objective, low, high, dual = _ppo_clip(w, adv, h)
-    return Terms(objective, w, low, high, dual)
+# DAPO (arXiv 2503.14476) and Dr. GRPO (arXiv 2503.20783) keep GRPO's token ratio and PPO clip;
+# they differ in aggregation (token mean; tokens summed over the constant B * max_tokens) and
+# in their presets (clip-higher 0.2/0.28; mean-centred advantage), so they reuse its function.
+register_loss("dapo", agg="token_mean")(grpo)
+register_loss("dr_grpo", agg="seq_mean_token_sum_norm")(grpo)
 
 
 @register_loss("gspo", agg="seq_mean_token_mean", seq_ratio=True)
