@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from gspo.config import CONF_DIR, GROUPS, compose, group_options, sweep_combinations
+from gspo.config import GROUPS, compose, group_options, sweep_combinations
 from gspo.errors import ConfigError
 
 
@@ -113,5 +113,3 @@ def main() -> None:  # pragma: no cover
 
 if __name__ == "__main__":  # pragma: no cover
     main()
-
-__all__ = ["app", "CONF_DIR"]

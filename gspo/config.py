@@ -171,29 +171,13 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schemas so every YAML in conf/ is validated against them."""
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for group, node in [
-        ("algo", AlgoConfig),
-        ("model", ModelConfig),
-        ("task", TaskConfig),
-        ("reward", RewardConfig),
-        ("hardware", HardwareConfig),
-        ("logger", LoggerConfig),
-    ]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
+    """Register the schema: conf/config.yaml lists it first, so every group's YAML is validated against it."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
 
 
 def group_options(group: str) -> list[str]:
     """The options of a config group: the YAML files in conf/<group>/."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def to_container(cfg: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- composition

@@ -16,7 +16,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -84,8 +83,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         base_dir = base_model(cfg, task)
     model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation)
     model.to(device)
-    if cfg.model.gradient_checkpointing:
-        model.activation_checkpointing_enable() if hasattr(model, "activation_checkpointing_enable") else model.gradient_checkpointing_enable()
+    if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     ref = _frozen_copy(model) if cfg.algo.beta > 0 else None  # beta 0: no reference model in memory
     use_moe = moe.is_moe(model)
     start, resume_ckpt = 0, checkpoint.latest(run_dir) if cfg.resume else None
