@@ -54,13 +54,30 @@ Keys are documented in gspo/config.py; `gspo train --cfg job` prints the compose
 """
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, help=TRAIN_HELP)
+# Hydra's own flags that take a value (`--cfg job`, `-cn my_config`, ...): passed through untouched
+_HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--config-dir", "-cd", "--config-name", "-cn"}
+
+
+def _split_hydra_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides, Hydra flags with their values) from the extra command-line arguments."""
+    overrides, flags, it = [], [], iter(args)
+    for a in it:
+        if a in _HYDRA_VALUE_FLAGS:
+            flags += [a, next(it, "")]
+        elif a.startswith("-"):
+            flags.append(a)
+        else:
+            overrides.append(a)
+    return overrides, flags
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, help=TRAIN_HELP,
+             options_metavar="[-m] [OVERRIDES]...")
 def train(
     ctx: typer.Context,
     multirun: bool = typer.Option(False, "-m", "--multirun", help="Run a sweep over comma-separated values."),
 ) -> None:
-    overrides = [a for a in ctx.args if not a.startswith("-")]
-    hydra_flags = [a for a in ctx.args if a.startswith("-")]
+    overrides, hydra_flags = _split_hydra_flags(ctx.args)
     from gspo.distributed import check as check_distributed
 
     try:

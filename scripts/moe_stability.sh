@@ -6,13 +6,15 @@
 # batch, as in the GSPO paper), KL off for every algorithm so they differ in ratio and clip
 # only; then `gspo compare` writes the figure and the table.
 #
-#   bash scripts/moe_stability.sh                 # STEPS=300 by default
+#   bash scripts/moe_stability.sh                 # STEPS=300, LR=1e-4 by default
+#   LR=3e-4 OUT=outputs/moe_stability_lr3e-4 bash scripts/moe_stability.sh
 #   STEPS=1000 OUT=outputs/moe_long bash scripts/moe_stability.sh
 set -euo pipefail
 OUT=${OUT:-outputs/moe_stability}
 STEPS=${STEPS:-300}
-COMMON=(model=qwen3-moe-top1 train.minibatches=4 "train.steps=${STEPS}" eval.every=50 algo.beta=0
-        logger.progress=false)
+LR=${LR:-1e-4}
+COMMON=(model=qwen3-moe-top1 train.minibatches=4 "train.steps=${STEPS}" "train.lr=${LR}" eval.every=50
+        algo.beta=0 logger.progress=false)
 
 start=$(date +%s)
 gspo train -m algo=grpo,gspo,gmpo seed=0,1,2 "${COMMON[@]}" "hydra.sweep.dir=${OUT}/sweep"

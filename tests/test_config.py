@@ -89,3 +89,9 @@ def test_help_lists_groups_and_options():
         for g in GROUPS:
             assert g in res.output
         assert "gspo_token" in res.output and "qwen3-moe" in res.output and "countdown" in res.output
+
+
+def test_hydra_flags_with_values_pass_through():
+    res = runner.invoke(app, ["train", "--cfg", "job", "algo=grpo", "train.steps=7"])
+    assert res.exit_code == 0, res.output
+    assert "name: grpo" in res.output and "steps: 7" in res.output
