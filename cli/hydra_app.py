@@ -6,9 +6,9 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from gspo.config import CONF_DIR, _register_resolvers, check, register_configs
+from gspo.config import CONF_DIR, _register_resolvers, load_run_config, register_configs
 
 register_configs()
 _register_resolvers()
@@ -23,10 +23,9 @@ def hydra_train(cfg: DictConfig) -> float:
     run_dir = Path(hc.runtime.output_dir)
     if cfg.resume:  # continue the stopped run in its own directory, with its own config
         run_dir = Path(cfg.resume)
-        saved = OmegaConf.load(run_dir / "config.yaml")
         dotted = [o for o in hc.overrides.task if "." in o.split("=")[0]]  # e.g. train.steps=400
-        cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist(dotted), {"resume": str(run_dir)})
-        check(cfg)
+        cfg = load_run_config(run_dir, dotted)
+        cfg.resume = str(run_dir)
     if distributed.needs_launch(cfg.hardware):  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
         summary = distributed.launch(cfg, run_dir)
     else:  # one process, or a worker of a torchrun started by hand (every rank takes rank 0's directory)

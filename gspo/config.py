@@ -219,6 +219,26 @@ def compose(overrides: list[str] = ()) -> Any:
     return cfg
 
 
+def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
+    """A run's saved config.yaml with `overrides` applied, checked.
+
+    GROUP=OPTION replaces the whole group by that option's composed node (`task=countdown`);
+    KEY=VALUE sets one value (`task.eval_size=500`), after the group swaps.
+    """
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+    swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
+    if swaps:
+        fresh = compose(swaps)
+        for o in swaps:
+            group = o.partition("=")[0]
+            cfg[group] = fresh[group]
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides if o not in swaps]))
+    check(cfg)
+    return cfg
+
+
 def sweep_combinations(overrides: list[str], limit: int = 256) -> list[list[str]]:
     """Expand Hydra sweep syntax (`algo=grpo,gspo seed=0,1`) into the jobs' override lists."""
     import itertools

@@ -78,10 +78,9 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     import json
     from pathlib import Path
 
-    from omegaconf import OmegaConf
 
     from gspo import checkpoint
-    from gspo.config import check, compose
+    from gspo.config import compose, load_run_config
     from gspo.errors import ConfigError
     from gspo.models import base_model, load_pretrained
     from gspo.tasks import build_task
@@ -103,8 +102,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
         else:
             raise ConfigError(f"{target}: neither a run directory (config.yaml) nor a checkpoint (config.json)")
         if run_dir is not None:
-            cfg = OmegaConf.merge(OmegaConf.load(run_dir / "config.yaml"), OmegaConf.from_dotlist(overrides))
-            check(cfg)
+            cfg = load_run_config(run_dir, overrides)
         else:
             cfg = compose(overrides)
     task = build_task(cfg.task)

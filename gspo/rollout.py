@@ -132,7 +132,7 @@ def generate(
     if capture_routing:
         from gspo import moe
 
-        ctx = moe.capture_routing(model)
+        ctx = moe.capture_routing(model, logprobs=False)  # R3 replays indices only; skip per-token log-softmax
         trace = ctx.__enter__()
     try:
         cache, step_ids, full_mask = None, ids, mask

@@ -219,6 +219,9 @@ def _update(cfg, model, ref, opt, sched, batch: Batch, step: int, use_moe: bool,
             old_logp, _, _ = token_logprobs(bare, ro, temp)
         ref_logp = token_logprobs(ref, ro, temp)[0] if ref is not None else None
     old_routing = old_trace.indices(len(ro.texts)) if use_moe else None
+    old_router_lp = old_trace.logprobs(len(ro.texts)) if use_moe else None
+    agg = algo.agg or get_loss(algo.loss).agg
+    rspo = algo.loss == "rspo" and use_moe
     replay = {"R2": old_routing, "R3": ro.routing}.get(cfg.moe.routing_replay) if use_moe else None
     aux_coef = cfg.model.router_aux_loss_coef if use_moe else 0.0
 
@@ -232,12 +235,13 @@ def _update(cfg, model, ref, opt, sched, batch: Batch, step: int, use_moe: bool,
         with contextlib.ExitStack() as replaying:
             if replay is not None:  # open through backward: gradient checkpointing re-runs the forward there
                 replaying.enter_context(moe.replay_routing(model, replay[rows]))
-            with moe.capture_routing(model) if use_moe else contextlib.nullcontext() as upd_trace:
+            # router log-probs only when the loss needs them: the capture sits on the update's hot path
+            with moe.capture_routing(model, logprobs=rspo) if use_moe else contextlib.nullcontext() as upd_trace:
                 logp, entropy, out = token_logprobs(model, sub, temp, with_entropy=True,
                                                     **({"output_router_logits": True} if aux_coef > 0 else {}))
             shift = None
-            if algo.loss == "rspo" and use_moe:  # router shift at the positions that predict each completion token
-                shift = moe.router_shift(old_trace.logprobs(len(ro.texts))[rows], upd_trace.logprobs(len(rows)),
+            if rspo:  # router shift at the positions that predict each completion token
+                shift = moe.router_shift(old_router_lp[rows], upd_trace.logprobs(len(rows)),
                                          old_routing[rows], sub.attention_mask)[0][:, ro.prompt_len - 1 : -1]
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], mask[rows],
@@ -246,7 +250,7 @@ def _update(cfg, model, ref, opt, sched, batch: Batch, step: int, use_moe: bool,
                 ref_logp=None if ref_logp is None else ref_logp[rows], beta=algo.beta, kl_estimator=algo.kl_estimator,
                 router_shift=shift, router_shift_floor=algo.router_shift_floor,
             )
-            loss = loss * dist.loss_scale(mask[rows], algo.agg or get_loss(algo.loss).agg)  # 1 in one process
+            loss = loss * dist.loss_scale(mask[rows], agg)  # 1 in one process
             if aux_coef > 0:
                 loss = loss + aux_coef * out.aux_loss
                 stats["moe/aux_loss"] = out.aux_loss.item()
@@ -274,7 +278,7 @@ def _update(cfg, model, ref, opt, sched, batch: Batch, step: int, use_moe: bool,
         model.eval()
         with torch.no_grad(), moe.capture_routing(bare) as new_trace:
             token_logprobs(bare, ro, temp)
-        metrics |= moe.moe_metrics(old_routing, new_trace.indices(len(ro.texts)), old_trace.logprobs(len(ro.texts)),
+        metrics |= moe.moe_metrics(old_routing, new_trace.indices(len(ro.texts)), old_router_lp,
                                    new_trace.logprobs(len(ro.texts)), ro.attention_mask, bare.config.num_experts)
     return metrics
 

@@ -37,3 +37,12 @@ def test_eval_of_a_run_writes_eval_json(tmp_path, cache_dir):
 def test_eval_of_the_warm_start_base(cache_dir):
     res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 8}), examples=0, pass_k=1)
     assert "base-" in res["model"] and 0.0 <= res["eval/accuracy"] <= 1.0
+
+
+def test_eval_of_a_run_on_another_task(tmp_path, cache_dir):
+    """GROUP=OPTION swaps the run's whole task node; KEY=VALUE then tunes it."""
+    run_dir = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run_dir)
+    res = run_eval(str(run_dir), ["task=countdown", "task.eval_size=4"], examples=1, pass_k=1)
+    assert res["task"] == "countdown" and res["n"] == 4
+    assert "," in res["examples"][0]["prompt"]  # a Countdown prompt ("3,5,7=22:"), not "a+b="
