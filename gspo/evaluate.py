@@ -7,7 +7,7 @@ from math import comb
 import torch
 
 from gspo.rollout import generate
-from gspo.tasks import Problem, Task
+from gspo.tasks import Problem, Task, judge
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -41,8 +41,8 @@ def evaluate(
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
         r = generate(model, tokenizer, [p.prompt for p in chunk], 1, max_new_tokens, greedy=True, chat_template=chat_template)
-        for text, p, n in zip(r.texts, chunk, r.lengths.tolist()):
-            v = task.verify(text, p)
+        for text, p, n, bad in zip(r.texts, chunk, r.lengths.tolist(), r.ill_formed.tolist()):
+            v = judge(task, text, p, bad)
             correct.append(v.correct)
             formed.append(v.well_formed)
             lengths.append(n)
@@ -60,7 +60,8 @@ def evaluate(
             chunk = problems[i : i + max(1, batch_size // n)]
             r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature, chat_template=chat_template)
             for j, p in enumerate(chunk):
-                c = sum(task.verify(t, p).correct for t in r.texts[j * n : (j + 1) * n])
+                rows = range(j * n, (j + 1) * n)
+                c = sum(judge(task, r.texts[i], p, bool(r.ill_formed[i])).correct for i in rows)
                 scores.append(pass_at_k(n, c, pass_k))
         out[f"eval/pass@{pass_k}"] = sum(scores) / max(1, len(scores))
     if examples:

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from gspo.errors import ConfigError
-from gspo.tasks import Problem, Task, Verdict
+from gspo.tasks import Problem, Task, Verdict, judge
 
 RewardFn = Callable[[Verdict, object], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -44,15 +44,20 @@ class RewardError(ConfigError):
     """A task verifier or reward function raised on a sample."""
 
 
-def score(task: Task, cfg, texts: list[str], problems: list[Problem]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Rewards (N,) for completions `texts` of `problems`, plus per-part diagnostics (N,) each."""
+def score(task: Task, cfg, texts: list[str], problems: list[Problem],
+          ill_formed=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Rewards (N,) for completions `texts` of `problems`, plus per-part diagnostics (N,) each.
+
+    `ill_formed` (N,) bool, from the rollout: rows with a special token before their EOS (tasks.judge).
+    """
+    flags = [False] * len(texts) if ill_formed is None else [bool(x) for x in ill_formed]
     if cfg.name not in REWARDS:
         raise ConfigError(f"reward={cfg.name}: no such reward. Valid: {', '.join(sorted(REWARDS))}")
     fn = REWARDS[cfg.name]
     rewards, correct, formed = [], [], []
-    for text, problem in zip(texts, problems):
+    for text, problem, bad in zip(texts, problems, flags):
         try:
-            verdict = task.verify(text, problem)
+            verdict = judge(task, text, problem, bad)
             rewards.append(float(fn(verdict, cfg)))
         except Exception as e:  # name the culprit: a user's verifier on a user's data
             raise RewardError(

@@ -31,6 +31,7 @@ class Rollout:
     prompt_index: torch.Tensor  # (N,) index of the row's prompt in the step's problem list
     pad_id: int
     routing: Optional[torch.Tensor] = None  # (N, P+T, L, k) experts chosen while sampling (-1: never routed)
+    ill_formed: Optional[torch.Tensor] = None  # (N,) bool: a special token before the final EOS (see tasks.judge)
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -73,6 +74,7 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         prompt_index=torch.cat([r.prompt_index for r in parts]),
         pad_id=parts[0].pad_id,
         routing=None if parts[0].routing is None else torch.cat([pad(r, r.routing, -1) for r in parts]),
+        ill_formed=None if parts[0].ill_formed is None else torch.cat([r.ill_formed for r in parts]),
     )
 
 
@@ -91,20 +93,30 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def encode_prompts(tokenizer, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
-    if chat_template and getattr(tokenizer, "chat_template", None):
+def encode_prompts(tokenizer, prompts: list, chat_template: bool = False) -> list[list[int]]:
+    """Token ids of each prompt: a string, or chat messages `[{"role": ..., "content": ...}]`.
+
+    Messages are always rendered with the tokenizer's chat template; a string is wrapped as
+    one user message when `chat_template` is on (and the tokenizer has a template).
+    """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and not (chat_template and has_template):
+            out.append(tokenizer(p, add_special_tokens=False)["input_ids"])
+            continue
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
         # render, then tokenize: apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-                 for p in prompts]
-        return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
 
 
 @torch.no_grad()
 def generate(
     model,
     tokenizer,
-    prompts: list[str],
+    prompts: list,
     group_size: int,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -157,9 +169,11 @@ def generate(
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     comp_mask = (~after_eos).float()
     truncated = ~is_eos.any(-1)
-    texts = [
-        tokenizer.decode(row[: int(m.sum())].tolist(), skip_special_tokens=True) for row, m in zip(out.cpu(), comp_mask.cpu())
-    ]
+    # the text the model wrote before its EOS, special tokens and all: a sampled <pad> stays in it, and makes the row ill-formed
+    body = comp_mask.bool() & ~is_eos
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=device)
+    ill_formed = (torch.isin(out, special) & body).any(-1).cpu()
+    texts = [tokenizer.decode(row[m].tolist(), skip_special_tokens=False) for row, m in zip(out.cpu(), body.cpu())]
     routing = None
     if trace is not None:
         # (N, P+T, L, k); the last sampled token was never routed: -1 (replay routes it live)
@@ -174,6 +188,7 @@ def generate(
         prompt_index=torch.arange(len(prompts)).repeat_interleave(group_size),
         pad_id=pad,
         routing=routing,
+        ill_formed=ill_formed,
     )
 
 

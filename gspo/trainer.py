@@ -166,7 +166,7 @@ def _collect(cfg, model, tokenizer, task, step: int, use_moe: bool, dist) -> tup
                          chat_template=cfg.model.use_chat_template, capture_routing=capture_r3)
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
-        rewards, parts = score(task, cfg.reward, r.texts, rows)
+        rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed)
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)

@@ -94,3 +94,22 @@ def test_cat_rollouts_repads_prompts_and_completions():
     assert c.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
     assert c.attention_mask[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 0]
     assert c.texts == ["1", "123"]
+
+
+def test_special_token_inside_a_completion_is_ill_formed():
+    """`1<pad>25` must not be scored as `125`: the verifier judges what the model wrote."""
+    from gspo.rewards import score
+    from gspo.tasks import Problem
+    from gspo.tasks.arithmetic import Addition
+
+    script = [tok("1") + [PAD] + tok("25") + [EOS], tok("125") + [EOS]]
+    r = generate(ScriptedLM(script), TOK, ["100+25=", "100+25="], group_size=1, max_new_tokens=5, greedy=True)
+    assert r.texts == ["1<pad>25", "125"]
+    assert r.ill_formed.tolist() == [True, False]
+    task = Addition(OmegaConf.create({"digits": 2, "eval_fraction": 0.1}))
+    p = Problem("100+25=", "125")
+    reward_cfg = OmegaConf.create({"name": "tinyzero", "correct": 1.0, "format_score": 0.1})
+    rewards, parts = score(task, reward_cfg, r.texts, [p, p], r.ill_formed)
+    assert rewards.tolist() == [0.0, 1.0] and parts["format"].tolist() == [0.0, 1.0]
+    # the flag alone is enough, whatever the text says
+    assert score(task, reward_cfg, ["125", "125"], [p, p], r.ill_formed)[0].tolist() == [0.0, 1.0]

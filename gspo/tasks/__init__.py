@@ -37,6 +37,13 @@ class Task(Protocol):
     def verify(self, completion: str, problem: Problem) -> Verdict: ...
 
 
+def judge(task: Task, text: str, problem: Problem, ill_formed: bool = False) -> Verdict:
+    """The verdict on a completion: the task's, except that a completion holding a special token
+    before its final EOS (a sampled `<pad>`, a stray `<|im_start|>`) is ill-formed whatever the task
+    would say. Decoding skips special tokens, so without this `1<pad>25` would be scored as `125`."""
+    return Verdict(False, False) if ill_formed else task.verify(text, problem)
+
+
 def is_heldout(key: str, fraction: float) -> bool:
     """Stable membership of a problem in the held-out split (independent of seeds and processes)."""
     h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
