@@ -99,6 +99,7 @@ class HardwareConfig:
     backend: str = "gloo"  # gloo | nccl
     strategy: str = "none"  # none | ddp | fsdp
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    compile: bool = False  # sample with a static KV cache through torch.compile (CUDA graphs on a GPU)
 
 
 @dataclass
@@ -127,6 +128,12 @@ class RolloutConfig:
     max_new_tokens: int = 8  # completion length cap
     temperature: float = 1.0
     top_p: float = 1.0
+    # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
+    # forward pass of the trainer; auto = sampler in float32, recompute in bf16/fp16
+    old_logprobs: str = "auto"
+    mismatch_every: int = 10  # with sampler log-probs, recompute them every N steps to log the mismatch (0 = never)
+    tis: str = "none"  # none | token | sequence: truncated IS correction of the sampler/trainer mismatch (recompute only)
+    tis_cap: float = 2.0  # TIS truncation C: weights min(pi_old / mu, C)
 
 
 @dataclass
@@ -136,7 +143,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear learning-rate warmup over this many RL steps (rollout batches)
     checkpoint_every: int = 50  # save a checkpoint every N steps (and always at the end)
 
 
@@ -150,6 +157,8 @@ class EvalConfig:
 @dataclass
 class MoEConfig:
     routing_replay: str = "none"  # none | R2 (replay old-policy routing) | R3 (replay rollout routing)
+    stats_every: int = 1  # routing statistics of the updated policy every N steps (0 = never): one extra forward
+    stats_rows_per_group: int = 1  # ... on this many completions of each group (exchangeable samples; 0 = all)
 
 
 @dataclass
@@ -305,6 +314,8 @@ def _valid_keys(parent: str) -> str:
 
 CHOICES = {
     "moe.routing_replay": ("none", "R2", "R3"),
+    "rollout.old_logprobs": ("auto", "sampler", "recompute"),
+    "rollout.tis": ("none", "token", "sequence"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "hardware.strategy": ("none", "ddp", "fsdp"),
@@ -341,5 +352,9 @@ def check(cfg: Any) -> None:
     for key in ("rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens", "train.minibatches"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key} must be at least 1")
+    if cfg.rollout.tis != "none" and cfg.rollout.old_logprobs != "recompute" and (
+            cfg.rollout.old_logprobs == "sampler" or cfg.hardware.dtype == "float32"):
+        raise ConfigError(f"rollout.tis={cfg.rollout.tis} corrects the sampler/trainer mismatch, which exists only when the "
+                          "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
     if cfg.resume and not (Path(cfg.resume) / "config.yaml").is_file():
         raise ConfigError(f"resume={cfg.resume}: not a gspo run directory (no config.yaml there)")

@@ -2,7 +2,7 @@
 
 `gspo train hardware=cpu-ddp` (or gpu-ddp, gpu-fsdp) starts `hardware.nproc` workers
 with torchrun's own launcher (`torch.distributed.run`, called inside the Hydra job) and
-waits for them; each worker runs `python -m gspo.distributed RUN_DIR`, which trains
+waits for them; each worker runs `python -m gspo.trainer RUN_DIR`, which trains
 with the run directory's resolved config.yaml. `torchrun --nproc-per-node N -m cli.main
 train hardware=cpu-ddp ...` by hand works too: every rank takes rank 0's run directory.
 
@@ -40,7 +40,6 @@ import inspect
 import json
 import os
 import shutil
-import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +113,7 @@ def launch(cfg, run_dir: Path) -> dict:
     env = {}
     if _device(hw).type == "cpu" and not hw.threads and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // n))  # share the cores instead of oversubscribing
-    args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.distributed", str(run_dir)]
+    args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.trainer", str(run_dir)]
     print(f"gspo: starting {n} processes: torchrun {' '.join(args)}", flush=True)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -147,24 +146,6 @@ def shared_run_dir(run_dir: Path, hw) -> Path:
         if all(p.name == ".hydra" or p.suffix == ".log" for p in mine.iterdir()):
             shutil.rmtree(mine, ignore_errors=True)
     return shared
-
-
-def _worker(argv: list[str]) -> int:
-    """A torchrun worker: train RUN_DIR/config.yaml into RUN_DIR."""
-    from omegaconf import OmegaConf
-
-    from gspo.trainer import train
-
-    if len(argv) != 1:
-        print("usage: python -m gspo.distributed RUN_DIR  (started by torchrun)", file=sys.stderr)
-        return 2
-    run_dir = Path(argv[0])
-    try:
-        train(OmegaConf.load(run_dir / "config.yaml"), run_dir)
-    except ConfigError as e:
-        print(f"gspo: error: {e}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def _device(hw) -> torch.device:
@@ -339,19 +320,27 @@ class Dist:
                 m.set_reshard_after_forward(b, recurse=False)
 
     # -- loss and metrics ------------------------------------------------------
-    def loss_scale(self, mask: torch.Tensor, agg: str) -> float:
+    def loss_scale(self, denominator: torch.Tensor) -> float:
         """Factor on this rank's loss so that the DDP average is the one-process loss's gradient.
 
-        W x (this rank's / all ranks' count of what `agg` divides by); 1 in one process.
+        `denominator`: what this rank's loss divides its row sum by (`losses.aggregate_denominator`:
+        sequences, tokens or B x max_tokens); the factor is W x local / all ranks' denominator, 1 in
+        one process.
         """
         if self.world == 1:
             return 1.0
-        counts = {"token_mean": lambda: mask.sum(), "seq_mean_token_mean": lambda: (mask.sum(1) > 0).sum(),
-                  "seq_mean_token_sum_norm": lambda: mask.shape[0]}
-        local = float(counts[agg]())
+        local = float(denominator)
         total = torch.tensor([local], dtype=torch.float64, device=self.device)
         tdist.all_reduce(total)
         return local * self.world / max(float(total.item()), 1.0)
+
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over ranks (a new tensor, no gradient); `x` itself in one process."""
+        if self.world == 1:
+            return x
+        out = x.detach().clone()
+        tdist.all_reduce(out)
+        return out
 
     def common_groups(self, n_groups: int) -> int:
         """The smallest group count over ranks (dynamic sampling may leave a rank short)."""
@@ -473,5 +462,3 @@ def scalar(x) -> float:
     return float(x.item() if hasattr(x, "item") else x)
 
 
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1:]))

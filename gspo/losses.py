@@ -46,6 +46,7 @@ class Hyper:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     router_shift: Optional[Tensor] = None  # (B, T) RSPO router-shift factor; None = ones
     router_shift_floor: float = 0.0  # RSPO lower bound of the factor
+    is_weight: Optional[Tensor] = None  # (B, T) truncated IS weights of the sampler/trainer mismatch (TIS); None = ones
 
 
 HYPER_NAMES = tuple(f.name for f in fields(Hyper))
@@ -110,21 +111,30 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_tokens: Optional[i
     seq_mean_token_mean      (1/#seqs) sum_i (1/|y_i|) sum_t m x   (GRPO, GSPO); rows with no token are left out
     token_mean               sum_{i,t} m x / sum_{i,t} m           (DAPO): every token weighs the same
     seq_mean_token_sum_norm  sum_{i,t} m x / (B * max_tokens)      (Dr. GRPO): a constant, so no length bias
+
+    Each mode is a sum over rows divided by `aggregate_denominator`, which is what lets
+    several processes split a minibatch by rows and still compute this one loss.
     """
     m = mask.to(per_token.dtype)
     x = torch.where(m > 0, per_token, torch.zeros_like(per_token))  # padding may hold anything
-    if mode == "token_mean":
-        return x.sum() / m.sum().clamp(min=1.0)
     if mode == "seq_mean_token_mean":
-        lens = m.sum(dim=1)
-        seq = x.sum(dim=1) / lens.clamp(min=1.0)
-        return seq.sum() / (lens > 0).sum().clamp(min=1)
+        x = x / m.sum(dim=1, keepdim=True).clamp(min=1.0)  # each sequence's token mean
+    return x.sum() / aggregate_denominator(mask, mode, max_tokens).to(per_token.dtype)
+
+
+def aggregate_denominator(mask: Tensor, mode: str, max_tokens: Optional[int] = None) -> Tensor:
+    """What `aggregate` divides its row sum by: #sequences with a token, #tokens, or B * max_tokens (>= 1)."""
+    m = mask.to(torch.float32)
+    if mode == "token_mean":
+        return m.sum().clamp(min=1.0)
+    if mode == "seq_mean_token_mean":
+        return (m.sum(dim=1) > 0).sum().to(torch.float32).clamp(min=1.0)
     if mode == "seq_mean_token_sum_norm":
         if max_tokens is None or max_tokens <= 0:
             raise ConfigError(
                 "agg 'seq_mean_token_sum_norm' (Dr. GRPO) needs max_tokens > 0: the generation length cap"
             )
-        return x.sum() / (per_token.shape[0] * max_tokens)
+        return torch.tensor(float(mask.shape[0] * max_tokens), device=mask.device)
     raise ConfigError(f"unknown aggregation {mode!r}; valid: {', '.join(AGG_MODES)}")
 
 
@@ -282,7 +292,8 @@ def _parse_hyper(hyper: dict) -> Hyper:
 def _check_shapes(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, h: Hyper) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
-    others = {"old_logp": old_logp, "mask": mask, "ref_logp": h.ref_logp, "router_shift": h.router_shift}
+    others = {"old_logp": old_logp, "mask": mask, "ref_logp": h.ref_logp, "router_shift": h.router_shift,
+              "is_weight": h.is_weight}
     for label, t in others.items():
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{label} must have logp's shape {tuple(logp.shape)}, got {tuple(t.shape)}")
@@ -328,6 +339,8 @@ def policy_loss(
 
     terms = spec.fn(logp, old, adv, mf, h)
     per_token = -terms.objective
+    if h.is_weight is not None:  # TIS: the policy term reweighted for tokens the sampler drew, not pi_old
+        per_token = per_token * torch.where(m, h.is_weight.detach().to(logp.dtype), zero)
 
     stats: dict[str, float] = {}
     use_kl = h.beta != 0.0 and h.ref_logp is not None

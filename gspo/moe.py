@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "RoutingTrace", "capture_routing", "expert_load", "find_routers", "is_moe",
+    "RoutingTrace", "capture_routing", "expert_load", "find_routers", "is_moe", "load_balancing_loss",
     "moe_metrics", "replay_routing", "router_shift", "routing_volatility",
 ]
 
@@ -71,18 +72,30 @@ class RoutingTrace:
     accessors reshape each call to ``(B, N/B, ...)`` and concatenate calls along T.
     """
 
-    def __init__(self, num_layers: int, record_logprobs: bool, device: torch.device | str | None):
+    def __init__(self, num_layers: int, record_logprobs: bool, device: torch.device | str | None,
+                 keep_logits: bool = False, max_calls: int | None = None):
         self._idx: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._lp: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self.record_logprobs = record_logprobs
+        self._logits: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.record_logprobs, self.keep_logits, self.max_calls = record_logprobs, keep_logits, max_calls
         self.device = device
 
     def _record(self, layer: int, indices: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.max_calls is not None and len(self._idx[layer]) >= self.max_calls:
+            return  # e.g. gradient checkpointing re-running the forward inside backward
         k = indices.shape[-1]
         self._idx[layer].append(indices.detach().reshape(-1, k).to(self.device, torch.long))
         if self.record_logprobs:
             lp = F.log_softmax(logits.detach().float().reshape(-1, logits.shape[-1]), dim=-1)
             self._lp[layer].append(lp.to(self.device))
+        if self.keep_logits:  # with their graph: the load-balancing loss backpropagates into the routers
+            self._logits[layer].append(logits.reshape(-1, logits.shape[-1]))
+
+    def logits(self, call: int = 0) -> list[torch.Tensor]:
+        """Per layer, the live router logits (N, E) of forward call `call`, with grad (needs keep_logits)."""
+        if not self.keep_logits:
+            raise RuntimeError("trace was captured with keep_logits=False")
+        return [calls[call] for calls in self._logits]
 
     @property
     def num_layers(self) -> int:
@@ -97,7 +110,7 @@ class RoutingTrace:
         return counts.pop() if counts else 0
 
     def clear(self) -> None:
-        for calls in (*self._idx, *self._lp):
+        for calls in (*self._idx, *self._lp, *self._logits):
             calls.clear()
 
     def _assemble(self, per_layer: list[list[torch.Tensor]], batch_size: int,
@@ -145,16 +158,18 @@ class RoutingTrace:
 
 
 @contextlib.contextmanager
-def capture_routing(model: nn.Module, logprobs: bool = True,
-                    device: torch.device | str | None = None) -> Iterator[RoutingTrace]:
+def capture_routing(model: nn.Module, logprobs: bool = True, device: torch.device | str | None = None,
+                    keep_logits: bool = False, max_calls: int | None = None) -> Iterator[RoutingTrace]:
     """Record every router's routing for all forward passes run inside the context.
 
     ``logprobs=False`` skips the (N, E) log-probs (they dominate memory on wide MoEs);
-    ``device="cpu"`` offloads the records. Run backward (and so gradient-checkpoint
-    recomputation) outside the context, or recomputed calls are recorded too.
+    ``device="cpu"`` offloads the records; ``keep_logits`` keeps the live logits with their
+    graph (for a loss on them). ``max_calls`` stops recording after that many forward calls,
+    so gradient-checkpoint recomputation during a backward inside the context is not
+    recorded; without it, run backward outside the context.
     """
     routers = find_routers(model)
-    trace = RoutingTrace(len(routers), logprobs, device)
+    trace = RoutingTrace(len(routers), logprobs, device, keep_logits, max_calls)
 
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
@@ -307,24 +322,52 @@ def expert_load(idx: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torc
 
 
 @torch.no_grad()
-def moe_metrics(old_idx: torch.Tensor, new_idx: torch.Tensor, old_logprobs: torch.Tensor,
+def moe_metrics(old_idx: torch.Tensor, new_idx: torch.Tensor, old_logprobs: Optional[torch.Tensor],
                 new_logprobs: torch.Tensor, mask: torch.Tensor, num_experts: int) -> dict[str, float]:
     """Routing diagnostics between the old (rollout) and new (updated) policy on the same tokens.
 
     new_idx must be the *live* routing of the new policy (under replay use
     ``RoutingTrace.live_indices``, else volatility is 0 by construction). Expert load is
-    measured on new_idx.
+    measured on new_idx. ``moe/router_shift`` needs the old router log-probs (None: left out).
     """
     vol, vol_layers = routing_volatility(old_idx, new_idx, mask)
-    _, shift = router_shift(old_logprobs, new_logprobs, old_idx, mask)
     load = expert_load(new_idx, mask, num_experts)  # (L, E)
     # Normalised entropy: 1 = perfectly balanced, 0 = one expert takes everything.
     entropy = -torch.xlogy(load, load).sum(-1) / math.log(num_experts) if num_experts > 1 \
         else torch.ones(load.shape[0])
-    out = {"moe/routing_volatility": vol, "moe/router_shift": shift,
+    out = {"moe/routing_volatility": vol,
            "moe/expert_load_max": float(load.max()) if load.numel() else 0.0,
            "moe/expert_load_entropy": float(entropy.mean()) if load.numel() else 0.0}
+    if old_logprobs is not None:
+        out["moe/router_shift"] = router_shift(old_logprobs, new_logprobs, old_idx, mask)[1]
     out.update({f"moe/routing_volatility/layer_{i}": v for i, v in enumerate(vol_layers)})
     for i, row in enumerate(load.tolist()):
         out.update({f"moe/expert_load/layer_{i}/expert_{j}": v for j, v in enumerate(row)})
     return out
+
+
+def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor,
+                        all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss (arXiv 2101.03961 eqs. 4-6), as Hugging Face computes it.
+
+    logits: per MoE layer the live router logits (N, E), N = B*T rows; mask (B, T) 1 on real
+    tokens. With f_e the share of (token, layer, slot) assignments to expert e and P_e the mean
+    router probability of e over (token, layer): loss = E * sum_e f_e P_e.
+
+    f_e and P_e are means over the whole batch, so a rank cannot compute its part of them
+    alone. `all_sum` sums a tensor over ranks (identity in one process): the counts (no
+    gradient) are summed, and each rank returns E * sum_e f_e (its own probability sum) /
+    (global rows), the sum over ranks of which is the one-process loss.
+    """
+    E = logits[0].shape[-1]
+    m = mask.reshape(-1).to(torch.float32)
+    counts = torch.zeros(E, dtype=torch.float32, device=logits[0].device)
+    prob_sum = torch.zeros(E, dtype=torch.float32, device=logits[0].device)
+    for layer in logits:
+        p = F.softmax(layer.float(), dim=-1)
+        chosen = p.topk(top_k, dim=-1).indices
+        counts = counts.scatter_add(0, chosen.reshape(-1), m.repeat_interleave(top_k))
+        prob_sum = prob_sum + (p * m[:, None]).sum(0)
+    totals = all_sum(torch.cat([counts, (m.sum() * len(logits))[None]]).detach())
+    rows = totals[-1].clamp_min(1.0)
+    return E * (totals[:-1] / rows * prob_sum / rows).sum()

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from gspo.logprobs import head_logprobs
+
 
 @dataclass
 class Rollout:
@@ -31,7 +33,9 @@ class Rollout:
     prompt_index: torch.Tensor  # (N,) index of the row's prompt in the step's problem list
     pad_id: int
     routing: Optional[torch.Tensor] = None  # (N, P+T, L, k) experts chosen while sampling (-1: never routed)
+    router_logp: Optional[torch.Tensor] = None  # (N, P+T, L, E) float32 router log-probs while sampling (0: never routed)
     ill_formed: Optional[torch.Tensor] = None  # (N,) bool: a special token before the final EOS (see tasks.judge)
+    sampler_logp: Optional[torch.Tensor] = None  # (N, T) float32 log-probs of the sampled tokens, as drawn; 0 on padding
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -74,7 +78,10 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         prompt_index=torch.cat([r.prompt_index for r in parts]),
         pad_id=parts[0].pad_id,
         routing=None if parts[0].routing is None else torch.cat([pad(r, r.routing, -1) for r in parts]),
+        router_logp=None if parts[0].router_logp is None else torch.cat([pad(r, r.router_logp, 0.0) for r in parts]),
         ill_formed=None if parts[0].ill_formed is None else torch.cat([r.ill_formed for r in parts]),
+        sampler_logp=None if parts[0].sampler_logp is None else torch.cat(
+            [F.pad(r.sampler_logp, (0, T - r.completion_mask.shape[1])) for r in parts]),
     )
 
 
@@ -125,12 +132,15 @@ def generate(
     generator: Optional[torch.Generator | list[torch.Generator]] = None,
     chat_template: bool = False,
     capture_routing: bool = False,
+    compile: bool = False,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (rows group-contiguous).
 
     `generator` may be a list with one generator per prompt: each group then draws its
     own noise, so its completions do not depend on the rest of the batch (how a prompt
     sampled on rank r of W matches the same prompt sampled by one process).
+    `compile`: decode with a static KV cache through `torch.compile` (CUDA graphs on a
+    GPU), the way `generate(cache_implementation="static")` does; the prefill runs eager.
     """
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -139,27 +149,41 @@ def generate(
     ids, mask = ids.to(device), mask.to(device)
     n, p = ids.shape
     out = torch.full((n, max_new_tokens), pad, dtype=torch.long, device=device)
+    sampler_logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
+    # one attention mask for the whole rollout, filled in as tokens arrive (no per-token re-allocation)
+    full_mask = torch.cat([mask, torch.ones((n, max_new_tokens), dtype=mask.dtype, device=device)], dim=1)
+    # on a GPU, asking "all done?" every token stalls the launch queue: ask every few tokens
+    check_every = 1 if device.type == "cpu" else 8
     trace = None
     if capture_routing:
         from gspo import moe
 
-        ctx = moe.capture_routing(model, logprobs=False)  # R3 replays indices only; skip per-token log-softmax
+        ctx = moe.capture_routing(model, logprobs=True)
         trace = ctx.__enter__()
     try:
-        cache, step_ids, full_mask = None, ids, mask
+        cache, step_ids, pos = None, ids, position_ids(mask)
+        decode = model
+        if compile:
+            cache, decode = _static_decoder(model, n, p + max_new_tokens)
         for t in range(max_new_tokens):
-            pos = position_ids(full_mask)[:, -step_ids.shape[1] :]
-            res = model(input_ids=step_ids, attention_mask=full_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            # logits_to_keep=1: the prefill needs only its last position's logits (V per row, not P x V)
+            kwargs = dict(input_ids=step_ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if compile:  # static shapes: the whole mask (the causal mask hides the future), the cache slot to fill
+                slots = torch.arange(p, device=device) if t == 0 else torch.full((1,), p + t - 1, device=device)
+                res = (model if t == 0 else decode)(attention_mask=full_mask, cache_position=slots, **kwargs)
+            else:
+                res = model(attention_mask=full_mask[:, : p + t], **kwargs)
             cache, logits = res.past_key_values, res.logits[:, -1].float()
             nxt = _sample(logits, temperature, top_p, greedy, generator)
+            if not greedy:  # the sampled token's log-prob under the temperature-scaled policy (top-p aside)
+                sampler_logp[:, t] = torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             out[:, t] = nxt
             done |= nxt == eos
-            if bool(done.all()):
+            if (t + 1) % check_every == 0 and bool(done.all()):
                 break
-            step_ids = nxt[:, None]
-            full_mask = torch.cat([full_mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=1)
+            step_ids, pos = nxt[:, None], pos[:, -1:] + 1
     finally:
         if capture_routing:
             ctx.__exit__(None, None, None)
@@ -168,16 +192,20 @@ def generate(
     is_eos = out == eos
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     comp_mask = (~after_eos).float()
+    if check_every > 1 and bool((comp_mask.sum(0) == 0).any()):  # trailing columns where every row had ended
+        width = int((comp_mask.sum(0) > 0).nonzero().max()) + 1
+        out, comp_mask = out[:, :width], comp_mask[:, :width]
     truncated = ~is_eos.any(-1)
     # the text the model wrote before its EOS, special tokens and all: a sampled <pad> stays in it, and makes the row ill-formed
-    body = comp_mask.bool() & ~is_eos
+    body = comp_mask.bool() & ~(out == eos)
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=device)
     ill_formed = (torch.isin(out, special) & body).any(-1).cpu()
     texts = [tokenizer.decode(row[m].tolist(), skip_special_tokens=False) for row, m in zip(out.cpu(), body.cpu())]
-    routing = None
+    routing = router_logp = None
     if trace is not None:
         # (N, P+T, L, k); the last sampled token was never routed: -1 (replay routes it live)
-        routing = trace.indices(n, length=p + out.shape[1])
+        width = p + out.shape[1]
+        routing, router_logp = (_fit(x[:, :width], width, pad) for x, pad in zip(trace.batch(n), (-1, 0.0)))
     return Rollout(
         input_ids=torch.cat([ids, out], 1),
         attention_mask=torch.cat([mask, comp_mask.long()], 1),
@@ -188,8 +216,31 @@ def generate(
         prompt_index=torch.arange(len(prompts)).repeat_interleave(group_size),
         pad_id=pad,
         routing=routing,
+        router_logp=router_logp,
         ill_formed=ill_formed,
+        sampler_logp=None if greedy else sampler_logp[:, : out.shape[1]] * comp_mask,
     )
+
+
+_STATIC: dict = {}  # (model, rows, length) -> (StaticCache, compiled forward): reused, so graphs are recorded once
+
+
+def _static_decoder(model, rows: int, length: int):
+    """A reset StaticCache of `rows` x `length` and the compiled forward for this model."""
+    from transformers import StaticCache
+
+    key = (id(model), rows, length)
+    if key not in _STATIC:
+        compiled = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
+        _STATIC[key] = (StaticCache(config=model.config, max_cache_len=length), compiled)
+    cache, compiled = _STATIC[key]
+    cache.reset()
+    return cache, compiled
+
+
+def _fit(x: torch.Tensor, width: int, value) -> torch.Tensor:
+    """x (N, <=width, ...) padded along dim 1 to `width` with `value`."""
+    return F.pad(x.movedim(1, -1), (0, width - x.shape[1]), value=value).movedim(-1, 1)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, generator) -> torch.Tensor:
@@ -215,26 +266,19 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], object]:
     """Log-probs (N, T) of the sampled completion tokens under `model` (with grad if enabled).
 
-    Uses the sampling temperature, so the ratio compares the distributions the
-    tokens were actually drawn from. Only the completion positions go through the
-    LM head (`logits_to_keep`), which matters for real vocabularies.
-    Returns (logp, entropy or None, the model output for aux losses).
+    Uses the sampling temperature, so the ratio compares the distributions the tokens
+    were actually drawn from. The LM head is applied only at the completion tokens, chunk
+    by chunk (gspo/logprobs.py): no (N, T, V) float32 logits, at any vocabulary size.
+    Padding positions hold 0. Returns (logp, entropy (N, T) without grad or None, the
+    model output, for aux losses).
     """
-    ids, mask = rollout.input_ids, rollout.attention_mask
-    t = ids.shape[1] - rollout.prompt_len
-    res = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=position_ids(mask),
-        logits_to_keep=t + 1,
-        use_cache=False,
-        **forward_kwargs,
-    )
-    logits = res.logits[:, :-1].float() / temperature  # position j predicts completion token j
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    ids, mask, sel = rollout.input_ids, rollout.attention_mask, rollout.completion_mask.bool()
+    # the head sees positions P-1 .. P+T-1; position P-1+j predicts completion token j (the last predicts nothing)
+    head_sel = torch.cat([sel, torch.zeros_like(sel[:, :1])], dim=1)
+    logp_sel, ent_sel, res = head_logprobs(model, head_sel, rollout.completion_ids[sel], temperature, with_entropy,
+                                           input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                                           logits_to_keep=sel.shape[1] + 1, use_cache=False, **forward_kwargs)
+    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=ids.device)
+    logp = zeros.masked_scatter(sel, logp_sel)
+    entropy = zeros.masked_scatter(sel, ent_sel) if with_entropy else None
     return logp, entropy, res

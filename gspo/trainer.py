@@ -15,17 +15,21 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gspo import checkpoint, distributed, moe
+from gspo import checkpoint, distributed
 from gspo.advantages import compute_advantages
+from gspo.errors import ConfigError
 from gspo.evaluate import evaluate
 from gspo.logging import MetricsLogger
-from gspo.losses import get_loss, policy_loss
+from gspo.losses import aggregate_denominator, get_loss, policy_loss
+from gspo.mismatch import mismatch_metrics, tis_weights
 from gspo.models import base_model, load_pretrained
+from gspo.moe_step import MoEStep
 from gspo.rewards import score
 from gspo.rollout import Rollout, cat_rollouts, generate, token_logprobs
 from gspo.shaping import dynamic_sampling, overlong_penalty
@@ -66,15 +70,20 @@ class Batch:
 def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     """Run RL training as configured, writing metrics and checkpoints to `run_dir`.
 
-    Returns the summary (also written to RUN_DIR/summary.json): base and final
-    held-out accuracy, steps done, wall time.
+    Returns the summary (also RUN_DIR/summary.json, kept current at every checkpoint):
+    base and final held-out accuracy, steps done, wall time, status.
     """
-    t_start = time.time()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     device, dtype = _setup_hardware(cfg.hardware)
     dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/distributed.py)
     device = dist.device
+    start, resume_ckpt = _resume_point(cfg, run_dir, dist)
+    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None)
+    if start >= cfg.train.steps:  # a finished run: leave everything as it is
+        if dist.is_main:
+            print(f"gspo: {run_dir} already finished its {start} steps (train.steps={cfg.train.steps}); nothing to do")
+        return summary.data
     if dist.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     task = build_task(cfg.task)
@@ -86,39 +95,44 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     ref = _frozen_copy(model) if cfg.algo.beta > 0 else None  # beta 0: no reference model in memory
-    use_moe = moe.is_moe(model)
-    start, resume_ckpt = 0, checkpoint.latest(run_dir) if cfg.resume else None
     if resume_ckpt is not None:  # every rank loads the same checkpoint, before wrapping
         model.load_state_dict(load_pretrained(resume_ckpt, dist.storage_dtype(dtype))[0].state_dict())
     policy = dist.wrap(model, dtype)  # what the update trains through: DDP(model), fully_shard(model), or model
     ref = dist.wrap(ref, dtype, frozen=True) if ref is not None else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    # warmup counts RL steps, like train.steps: the scheduler steps once per rollout batch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.train.warmup_steps)))
     if resume_ckpt is not None:
         state = checkpoint.load_state(resume_ckpt)
         dist.load_optimizer_state(policy, opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        start = int(state["step"])
-    logger = (MetricsLogger(run_dir, cfg, resume_step=start if resume_ckpt is not None else None) if dist.is_main
-              else distributed.NullLogger())
+    recompute = old_logprobs_mode(cfg) == "recompute"
+    moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
+    # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
+    kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
+    logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
     ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.eval.temperature,
         cfg.model.use_chat_template), eval_problems, model)
-    summary = _read_summary(run_dir) if start else {}
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
+    status = "failed"
     try:
         if start == 0:
             base = ev()
-            summary["base_accuracy"] = base["eval/accuracy"]
             logger.log(base, step=0)
+            summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
-            batch, metrics = _collect(cfg, model, tokenizer, task, step, use_moe, dist)  # seeded by (seed, step): resumable
+            batch, metrics = _collect(cfg, model, tokenizer, task, step, moe_step, dist)  # seeded by (seed, step): resumable
             t_roll = time.time() - t0
-            metrics |= _update(cfg, policy, ref, opt, sched, batch, step, use_moe, dist)
+            metrics |= _update(cfg, policy, ref, opt, batch, step, moe_step, dist, recompute)
+            sched.step()
+            metrics["train/lr"] = sched.get_last_lr()[0]
             metrics["time/rollout_s"], metrics["time/update_s"] = t_roll, time.time() - t0 - t_roll
             metrics["time/step_s"] = time.time() - t0
             metrics["throughput/tokens_per_s"] = float(batch.rollout.completion_mask.sum()) / metrics["time/step_s"]
+            if device.type == "cuda":
+                metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics = dist.reduce_metrics(metrics, rows=len(batch.rewards))  # over ranks; as is in one process
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 metrics |= ev()
@@ -127,30 +141,44 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
                 logger.log_samples(step, _samples(batch))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched)  # rank 0 writes
+                summary.write(steps=step, final_accuracy=metrics.get("eval/accuracy", summary.data.get("final_accuracy")))
             progress.update(step, metrics)
             if not math.isfinite(metrics["train/loss"]):
                 raise FloatingPointError(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
-        summary |= {"status": "finished", "steps": cfg.train.steps, "final_accuracy": metrics.get("eval/accuracy")}
+        status = "finished"
+    except KeyboardInterrupt:
+        status = "stopped"
+        raise
     finally:
         progress.close()
-        logger.close(exit_code=0 if summary.get("status") == "finished" else 1)
-        summary["wall_s"] = summary.get("wall_s", 0.0) + time.time() - t_start
-        summary.setdefault("status", "stopped")
-        if dist.is_main:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+        logger.close(exit_code=0 if status == "finished" else 1)
+        summary.write(status=status)
+    return summary.data
+
+
+def old_logprobs_mode(cfg) -> str:
+    """Where the old policy's log-probs come from: `sampler` (recorded while sampling) or `recompute`.
+
+    `auto`: the sampler's in float32, where they equal a recomputed forward to ~1e-6 per token
+    (tests/test_logprobs.py), so the old-policy pass is wasted work; a recomputed pass in
+    bf16/fp16, where sampling and training kernels disagree by more than GSPO's clip range
+    (docs/benchmarks.md).
+    """
+    mode = cfg.rollout.old_logprobs
+    if mode != "auto":
+        return mode
+    return "sampler" if cfg.hardware.dtype == "float32" else "recompute"
 
 
 # --------------------------------------------------------------------------- rollout
 
 
-def _collect(cfg, model, tokenizer, task, step: int, use_moe: bool, dist) -> tuple[Batch, dict]:
+def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) -> tuple[Batch, dict]:
     """One scored rollout batch (refilled by dynamic sampling when the algorithm asks for it).
 
     Every rank draws the same prompt list and samples its own share; each group samples
     with its own generator, so the completions do not depend on the number of ranks.
     """
-    capture_r3 = use_moe and cfg.moe.routing_replay == "R3"
     draws = iter(range(10**6))
 
     def draw() -> tuple[Batch, torch.Tensor]:
@@ -163,7 +191,8 @@ def _collect(cfg, model, tokenizer, task, step: int, use_moe: bool, dist) -> tup
         with dist.gathered(model):
             r = generate(model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
                          cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
-                         chat_template=cfg.model.use_chat_template, capture_routing=capture_r3)
+                         chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
+                         **moe_step.sample_kwargs())
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
         rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed)
@@ -172,7 +201,7 @@ def _collect(cfg, model, tokenizer, task, step: int, use_moe: bool, dist) -> tup
                                                  cfg.algo.overlong_penalty)
             rewards = rewards + parts["overlong"]
         b = Batch(r, rows, rewards, parts)
-        return b, b.rewards
+        return b, b.parts["correct"]  # DAPO keeps the groups that are neither all right nor all wrong
 
     G = cfg.rollout.group_size
     metrics: dict[str, float] = {}
@@ -201,7 +230,7 @@ def _collect(cfg, model, tokenizer, task, step: int, use_moe: bool, dist) -> tup
 # --------------------------------------------------------------------------- update
 
 
-def _update(cfg, model, ref, opt, sched, batch: Batch, step: int, use_moe: bool, dist) -> dict:
+def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, dist, recompute: bool) -> dict:
     """Advantages, then `train.minibatches` off-policy gradient steps on the batch.
 
     `model` is what gradients flow through (DDP / FSDP under several ranks); the no-grad
@@ -213,74 +242,57 @@ def _update(cfg, model, ref, opt, sched, batch: Batch, step: int, use_moe: bool,
     if algo.overlong_filter:
         mask[ro.truncated] = 0.0  # DAPO: truncated completions carry no signal about the answer
     adv = compute_advantages(algo.advantage, batch.rewards, cfg.rollout.group_size)
-    model.eval()  # no dropout in these models, but keep the old-policy pass deterministic anyway
+    metrics: dict[str, float] = {}
+    old_logp = ro.sampler_logp  # the rollout policy's log-probs as sampled ...
+    every = cfg.rollout.mismatch_every
+    model.eval()  # no dropout in these models, but keep the no-grad passes deterministic anyway
     with torch.no_grad():
-        with moe.capture_routing(bare) if use_moe else contextlib.nullcontext() as old_trace:
-            old_logp, _, _ = token_logprobs(bare, ro, temp)
+        if recompute or (every and step % every == 0):
+            with moe_step.old_pass(bare, ro) if recompute else contextlib.nullcontext():
+                trainer_logp = token_logprobs(bare, ro, temp)[0]
+            metrics |= mismatch_metrics(trainer_logp, ro.sampler_logp, ro.completion_mask)
+            if recompute:
+                old_logp = trainer_logp  # ... or as the trainer's forward computes them
         ref_logp = token_logprobs(ref, ro, temp)[0] if ref is not None else None
-    old_routing = old_trace.indices(len(ro.texts)) if use_moe else None
-    old_router_lp = old_trace.logprobs(len(ro.texts)) if use_moe else None
+    is_weight = None
+    if cfg.rollout.tis != "none":
+        is_weight = tis_weights(old_logp, ro.sampler_logp, mask, cfg.rollout.tis, cfg.rollout.tis_cap)
+        metrics["rollout/tis_weight_mean"] = float(is_weight[mask.bool()].mean()) if mask.any() else 1.0
     agg = algo.agg or get_loss(algo.loss).agg
-    rspo = algo.loss == "rspo" and use_moe
-    replay = {"R2": old_routing, "R3": ro.routing}.get(cfg.moe.routing_replay) if use_moe else None
-    aux_coef = cfg.model.router_aux_loss_coef if use_moe else 0.0
+    hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, agg=algo.agg,
+                 max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg, beta=algo.beta,
+                 kl_estimator=algo.kl_estimator, router_shift_floor=algo.router_shift_floor)
 
     model.train()
     per_mb: dict[str, list[float]] = {}
     # rows shuffled within their group, dealt by global slot: one process's minibatch = the union of the ranks'
-    chunks = distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches, cfg.seed, step,
-                                     offset=dist.rank * len(ro.texts))
-    for rows in chunks:
-        sub = ro.select(rows)
-        with contextlib.ExitStack() as replaying:
-            if replay is not None:  # open through backward: gradient checkpointing re-runs the forward there
-                replaying.enter_context(moe.replay_routing(model, replay[rows]))
-            # router log-probs only when the loss needs them: the capture sits on the update's hot path
-            with moe.capture_routing(model, logprobs=rspo) if use_moe else contextlib.nullcontext() as upd_trace:
-                logp, entropy, out = token_logprobs(model, sub, temp, with_entropy=True,
-                                                    **({"output_router_logits": True} if aux_coef > 0 else {}))
-            shift = None
-            if rspo:  # router shift at the positions that predict each completion token
-                shift = moe.router_shift(old_router_lp[rows], upd_trace.logprobs(len(rows)),
-                                         old_routing[rows], sub.attention_mask)[0][:, ro.prompt_len - 1 : -1]
+    for rows in distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches, cfg.seed,
+                                        step, offset=dist.rank * len(ro.texts)):
+        sub, m = ro.select(rows), mask[rows]
+        with moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
+            logp, entropy, _ = token_logprobs(model, sub, temp, with_entropy=True)
             loss, stats = policy_loss(
-                algo.loss, logp, old_logp[rows], adv[rows], mask[rows],
-                eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, agg=algo.agg,
-                max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg,
-                ref_logp=None if ref_logp is None else ref_logp[rows], beta=algo.beta, kl_estimator=algo.kl_estimator,
-                router_shift=shift, router_shift_floor=algo.router_shift_floor,
-            )
-            loss = loss * dist.loss_scale(mask[rows], agg)  # 1 in one process
-            if aux_coef > 0:
-                loss = loss + aux_coef * out.aux_loss
-                stats["moe/aux_loss"] = out.aux_loss.item()
+                algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
+                ref_logp=None if ref_logp is None else ref_logp[rows],
+                is_weight=None if is_weight is None else is_weight[rows], **hyper)
+            # under several ranks: this rank's share of the one-process loss (1 x in one process)
+            loss = loss * dist.loss_scale(aggregate_denominator(m, agg, cfg.rollout.max_new_tokens)) + mb.aux_loss(sub)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            stats |= mb.stats()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
-        sched.step()
-        m = mask[rows]
         stats |= {
             "train/loss": loss.item(),
             "train/grad_norm": distributed.scalar(grad_norm),
             "policy/entropy": ((entropy * m).sum() / m.sum().clamp(min=1)).item(),
         }
-        if use_moe:  # what the update pass routed, against the old policy: 0 under replay
-            stats["moe/update_mismatch"] = moe.routing_volatility(old_routing[rows], upd_trace.indices(len(rows)),
-                                                                  sub.attention_mask)[0]
         for k, v in stats.items():
             per_mb.setdefault(k, []).append(float(v))
     # extremes stay extremes; everything else is the mean over minibatches
-    metrics = {k: min(v) if k.endswith("_min") else max(v) if k.endswith("_max") else sum(v) / len(v)
-               for k, v in per_mb.items()}
-    metrics["train/lr"] = sched.get_last_lr()[0]
-    if use_moe:
-        model.eval()
-        with torch.no_grad(), moe.capture_routing(bare) as new_trace:
-            token_logprobs(bare, ro, temp)
-        metrics |= moe.moe_metrics(old_routing, new_trace.indices(len(ro.texts)), old_router_lp,
-                                   new_trace.logprobs(len(ro.texts)), ro.attention_mask, bare.config.num_experts)
-    return metrics
+    metrics |= {k: min(v) if k.endswith("_min") else max(v) if k.endswith("_max") else sum(v) / len(v)
+                for k, v in per_mb.items()}
+    return metrics | moe_step.end_step(bare, ro, step)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -293,8 +305,6 @@ def _setup_hardware(hw) -> tuple[torch.device, torch.dtype]:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        from gspo.errors import ConfigError
-
         raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")
     return torch.device(name), DTYPES[hw.dtype]
 
@@ -306,9 +316,37 @@ def _frozen_copy(model):
     return ref
 
 
-def _read_summary(run_dir: Path) -> dict:
-    p = run_dir / "summary.json"
-    return {k: v for k, v in json.loads(p.read_text()).items() if k != "status"} if p.is_file() else {}
+def _resume_point(cfg, run_dir: Path, dist) -> tuple[int, Optional[Path]]:
+    """(step to continue after, its checkpoint): (0, None) for a new run or one killed before its first checkpoint."""
+    if not cfg.resume:
+        return 0, None
+    ckpt = checkpoint.latest(run_dir)
+    if ckpt is None:
+        if dist.is_main:
+            print(f"gspo: {run_dir} has no checkpoint yet: restarting it from step 0 (its metrics so far are dropped)")
+        return 0, None
+    return int(checkpoint.load_state(ckpt)["step"]), ckpt
+
+
+class _Summary:
+    """RUN_DIR/summary.json, true after any stop: written at step 0, at every checkpoint and at the end.
+
+    `status` is running (also after a kill -9: then `steps` is the last checkpoint), finished,
+    stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of a resumed run.
+    """
+
+    def __init__(self, run_dir: Path, is_main: bool, resumed: bool):
+        self.path, self.is_main, self.t0 = run_dir / "summary.json", is_main, time.time()
+        self.data: dict = json.loads(self.path.read_text()) if resumed and self.path.is_file() else {}
+        self.wall0 = float(self.data.get("wall_s", 0.0))
+
+    def write(self, **values) -> None:
+        self.data |= values
+        self.data["wall_s"] = self.wall0 + time.time() - self.t0
+        if self.is_main:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(self.data, indent=2))
+            tmp.replace(self.path)
 
 
 def _samples(batch: Batch, n: int = 8) -> list[dict]:
@@ -319,11 +357,12 @@ def _samples(batch: Batch, n: int = 8) -> list[dict]:
 
 
 class _Progress:
-    """Step, reward, clip fraction and ETA: a live bar on a terminal, a line every 10% in a log."""
+    """Step, reward, clip fraction and ETA: a live bar on a terminal; in a log, a line every 10% of
+    the run or every 30 s, whichever comes first (and the first step, so a log shows life at once)."""
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
+    def __init__(self, total: int, start: int, enabled: bool, seconds: float = 30.0) -> None:
         self.bar, self.total, self.start, self.t0 = None, total, start, time.time()
-        self.enabled, self.every = enabled, max(1, total // 10)
+        self.enabled, self.every, self.seconds, self.last = enabled, max(1, total // 10), seconds, 0.0
         if enabled and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -340,10 +379,30 @@ class _Progress:
             info += f"  held-out acc {m['eval/accuracy']:.1%}"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
-        elif step % self.every == 0 or step == self.total:
+        elif (step % self.every == 0 or step in (self.start + 1, self.total)
+              or time.time() - self.last >= self.seconds):
+            self.last = time.time()
             eta = (time.time() - self.t0) / (step - self.start) * (self.total - step)
             print(f"step {step}/{self.total}  {info}  eta {eta:.0f}s", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def _worker(argv: list[str]) -> int:
+    """A torchrun worker (`python -m gspo.trainer RUN_DIR`): train RUN_DIR/config.yaml into RUN_DIR."""
+    if len(argv) != 1:
+        print("usage: python -m gspo.trainer RUN_DIR  (started by torchrun)", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0])
+    try:
+        train(OmegaConf.load(run_dir / "config.yaml"), run_dir)
+    except ConfigError as e:
+        print(f"gspo: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))

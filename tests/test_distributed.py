@@ -168,6 +168,67 @@ def test_fsdp_computes_what_one_process_computes(one_process, tmp_path, cache_di
     assert [m["step"] for m in jsonl(tmp_path / "fsdp" / "metrics.jsonl")] == [0, 1, 2]
 
 
+MOE_CASES = {  # the load-balancing loss is on (and large, so a wrong cross-rank mean cannot hide)
+    "moe": {"model": "qwen3-moe", "model.router_aux_loss_coef": 0.1},
+    "moe-R2": {"model": "qwen3-moe", "model.router_aux_loss_coef": 0.1, "moe.routing_replay": "R2",
+               "rollout.old_logprobs": "recompute"},
+    "moe-R3": {"model": "qwen3-moe", "model.router_aux_loss_coef": 0.1, "moe.routing_replay": "R3",
+               "rollout.old_logprobs": "recompute"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_two_ranks_compute_what_one_process_computes(case, strategy, tmp_path, cache_dir):
+    """Routing Replay on a stock Hugging Face MoE, with its load-balancing loss, under DDP and FSDP2:
+    2 ranks compute the one-process loss, gradient and updated weights."""
+    opts = small(cache_dir, **MOE_CASES[case])
+    train(compose(opts), tmp_path / "one")
+    cli("train", "hardware=cpu-ddp", f"hardware.strategy={strategy}", f"hydra.run.dir={tmp_path / 'two'}", *opts,
+        cwd=tmp_path)
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    one = jsonl(tmp_path / "one" / "metrics.jsonl")[1]
+    assert one["moe/aux_loss"] > 0 and "moe/routing_volatility" in one
+    if "moe.routing_replay" in MOE_CASES[case]:
+        assert one["moe/update_mismatch"] == 0.0  # the update passes routed as replayed
+
+
+def test_load_balancing_loss_summed_over_ranks_is_the_one_process_loss():
+    """The aux loss is a product of batch means: each rank's share, summed, is the whole batch's value,
+    and so are the gradients (what DDP's average of world x share computes)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from gspo.moe import load_balancing_loss
+
+    g = torch.Generator().manual_seed(0)
+    L, B, T, E, k = 2, 4, 5, 6, 2
+    logits = [torch.randn(B * T, E, generator=g, requires_grad=True) for _ in range(L)]
+    mask = (torch.rand(B, T, generator=g) > 0.3).long()
+    whole = load_balancing_loss(logits, k, mask)
+    hf = load_balancing_loss_func(tuple(logits), E, k, mask)
+    torch.testing.assert_close(whole, hf)  # Hugging Face's own value, one process
+    # two "ranks" with rows [0, 2) and [2, 4): all_sum adds the other rank's counts
+    halves = [[x.view(B, T, E)[r * 2 : (r + 1) * 2].reshape(-1, E) for x in logits] for r in range(2)]
+    masks = [mask[:2], mask[2:]]
+
+    def counts(r):
+        with torch.no_grad():
+            m = masks[r].reshape(-1).float()
+            c = torch.zeros(E)
+            for x in halves[r]:
+                c.scatter_add_(0, x.softmax(-1).topk(k).indices.reshape(-1), m.repeat_interleave(k))
+            return torch.cat([c, (m.sum() * L)[None]])
+
+    both = counts(0) + counts(1)
+    shares = [load_balancing_loss(halves[r], k, masks[r], all_sum=lambda x: both) for r in range(2)]
+    torch.testing.assert_close(shares[0] + shares[1], whole)
+    g_whole = torch.autograd.grad(whole, logits)
+    g_ranks = torch.autograd.grad(shares[0] + shares[1], logits)
+    for a, b in zip(g_ranks, g_whole):
+        torch.testing.assert_close(a, b)
+
+
 # --------------------------------------------------------------------------- launching
 
 

@@ -22,7 +22,7 @@ class ScriptedLM(torch.nn.Module):
         self.script = script
         self.w = torch.nn.Parameter(torch.zeros(1))
 
-    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True):
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True, logits_to_keep=0):
         t = 0 if past_key_values is None else past_key_values + 1
         logits = torch.full((input_ids.shape[0], input_ids.shape[1], len(TOK)), -1e9)
         for i, s in enumerate(self.script):

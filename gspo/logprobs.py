@@ -1,0 +1,126 @@
+"""Log-probs of chosen tokens and the policy's entropy, straight from the LM head's input.
+
+The naive path, `log_softmax(lm_head(h).float())`, materialises float32 logits, their
+log-softmax and (for the entropy) its exp(), each (rows, T, V): at a real vocabulary
+(V = 151,936) and 32 rows x 512 tokens that is ~10 GB apiece, and autograd keeps the
+logits for backward. Here the LM head is applied chunk by chunk over the selected
+positions inside one autograd function that saves only its inputs (hidden states and
+the head's weight) and recomputes each chunk's logits in backward, so memory is
+O(chunk x V) whatever the batch. The values and gradients are those of the naive path
+(tests/test_logprobs.py checks both in float64).
+
+`head_logprobs(model, ...)` runs the model once with its LM head swapped (by hooks, for
+the call) for that function, so the (rows, T, V) logits are never formed. The forward
+still goes through the model's own `__call__`, and so through DDP / FSDP2 wrappers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+CHUNK_ELEMENTS = 1 << 24  # logits per chunk (64 MiB in float32); a tiny vocabulary takes one chunk
+
+
+def _chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """(hidden (M, H), weight (V, H), targets (M,)) -> log softmax(h W^T / temp)[target] (M,), entropy (M,).
+
+    The entropy is a no-grad diagnostic. Backward recomputes each chunk's logits:
+    d logp / d logits = (onehot(target) - softmax) / temp.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+        M = hidden.shape[0]
+        chunk = _chunk_rows(weight.shape[0])
+        logp = torch.empty(M, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(M if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        for s in range(0, M, chunk):
+            logits = (hidden[s : s + chunk] @ weight.T).float() / temperature
+            lse = logits.logsumexp(-1)
+            logp[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse
+            if with_entropy:  # H = lse - sum_v p_v z_v
+                entropy[s : s + chunk] = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Optional[Tensor]):
+        hidden, weight, targets = ctx.saved_tensors
+        chunk = _chunk_rows(weight.shape[0])
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]
+            logits = (h @ weight.T).float() / ctx.temperature
+            g = -torch.softmax(logits, -1)
+            g.scatter_add_(-1, targets[s : s + chunk, None], torch.ones_like(g[:, :1]))
+            g *= (grad_logp[s : s + chunk] / ctx.temperature)[:, None]
+            g = g.to(weight.dtype)
+            if need_h:
+                grad_h[s : s + chunk] = g @ weight
+            if need_w:  # accumulated in float32 over chunks, cast once
+                grad_w += (g.T @ h).float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Log-probs (M,) of `targets` under softmax(hidden @ weight.T / temperature), chunked over rows.
+
+    hidden (M, H) carries the gradient to the model, weight (V, H) is the LM head's; float32
+    results. With `with_entropy`, also the entropy (M,) of that distribution, without grad.
+    """
+    logp, entropy = _LinearLogProbs.apply(hidden, weight, targets, float(temperature), with_entropy)
+    return logp, (entropy if with_entropy else None)
+
+
+def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature: float = 1.0,
+                  with_entropy: bool = False, **forward_kwargs) -> tuple[Tensor, Optional[Tensor], object]:
+    """One forward of `model` (or its DDP / FSDP2 wrapper) whose LM head returns log-probs, not logits.
+
+    select: (B, K) bool over the K positions the head sees (`logits_to_keep` in forward_kwargs);
+    targets: (M,) the token each selected position is scored on, M = select.sum(). Returns
+    (log-probs (M,), entropies (M,) or None, the model output).
+
+    Hooks on the head replace its output by `selected_logprobs` of its input and its own
+    weight, inside the model's call: under FSDP2 the weight is unsharded there, and the
+    log-probs leave as the model's `logits`, an output FSDP's backward hooks watch. The real
+    head gets an empty slice, so the (B, K, V) logits are never formed. Assumes the model
+    returns its head's output unchanged as `logits` (Qwen3, Qwen3-MoE, Llama, Mistral, ...;
+    not models that soft-cap logits).
+    """
+    bare = getattr(model, "module", model)  # DDP keeps the model as .module; FSDP2 shards it in place
+    head = bare.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError(f"{type(head).__name__} has a bias; gspo's chunked log-probs assume a bias-free LM head")
+    hidden: list = []
+    entropy: list = []
+
+    def take_input(module, args):
+        if hidden:
+            raise RuntimeError("the LM head ran twice in one forward pass")
+        hidden.append(args[0])
+        return (args[0][..., :0, :],)  # (B, 0, H): the head computes no logits
+
+    def give_logprobs(module, args, output):
+        logp, ent = selected_logprobs(hidden[0][select], module.weight, targets, temperature, with_entropy)
+        entropy.append(ent)
+        return logp
+
+    handles = [head.register_forward_pre_hook(take_input), head.register_forward_hook(give_logprobs)]
+    try:
+        out = model(**forward_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return out.logits, entropy[0], out
