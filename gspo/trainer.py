@@ -141,7 +141,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
                 logger.log_samples(step, _samples(batch))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched)  # rank 0 writes
-                summary.write(steps=step, final_accuracy=metrics.get("eval/accuracy", summary.data.get("final_accuracy")))
+                summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
             progress.update(step, metrics)
             if not math.isfinite(metrics["train/loss"]):
                 raise FloatingPointError(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
