@@ -274,10 +274,14 @@ def child_env(threads: int) -> dict:
             "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
 
 
+class WorkerFailed(SystemExit):
+    """A worker subprocess failed; uncaught, it ends the benchmark with the worker's log tail."""
+
+
 def run_worker(kind: str, script: Path, spec: dict, work: Path, wait_idle: float = 0.0) -> tuple[dict, float, float]:
     """Run `python SCRIPT KIND SPEC.json` in a fresh process: (its JSON result, peak RSS in MiB, CPUs others used).
 
-    Exits with the child's log tail if it fails.
+    Raises WorkerFailed (with the child's log tail) if it fails.
     """
     work.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(work / "result.json")}
@@ -292,7 +296,8 @@ def run_worker(kind: str, script: Path, spec: dict, work: Path, wait_idle: float
     others = (busy_cpu_s() - b0 - usage.ru_utime - usage.ru_stime) / max(1e-9, time.time() - t0)
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
-        sys.exit(f"{kind} run failed (exit {code}); see {work / 'log.txt'}:\n" + (work / "log.txt").read_text()[-3000:])
+        raise WorkerFailed(f"{kind} run failed (exit {code}); see {work / 'log.txt'}:\n"
+                           + (work / "log.txt").read_text()[-3000:])
     return json.loads((work / "result.json").read_text()), usage.ru_maxrss / 1024, max(0.0, others)  # KiB on Linux
 
 
@@ -398,7 +403,9 @@ def gspo_worker(spec: dict) -> None:
     from cli.main import app
 
     run_dir = Path(spec["run_dir"])
-    app(["train", *spec["overrides"], f"hydra.run.dir={run_dir}"], standalone_mode=False)
+    code = app(["train", *spec["overrides"], f"hydra.run.dir={run_dir}"], standalone_mode=False)
+    if code:  # the CLI's exit code for a usage error (its message is already on stderr)
+        sys.exit(code)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     Path(spec["out"]).write_text(json.dumps({"rows": [r for r in rows if "time/step_s" in r], **cuda_memory()}))
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench_common import (
-    CACHE, ROOT, Run, cached_model_dir, fmt, gspo_overrides, gspo_run, markdown_table, random_model, ratio,
+    ROOT, WorkerFailed, cached_model_dir, fmt, gspo_overrides, gspo_run, markdown_table, random_model, ratio,
     run_worker, versions, work_dir,
 )
 
@@ -210,7 +210,9 @@ def bench_mismatch(model_dir: Path, a) -> dict:
             ro = generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0)
             field = next((f for f in SAMPLER_LOGPROB_FIELDS if getattr(ro, f, None) is not None), None)
             sampler = getattr(ro, field) if field else replay_logprobs(model, ro)
-            trainer = token_logprobs(model, ro, 1.0)[0]
+            # the trainer's pass in chunks of rows: its float32 (rows, T, V) copies at V = 151,936 are GBs per row-chunk
+            chunks = torch.arange(len(ro.texts), device=ro.input_ids.device).split(a.logprob_rows)
+            trainer = torch.cat([token_logprobs(model, ro.select(rows), 1.0)[0] for rows in chunks])
         out[dtype] = {**mismatch_stats(sampler, trainer, ro.completion_mask),
                       "sampler_source": f"Rollout.{field}" if field else "KV-cache replay"}
         del model
@@ -232,7 +234,12 @@ def bench_step(model_dir: Path, a, tmp: Path) -> dict:
         for kind in a.trainers:
             work = tmp / f"{model_dir.name}-{kind}-{r}"
             extra = {"run_dir": str(work / "run")} if kind == "gspo" else {}
-            res, rss, _ = run_worker(kind, COMMON, {**spec, **extra}, work)
+            try:
+                res, rss, _ = run_worker(kind, COMMON, {**spec, **extra}, work)
+            except WorkerFailed as e:  # e.g. out of GPU memory: recorded, and the benchmark goes on
+                out[kind].append({"error": str(e)[-1500:]})
+                print(f"  {kind}: round {r + 1}: FAILED\n{str(e)[-1500:]}", flush=True)
+                continue
             if kind == "gspo":
                 steps, ex = gspo_run(res.pop("rows"))
                 res = {**res, "steps": steps, **ex}
@@ -252,7 +259,7 @@ def tables(results: dict, a) -> str:
     blocks = []
     rows = []
     for name, m in models.items():
-        if "rollout" in m:
+        if "error" not in m.get("rollout", {"error": 1}):
             g, h = m["rollout"]["gspo"], m["rollout"]["hf"]
             rows.append([name, fmt(g["median_s"]), fmt(h["median_s"]), f"{g['tokens_per_s']:,.0f}",
                          f"{h['tokens_per_s']:,.0f}", ratio(g["tokens_per_s"], h["tokens_per_s"]),
@@ -267,7 +274,7 @@ def tables(results: dict, a) -> str:
             continue
         med = {}
         for kind, label in (("trl", "TRL GRPOTrainer"), ("gspo", "gspo train")):
-            runs = m["step"].get(kind) or []
+            runs = [r for r in m["step"].get(kind) or [] if "error" not in r]
             if not runs:
                 continue
             pool = [s for r in runs for s in r["steps"][1:]]
@@ -293,7 +300,7 @@ def tables(results: dict, a) -> str:
              "peak RSS (MiB)"], mem, right={2, 3, 4, 5}))
     rows = []
     for name, m in models.items():
-        for dtype, s in m.get("mismatch", {}).items():
+        for dtype, s in ({} if "error" in m.get("mismatch", {}) else m.get("mismatch", {})).items():
             rows.append([name, dtype, f"{s['token_abs_diff_mean']:.2e}", f"{s['token_abs_diff_max']:.2e}",
                          f"{s['seq_abs_diff_mean']:.2e}", f"{s['seq_abs_diff_max']:.2e}", f"{s['k3_mean']:.2e}",
                          f"{s['seq_outside_clip_frac']:.1%}", s["sampler_source"]])
@@ -301,6 +308,13 @@ def tables(results: dict, a) -> str:
         blocks.append("Sampler vs trainer log-probs of the same sampled tokens:\n\n" + markdown_table(
             ["model", "dtype", "token |d| mean", "token |d| max", "seq |mean d| mean", "seq |mean d| max", "k3 KL",
              "seqs outside clip", "sampler log-probs from"], rows, right={2, 3, 4, 5, 6, 7}))
+    errors = []
+    for name, m in models.items():
+        failed = [(part, m[part]) for part in ("rollout", "mismatch") if "error" in m.get(part, {})]
+        failed += [("step " + kind, r) for kind, runs in m.get("step", {}).items() for r in runs if "error" in r]
+        errors += [f"- {name} {part}: {(r['error'].strip().splitlines() or ['?'])[-1]}" for part, r in failed]
+    if errors:
+        blocks.append("FAILED (details in the JSON file):\n" + "\n".join(errors))
     work = (f"{a.prompts} prompts x G={a.group}, {a.max_new_tokens} new tokens (every completion runs to full length), "
             f"{a.minibatches} minibatches, {a.steps} RL steps per run, {a.rounds} round(s); {a.dtype} on {a.device}")
     return "\n\n".join([f"Work: {work}. gspo overrides added: {' '.join(a.override) or 'none'}.", *blocks,
@@ -308,6 +322,18 @@ def tables(results: dict, a) -> str:
 
 
 # --------------------------------------------------------------------------- driver
+
+
+def attempt(m: dict, part: str, fn) -> None:
+    """m[part] = fn(), or the error if it raised (out of memory, say): the other parts still run."""
+    try:
+        m[part] = fn()
+        print(f"  {part}: {json.dumps(m[part])[:600]}", flush=True)
+    except Exception as e:  # noqa: BLE001  (reported in the JSON and the tables)
+        m[part] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+        print(f"  {part}: FAILED: {m[part]['error']}", flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def git_commit() -> str:
@@ -331,6 +357,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-size", type=int, default=4, help="gspo's untimed held-out eval at the start and the end")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="an extra gspo Hydra override")
+    p.add_argument("--logprob-rows", type=int, default=16,
+                   help="mismatch part: rows per chunk of the trainer's log-prob pass (bounds its memory)")
     p.add_argument("--hf-generate-kwargs", default="{}", help='JSON, e.g. \'{"cache_implementation": "static"}\'')
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "outputs")) / "bench_gpu.json")
     p.add_argument("--keep", type=Path, metavar="DIR", help="keep the step runs' files under DIR")
@@ -355,18 +383,11 @@ def main() -> None:
             model_dir = build(name, a)
             print(f"{name}: {m['about']}: {model_dir} ({time.time() - t0:.0f} s)", flush=True)
             if "rollout" in a.parts:
-                model, tok = load(model_dir, a.dtype, a.device)
-                m["rollout"] = bench_rollout(model, tok, a)
-                del model
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                attempt(m, "rollout", lambda: bench_rollout(*load(model_dir, a.dtype, a.device), a))
                 save()
-                print(f"  rollout: gspo {m['rollout']['gspo']['tokens_per_s']:,.0f} tokens/s, generate() "
-                      f"{m['rollout']['hf']['tokens_per_s']:,.0f} tokens/s", flush=True)
             if "mismatch" in a.parts:
-                m["mismatch"] = bench_mismatch(model_dir, a)
+                attempt(m, "mismatch", lambda: bench_mismatch(model_dir, a))
                 save()
-                print(f"  mismatch: {json.dumps(m['mismatch'])}", flush=True)
             if "step" in a.parts:
                 m["step"] = bench_step(model_dir, a, tmp)
                 save()

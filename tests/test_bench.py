@@ -196,6 +196,35 @@ def test_pooled_statistics_drop_each_runs_warm_up_and_tables_show_ratios():
     assert table.splitlines() == ["| a | b |", "|---|---:|", "| x | 1 |"]
 
 
+def _wheel(path: Path, name: str, version: str, requires: list[str]) -> Path:
+    import zipfile
+
+    meta = "\n".join([f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)])
+    with zipfile.ZipFile(path / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+    return path / f"{name}-{version}-py3-none-any.whl"
+
+
+def test_bench_env_names_missing_and_mismatched_requirements(tmp_path, capsys):
+    from importlib import metadata
+
+    import bench_env
+
+    pytest_version = metadata.version("pytest")
+    w = _wheel(tmp_path, "pytest", pytest_version,  # a wheel of what is installed: its own version matches
+               ["torch>=1.0", "no-such-package-xyz>=1", "torch<0.1", "assumed-pkg>=2", "assumed-unknown",
+                'only-on-old-python; python_version < "3.0"', 'an-extra-only; extra == "docs"'])
+    problems = bench_env.check([w], {"assumed-pkg": "1.5", "assumed-unknown": None})
+    assert sorted(problems) == sorted([
+        f"pytest {pytest_version} needs no-such-package-xyz>=1: not installed",
+        f"pytest {pytest_version} needs torch<0.1: found {metadata.version('torch')}",
+        f"pytest {pytest_version} needs assumed-pkg>=2: found 1.5",
+    ])
+    assert "assumed-unknown: present, version unknown" in capsys.readouterr().out
+    stale = _wheel(tmp_path, "pytest", "0.0.1", [])  # Python would import another version than the wheel's
+    assert bench_env.check([stale], {})[0].startswith("pytest-0.0.1-py3-none-any.whl: Python sees pytest")
+
+
 # --------------------------------------------------------------------------- smoke runs of the scripts
 
 
