@@ -270,8 +270,11 @@ def wait_until_idle(max_wait: float, busy_frac: float = 0.15) -> None:
 
 
 def child_env(threads: int) -> dict:
+    """The workers' environment: the repository first on the path, then whatever PYTHONPATH held (on the GPU
+    machine: the folder the carried wheels were installed into)."""
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": path}
 
 
 class WorkerFailed(SystemExit):

@@ -18,7 +18,8 @@ after every measurement so a run cut short still returns what it finished:
             per sequence |mean diff| (GSPO's log-ratio; mean, max), k3 KL, and the share of sequences
             whose ratio would already sit outside GSPO's clip range (3e-4 / 4e-4) before any update
 
-Usage (the lead's device run; about 8 minutes on one H100 at the defaults):
+Usage (the defaults are sized for one device call of under 10 minutes on one H100 — an estimate, not yet
+measured; `--models` / `--parts` split the work across calls):
   python scripts/bench_gpu.py --out $OUT/bench_gpu.json
   python scripts/bench_gpu.py --models moe --parts step --override rollout.old_logprobs=sampler
   python scripts/bench_gpu.py --tiny                      # seconds on a CPU: a smoke test

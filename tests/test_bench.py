@@ -196,6 +196,13 @@ def test_pooled_statistics_drop_each_runs_warm_up_and_tables_show_ratios():
     assert table.splitlines() == ["| a | b |", "|---|---:|", "| x | 1 |"]
 
 
+def test_workers_keep_the_callers_pythonpath(monkeypatch):
+    """On the GPU machine the carried wheels sit on PYTHONPATH: the workers must see them too."""
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    env = bc.child_env(3)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(bc.ROOT), "/tmp/site"] and env["OMP_NUM_THREADS"] == "3"
+
+
 def _wheel(path: Path, name: str, version: str, requires: list[str]) -> Path:
     import zipfile
 
