@@ -32,12 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import (
-    VARIANTS, Run, add_work_args, alternate, fmt, gspo_overrides, gspo_run, markdown_table, pooled, prepare_model,
-    ratio, resolve_work, run_worker, versions, work_dir,
+    VARIANTS, Run, add_work_args, alternate, fmt, gspo_overrides, markdown_table, pooled, prepare_model, ratio,
+    resolve_work, run_worker, versions, work_dir,
 )
+from bench_workers import gspo_run
 
 HERE = Path(__file__).resolve()
-COMMON = HERE.parent / "bench_common.py"
+WORKERS = HERE.parent / "bench_workers.py"
 
 
 # --------------------------------------------------------------------------- the floor's own minimal step
@@ -149,7 +150,7 @@ def sides(a, model_dir: Path) -> dict:
         return Run(res.pop("steps"), rss, others, res)
 
     def gspo(work: Path) -> Run:
-        res, rss, others = run_worker("gspo", COMMON, {**spec, "run_dir": str(work / "run")}, work, a.wait_idle)
+        res, rss, others = run_worker("gspo", WORKERS, {**spec, "run_dir": str(work / "run")}, work, a.wait_idle)
         steps, extra = gspo_run(res["rows"])
         extra["sample_s"], extra["update_s"] = extra["rollout_s"], extra["update_s"]
         return Run(steps, rss, others, extra)

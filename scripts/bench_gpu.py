@@ -38,11 +38,12 @@ from pathlib import Path
 import torch
 
 from bench_common import (
-    ROOT, WorkerFailed, cached_model_dir, fmt, gspo_overrides, gspo_run, markdown_table, random_model, ratio,
-    run_worker, versions, work_dir,
+    ROOT, WorkerFailed, cached_model_dir, fmt, gspo_overrides, markdown_table, random_model, ratio, run_worker,
+    versions, work_dir,
 )
+from bench_workers import gspo_run
 
-COMMON = Path(__file__).resolve().parent / "bench_common.py"
+WORKERS = Path(__file__).resolve().parent / "bench_workers.py"
 V = 151_936
 MODELS = {  # name: (about, qwen3_config shape, MoE settings or None)
     "dense": ("Qwen3-0.6B-shaped (28 layers, hidden 1024)",
@@ -236,7 +237,7 @@ def bench_step(model_dir: Path, a, tmp: Path) -> dict:
             work = tmp / f"{model_dir.name}-{kind}-{r}"
             extra = {"run_dir": str(work / "run")} if kind == "gspo" else {}
             try:
-                res, rss, _ = run_worker(kind, COMMON, {**spec, **extra}, work)
+                res, rss, _ = run_worker(kind, WORKERS, {**spec, **extra}, work)
             except WorkerFailed as e:  # e.g. out of GPU memory: recorded, and the benchmark goes on
                 out[kind].append({"error": str(e)[-1500:]})
                 print(f"  {kind}: round {r + 1}: FAILED\n{str(e)[-1500:]}", flush=True)

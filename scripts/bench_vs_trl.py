@@ -30,11 +30,12 @@ import statistics
 from pathlib import Path
 
 from bench_common import (
-    VARIANTS, Run, add_work_args, alternate, fmt, gspo_overrides, gspo_run, markdown_table, pooled, prepare_model,
-    ratio, resolve_work, run_worker, versions, work_dir,
+    VARIANTS, Run, add_work_args, alternate, fmt, gspo_overrides, markdown_table, pooled, prepare_model, ratio,
+    resolve_work, run_worker, versions, work_dir,
 )
+from bench_workers import gspo_run
 
-COMMON = Path(__file__).resolve().parent / "bench_common.py"
+WORKERS = Path(__file__).resolve().parent / "bench_workers.py"
 
 
 def sides(a, model_dir: Path) -> dict:
@@ -42,11 +43,11 @@ def sides(a, model_dir: Path) -> dict:
     spec = {"overrides": gspo_overrides(a, model_dir), "threads": a.threads}
 
     def trl(work: Path) -> Run:
-        res, rss, others = run_worker("trl", COMMON, spec, work, a.wait_idle)
+        res, rss, others = run_worker("trl", WORKERS, spec, work, a.wait_idle)
         return Run(res["steps"], rss, others, {"len_mean": res["len_mean"], "reward_mean": res["reward_mean"]})
 
     def gspo(work: Path) -> Run:
-        res, rss, others = run_worker("gspo", COMMON, {**spec, "run_dir": str(work / "run")}, work, a.wait_idle)
+        res, rss, others = run_worker("gspo", WORKERS, {**spec, "run_dir": str(work / "run")}, work, a.wait_idle)
         steps, extra = gspo_run(res["rows"])
         return Run(steps, rss, others, extra)
 

@@ -21,6 +21,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_common as bc  # noqa: E402
+import bench_workers as bw  # noqa: E402
 import bench_floor as bf  # noqa: E402
 import bench_gpu as bg  # noqa: E402
 from gspo.config import compose  # noqa: E402
@@ -176,14 +177,14 @@ def test_gspo_overrides_compose_and_extra_overrides_win(model_dir):
 def test_trl_gets_the_same_gspo_settings(model_dir, tmp_path):
     pytest.importorskip("trl")
     cfg = compose(bc.gspo_overrides(_work(variant="long16"), model_dir))
-    args = bc.trl_args(cfg, model_dir, tmp_path, "cpu", bf16=False)
+    args = bw.trl_args(cfg, model_dir, tmp_path, "cpu", bf16=False)
     assert (args.importance_sampling_level, args.loss_type, args.epsilon, args.epsilon_high, args.beta) == \
         ("sequence", "grpo", 3e-4, 4e-4, 0.0)
     assert (args.per_device_train_batch_size, args.steps_per_generation, args.num_generations) == (32, 4, 8)
     assert (args.max_completion_length, args.learning_rate, args.max_grad_norm, args.max_steps) == (16, bc.LR, 1.0, 40)
     assert not args.gradient_checkpointing and args.router_aux_loss_coef is None  # a dense model: no aux loss
     with pytest.raises(SystemExit, match="no equivalent of algo.loss=dapo"):
-        bc.trl_args(compose(bc.gspo_overrides(_work(override=["algo=dapo"]), model_dir)), model_dir, tmp_path, "cpu",
+        bw.trl_args(compose(bc.gspo_overrides(_work(override=["algo=dapo"]), model_dir)), model_dir, tmp_path, "cpu",
                     bf16=False)
 
 
