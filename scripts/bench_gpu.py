@@ -213,7 +213,7 @@ def bench_mismatch(model_dir: Path, a) -> dict:
             field = next((f for f in SAMPLER_LOGPROB_FIELDS if getattr(ro, f, None) is not None), None)
             sampler = getattr(ro, field) if field else replay_logprobs(model, ro)
             # the trainer's pass in chunks of rows: its float32 (rows, T, V) copies at V = 151,936 are GBs per row-chunk
-            chunks = torch.arange(len(ro.texts), device=ro.input_ids.device).split(a.logprob_rows)
+            chunks = torch.arange(len(ro.texts)).split(a.logprob_rows)  # CPU indices: Rollout holds CPU tensors too
             trainer = torch.cat([token_logprobs(model, ro.select(rows), 1.0)[0] for rows in chunks])
         out[dtype] = {**mismatch_stats(sampler, trainer, ro.completion_mask),
                       "sampler_source": f"Rollout.{field}" if field else "KV-cache replay"}
@@ -369,6 +369,8 @@ def main() -> None:
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.models, a.parts, a.trainers = a.models.split(","), a.parts.split(","), a.trainers.split(",")
+    if a.steps < 2 or (a.prompts * a.group) % a.minibatches:
+        p.error("--steps must be at least 2 (the first is a warm-up), and prompts x group must divide into minibatches")
     a.threads = 0
     results = {"env": {"versions": versions(), "commit": git_commit(), "args": {k: str(v) for k, v in vars(a).items()}},
                "models": {}}
