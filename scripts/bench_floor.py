@@ -1,0 +1,203 @@
+"""The floor: what one RL step of a given shape costs at the least, and gspo's overhead over it (CPU).
+
+The floor is the bare work an RL step cannot avoid, on the same model, prompts and shapes
+as `gspo train` (the same `--variant`s as bench_vs_trl.py):
+  sampling: one prefill (logits only at the last position), then one forward per new token
+            over the KV cache, multinomial draws, an early exit when every row has its EOS;
+  update:   per minibatch one forward with logits only at the completion positions, the sampled
+            tokens' log-probs (cross-entropy), a GSPO-shaped loss (sequence mean of log-probs x a
+            fixed +-1 advantage; plus the MoE aux loss where gspo adds it), backward, gradient
+            clipping and one AdamW step.
+No old-policy pass (sampler log-probs can stand in for it), no entropy, no statistics, no
+rewards. gspo's time per step is `time/step_s`; the table shows gspo / floor.
+Runs alternate floor, gspo, floor, gspo, ... each in a fresh subprocess.
+
+Usage (repository root, in the venv):
+  python scripts/bench_floor.py --variant long64
+  python scripts/bench_floor.py --variant vocab --override rollout.old_logprobs=sampler
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_common import (
+    VARIANTS, Run, add_work_args, alternate, fmt, gspo_overrides, markdown_table, pooled, prepare_model, ratio,
+    resolve_work, run_worker, versions, work_dir,
+)
+from bench_workers import gspo_run
+
+HERE = Path(__file__).resolve()
+WORKERS = HERE.parent / "bench_workers.py"
+
+
+# --------------------------------------------------------------------------- the floor's own minimal step
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def sample(model, ids: torch.Tensor, mask: torch.Tensor, max_new: int, eos: int, pad: int,
+           temperature: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion ids (N, T'), completion mask (N, T'): 1 up to and including each row's first EOS)."""
+    n, p = ids.shape
+    full_mask = torch.cat([mask, torch.ones(n, max_new, dtype=mask.dtype)], 1)  # allocated once
+    pos = positions(mask)[:, -1:]
+    out = torch.full((n, max_new), pad, dtype=torch.long)
+    done = torch.zeros(n, dtype=torch.bool)
+    res = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
+    for t in range(max_new):
+        probs = torch.softmax(res.logits[:, -1].float() / temperature, -1)
+        nxt = torch.where(done, pad, torch.multinomial(probs, 1, generator=gen).squeeze(-1))
+        out[:, t] = nxt
+        done |= nxt == eos
+        if t == max_new - 1 or bool(done.all()):
+            break
+        res = model(input_ids=nxt[:, None], attention_mask=full_mask[:, : p + t + 1], position_ids=pos + t + 1,
+                    past_key_values=res.past_key_values, use_cache=True)
+    out = out[:, : t + 1]
+    is_eos = (out == eos).long()
+    return out, ((is_eos.cumsum(-1) - is_eos) == 0).float()
+
+
+def completion_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, prompt_len: int, temperature: float = 1.0,
+                        **forward_kwargs) -> tuple[torch.Tensor, object]:
+    """Log-probs (N, T) of the completion tokens ids[:, prompt_len:] (with grad), and the model output."""
+    t = ids.shape[1] - prompt_len
+    res = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), logits_to_keep=t + 1,
+                use_cache=False, **forward_kwargs)
+    logits = res.logits[:, :-1].float() / temperature
+    target = ids[:, prompt_len:]
+    logp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    return logp.view_as(target), res
+
+
+def floor_worker(spec: dict) -> None:
+    """The floor's RL steps on the work of spec["overrides"]; writes per-step seconds to spec["out"]."""
+    torch.set_num_threads(spec["threads"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo.config import compose
+    from gspo.tasks import build_task
+
+    cfg = compose(spec["overrides"])
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
+                                                 attn_implementation=cfg.model.attn_implementation)
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    task = build_task(cfg.task)
+    G, T, M, temp = cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.train.minibatches, cfg.rollout.temperature
+    aux = cfg.model.router_aux_loss_coef if hasattr(model.config, "output_router_logits") else 0.0
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    res = {"steps": [], "sample_s": [], "update_s": [], "len_mean": []}
+    for step in range(1, cfg.train.steps + 1):
+        problems = task.sample_train(random.Random(f"{cfg.seed}-{step}"), cfg.rollout.prompts_per_step)
+        t0 = time.perf_counter()
+        prompts = [tok(p.prompt, add_special_tokens=False)["input_ids"] for p in problems for _ in range(G)]
+        ids, mask = left_pad(prompts, tok.pad_token_id)
+        model.eval()
+        comp, comp_mask = sample(model, ids, mask, T, tok.eos_token_id, tok.pad_token_id, temp, gen)
+        t1 = time.perf_counter()
+        model.train()
+        seq, seq_mask = torch.cat([ids, comp], 1), torch.cat([mask, comp_mask.long()], 1)
+        adv = torch.tensor([1.0, -1.0]).repeat(len(prompts) // 2 + 1)[: len(prompts)]
+        for rows in torch.arange(len(prompts)).chunk(M):
+            logp, out = completion_logprobs(model, seq[rows], seq_mask[rows], ids.shape[1], temp,
+                                            **({"output_router_logits": True} if aux else {}))
+            m = comp_mask[rows]
+            loss = -(adv[rows] * (logp * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+            if aux:
+                loss = loss + aux * out.aux_loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        res["steps"].append(t2 - t0)
+        res["sample_s"].append(t1 - t0)
+        res["update_s"].append(t2 - t1)
+        res["len_mean"].append(comp_mask.sum(-1).mean().item())
+    Path(spec["out"]).write_text(json.dumps(res))
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def sides(a, model_dir: Path) -> dict:
+    spec = {"overrides": gspo_overrides(a, model_dir), "threads": a.threads}
+
+    def floor(work: Path) -> Run:
+        res, rss, others = run_worker("floor", HERE, spec, work, a.wait_idle)
+        return Run(res.pop("steps"), rss, others, res)
+
+    def gspo(work: Path) -> Run:
+        res, rss, others = run_worker("gspo", WORKERS, {**spec, "run_dir": str(work / "run")}, work, a.wait_idle)
+        steps, extra = gspo_run(res["rows"])
+        extra["sample_s"], extra["update_s"] = extra["rollout_s"], extra["update_s"]
+        return Run(steps, rss, others, extra)
+
+    return {"floor": floor, "gspo": gspo}
+
+
+def table(results: dict[str, list[Run]], a) -> str:
+    med = {k: [statistics.median(pooled(runs, key)) for key in (None, "sample_s", "update_s")]
+           for k, runs in results.items()}
+    rss = {k: max(r.rss_mib for r in runs) for k, runs in results.items()}
+    rows = []
+    for kind, name in (("floor", "floor (bare sampling + bare updates)"), ("gspo", "gspo train")):
+        rows.append([name, *map(fmt, med[kind]), fmt(statistics.mean(pooled(results[kind], "len_mean")), 1),
+                     f"{rss[kind]:,.0f}"])
+    rows.append(["**gspo / floor**", *(ratio(g, f) for g, f in zip(med["gspo"], med["floor"])), "",
+                 ratio(rss["gspo"], rss["floor"])])
+    header = ["", "median s/step", "median sampling s", "median update s", "mean completion length", "peak RSS (MiB)"]
+    v = VARIANTS[a.variant]
+    work = (f"variant `{a.variant}` ({v.about}); {a.prompts} prompts x G={a.group}, max {a.max_new_tokens} new tokens, "
+            f"{a.minibatches} minibatches, {a.steps} RL steps per run (first = warm-up, not counted), "
+            f"{a.rounds} rounds alternating floor, gspo")
+    if a.variant == "vocab":
+        work += f"; model: vocab {a.vocab_size:,}, {a.layers} layers, hidden {a.hidden}"
+    note = ("gspo's sampling column is `time/rollout_s` (sampling, decoding, rewards); its update column is "
+            "`time/update_s` (old-policy log-probs if recomputed, the minibatch updates, MoE statistics).")
+    added = " ".join(a.override) or "none"
+    return "\n".join([f"Work: {work}.", f"gspo overrides added: {added}.", "", markdown_table(header, rows), "",
+                      note, f"Versions: {versions(a.threads)}."])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_work_args(p)
+    a = p.parse_args()
+    resolve_work(a)
+    model_dir = prepare_model(a)
+    print(f"model: {model_dir}", flush=True)
+    load0 = os.getloadavg()[0]
+    with work_dir(a.keep, "bench-floor-") as tmp:
+        results = alternate(sides(a, model_dir), a.rounds, a.retries, tmp)
+    print(f"\nLoad average (1 min) before/after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs.\n")
+    print(table(results, a))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "floor":
+        floor_worker(json.loads(Path(sys.argv[2]).read_text()))
+    else:
+        main()

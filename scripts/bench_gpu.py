@@ -1,0 +1,405 @@
+"""GPU benchmark (one GPU, bf16): gspo against `model.generate()` and against TRL, on real-shaped models.
+
+Models (random weights, built from configs, nothing downloaded; the tokenizer is character-level,
+filled to the vocabulary, with an EOS one past it, so every completion runs to full length):
+  dense  Qwen3-0.6B-shaped: 28 layers, hidden 1024, 16 heads / 8 kv heads, head_dim 128,
+         intermediate 3072, vocab 151,936, tied embeddings
+  moe    Qwen3-30B-A3B-shaped, cut to 4 layers: 128 experts, top-8, hidden 2048, moe_intermediate 768,
+         32 heads / 4 kv heads, head_dim 128, vocab 151,936
+Measurements (`--parts`), one table each, all of them also in a JSON file (`--out`), written
+after every measurement so a run cut short still returns what it finished:
+  rollout   tokens/s of gspo's sampler (`gspo.rollout.generate`) and of `model.generate()`:
+            same model, same left-padded batch, same lengths, sampling at temperature 1
+  step      time per RL step: `gspo train hardware=gpu model=hf model.path=DIR ...` vs TRL's
+            GRPOTrainer with the same GSPO settings, bf16 weights on both, alternating subprocesses
+  memory    peak GPU memory of each trainer's process (`torch.cuda.max_memory_allocated` /
+            `max_memory_reserved`; gspo's `memory/peak_gb` too when it logs one) — from the step runs
+  mismatch  sampler vs trainer log-probs of the same sampled tokens: per token |diff| (mean, max),
+            per sequence |mean diff| (GSPO's log-ratio; mean, max), k3 KL, and the share of sequences
+            whose ratio would already sit outside GSPO's clip range (3e-4 / 4e-4) before any update
+
+Usage (the defaults are sized for one device call of under 10 minutes on one H100 — an estimate, not yet
+measured; `--models` / `--parts` split the work across calls):
+  python scripts/bench_gpu.py --out $OUT/bench_gpu.json
+  python scripts/bench_gpu.py --models moe --parts step --override rollout.old_logprobs=sampler
+  python scripts/bench_gpu.py --tiny                      # seconds on a CPU: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from bench_common import (
+    ROOT, WorkerFailed, cached_model_dir, fmt, gspo_overrides, markdown_table, random_model, ratio, run_worker,
+    versions, work_dir,
+)
+from bench_workers import gspo_run
+
+WORKERS = Path(__file__).resolve().parent / "bench_workers.py"
+V = 151_936
+MODELS = {  # name: (about, qwen3_config shape, MoE settings or None)
+    "dense": ("Qwen3-0.6B-shaped (28 layers, hidden 1024)",
+              dict(vocab=V, hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, tie=True),
+              None),
+    "moe": ("Qwen3-30B-A3B-shaped, 4 layers (128 experts, top-8, hidden 2048)",
+            dict(vocab=V, hidden=2048, layers=4, heads=32, kv_heads=4, head_dim=128, intermediate=6144, tie=False),
+            dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001)),
+}
+TINY = {
+    "dense": ("tiny dense", dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                                 tie=True), None),
+    "moe": ("tiny MoE", dict(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                             tie=False),
+            dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.001)),
+}
+WORK = dict(prompts=16, group=8, max_new_tokens=256, minibatches=4, steps=4, repeats=3)
+TINY_WORK = dict(prompts=2, group=2, max_new_tokens=8, minibatches=2, steps=2, repeats=1)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+CLIP = (3e-4, 4e-4)  # GSPO's clip range (conf/algo/gspo.yaml)
+SAMPLER_LOGPROB_FIELDS = ("sampler_logprobs", "logprobs", "old_logprobs")  # a Rollout field, once gspo records one
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def problems_for(a) -> list:
+    """The step's prompts: the addition task's training prompts, as `gspo train` draws them."""
+    import random
+
+    from gspo.config import compose
+    from gspo.tasks import build_task
+
+    task = build_task(compose([]).task)
+    return task.sample_train(random.Random(a.seed), a.prompts)
+
+
+def build(name: str, a) -> Path:
+    """The model's checkpoint directory (random weights in `--dtype`, built on the device, cached)."""
+    from gspo.config import compose
+    from gspo.tasks import build_task
+
+    about, shape, moe = (TINY if a.tiny else MODELS)[name]
+    alphabet = build_task(compose([]).task).alphabet
+    key = {"name": name, "shape": shape, "moe": moe, "alphabet": alphabet, "seed": a.seed, "dtype": a.dtype}
+    return cached_model_dir(f"gpu-{name}", key, lambda: random_model(shape, alphabet, a.seed, DTYPES[a.dtype],
+                                                                     a.device, moe))
+
+
+def load(model_dir: Path, dtype: str, device: str):
+    from gspo.models import load_pretrained
+
+    model, tok = load_pretrained(model_dir, DTYPES[dtype])
+    return model.to(device).eval(), tok
+
+
+def completion_tokens(comp: torch.Tensor, eos: int) -> int:
+    """Tokens of each row up to and including its first EOS, summed."""
+    is_eos = (comp == eos).long()
+    return int(((is_eos.cumsum(-1) - is_eos) == 0).sum())
+
+
+# --------------------------------------------------------------------------- rollout: tokens/s
+
+
+def bench_rollout(model, tok, a) -> dict:
+    """gspo's sampler vs `model.generate()` on the same batch: median seconds per call, tokens/s, peak memory."""
+    from gspo.rollout import encode_prompts, generate, left_pad
+
+    prompts = [p.prompt for p in problems_for(a)]
+    encoded = encode_prompts(tok, prompts)
+    ids, mask = left_pad([e for e in encoded for _ in range(a.group)], tok.pad_token_id)
+    ids, mask = ids.to(a.device), mask.to(a.device)
+    hf_kwargs = json.loads(a.hf_generate_kwargs)
+
+    def gspo() -> int:
+        return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0)
+                   .completion_mask.sum())
+
+    def hf() -> int:
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=a.max_new_tokens, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, **hf_kwargs)
+        return completion_tokens(out[:, ids.shape[1]:], tok.eos_token_id)
+
+    fns, res = {"gspo": gspo, "hf": hf}, {k: {"s": [], "tokens": []} for k in ("gspo", "hf")}
+    with torch.no_grad():
+        for name, fn in fns.items():
+            fn()  # warm-up: kernels, allocator, caches
+        for _ in range(a.repeats):  # alternating calls
+            for name, fn in fns.items():
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                sync()
+                t0 = time.perf_counter()
+                n = fn()
+                sync()
+                res[name]["s"].append(time.perf_counter() - t0)
+                res[name]["tokens"].append(n)
+                if torch.cuda.is_available():
+                    res[name]["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    for r in res.values():
+        r["median_s"] = statistics.median(r["s"])
+        r["tokens_per_s"] = statistics.median(n / s for n, s in zip(r["tokens"], r["s"]))
+    return res
+
+
+# --------------------------------------------------------------------------- mismatch: sampler vs trainer
+
+
+@torch.no_grad()
+def replay_logprobs(model, rollout) -> torch.Tensor:
+    """Log-probs (N, T) of the rollout's completion tokens computed the way the sampler computes them:
+    a prefill of the prompt, then one token at a time over the KV cache (float32 log-softmax of each
+    step's last logits). Used when the Rollout carries no sampler log-probs of its own."""
+    from gspo.rollout import position_ids
+
+    p, comp = rollout.prompt_len, rollout.completion_ids
+    n, t = comp.shape
+    mask = torch.cat([rollout.attention_mask[:, :p], torch.ones_like(comp)], 1)  # the sampler's mask: ones after the prompt
+    res = model(input_ids=rollout.input_ids[:, :p], attention_mask=mask[:, :p], position_ids=position_ids(mask[:, :p]),
+                use_cache=True, logits_to_keep=1)
+    out = torch.empty(n, t, device=comp.device)
+    for j in range(t):
+        out[:, j] = res.logits[:, -1].float().log_softmax(-1).gather(-1, comp[:, j : j + 1]).squeeze(-1)
+        if j + 1 < t:
+            m = mask[:, : p + j + 1]
+            res = model(input_ids=comp[:, j : j + 1], attention_mask=m, position_ids=position_ids(m)[:, -1:],
+                        past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+def mismatch_stats(sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, clip=CLIP) -> dict:
+    """How far the trainer's log-probs of the sampled tokens are from the sampler's, on completion tokens.
+
+    d = trainer - sampler per token; per sequence GSPO's log-ratio sum(m d) / |y|; k3 = exp(d) - d - 1
+    (the estimate of KL(sampler || trainer) from the sampler's own tokens).
+    """
+    mask = mask.double()  # float64: k3 ~ d^2/2 is ~1e-14 in float32 runs, below float32's resolution of exp(d) - 1
+    d = (trainer.double() - sampler.double()) * mask
+    tok = d.abs()[mask.bool()]
+    seq = d.sum(-1) / mask.sum(-1).clamp(min=1)
+    k3 = (torch.expm1(d) - d) * mask
+    ratio_s = torch.exp(seq)
+    return {
+        "token_abs_diff_mean": tok.mean().item(), "token_abs_diff_max": tok.max().item(),
+        "seq_abs_diff_mean": seq.abs().mean().item(), "seq_abs_diff_max": seq.abs().max().item(),
+        "k3_mean": (k3.sum() / mask.sum()).item(),
+        "seq_outside_clip_frac": ((ratio_s < 1 - clip[0]) | (ratio_s > 1 + clip[1])).float().mean().item(),
+        "tokens": int(mask.sum()),
+    }
+
+
+def bench_mismatch(model_dir: Path, a) -> dict:
+    """Sample a batch with gspo's sampler, then compare its log-probs with `gspo.rollout.token_logprobs`."""
+    from gspo.rollout import generate, token_logprobs
+
+    prompts = [p.prompt for p in problems_for(a)]
+    out = {}
+    for dtype in dict.fromkeys([a.dtype, "float32"]):  # the run's dtype, and float32 as the control
+        model, tok = load(model_dir, dtype, a.device)
+        torch.manual_seed(a.seed)
+        with torch.no_grad():
+            ro = generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0)
+            field = next((f for f in SAMPLER_LOGPROB_FIELDS if getattr(ro, f, None) is not None), None)
+            sampler = getattr(ro, field) if field else replay_logprobs(model, ro)
+            # the trainer's pass in chunks of rows: its float32 (rows, T, V) copies at V = 151,936 are GBs per row-chunk
+            chunks = torch.arange(len(ro.texts)).split(a.logprob_rows)  # CPU indices: Rollout holds CPU tensors too
+            trainer = torch.cat([token_logprobs(model, ro.select(rows), 1.0)[0] for rows in chunks])
+        out[dtype] = {**mismatch_stats(sampler, trainer, ro.completion_mask),
+                      "sampler_source": f"Rollout.{field}" if field else "KV-cache replay"}
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------- step: gspo train vs TRL
+
+
+def bench_step(model_dir: Path, a, tmp: Path) -> dict:
+    """Alternating subprocess runs (TRL, gspo, ...): seconds per RL step and peak GPU memory of each."""
+    cuda = a.device == "cuda"
+    hardware = ["hardware=gpu"] if cuda else ["hardware=cpu", "hardware.threads=0"]
+    spec = {"overrides": gspo_overrides(a, model_dir, [*hardware, f"hardware.dtype={a.dtype}"]), "threads": 0}
+    out: dict = {"trl": [], "gspo": []}
+    for r in range(a.rounds):
+        for kind in a.trainers:
+            work = tmp / f"{model_dir.name}-{kind}-{r}"
+            extra = {"run_dir": str(work / "run")} if kind == "gspo" else {}
+            try:
+                res, rss, _ = run_worker(kind, WORKERS, {**spec, **extra}, work)
+            except WorkerFailed as e:  # e.g. out of GPU memory: recorded, and the benchmark goes on
+                out[kind].append({"error": str(e)[-1500:]})
+                print(f"  {kind}: round {r + 1}: FAILED\n{str(e)[-1500:]}", flush=True)
+                continue
+            if kind == "gspo":
+                steps, ex = gspo_run(res.pop("rows"))
+                res = {**res, "steps": steps, **ex}
+            res["rss_mib"] = rss
+            out[kind].append(res)
+            print(f"  {kind}: round {r + 1}: median {fmt(statistics.median(res['steps'][1:]))} s/step"
+                  + (f", peak allocated {res['peak_allocated_gib']:.2f} GiB" if "peak_allocated_gib" in res else ""),
+                  flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def tables(results: dict, a) -> str:
+    models = results["models"]
+    blocks = []
+    rows = []
+    for name, m in models.items():
+        if "error" not in m.get("rollout", {"error": 1}):
+            g, h = m["rollout"]["gspo"], m["rollout"]["hf"]
+            rows.append([name, fmt(g["median_s"]), fmt(h["median_s"]), f"{g['tokens_per_s']:,.0f}",
+                         f"{h['tokens_per_s']:,.0f}", ratio(g["tokens_per_s"], h["tokens_per_s"]),
+                         fmt(g.get("peak_allocated_gib"), 2), fmt(h.get("peak_allocated_gib"), 2)])
+    if rows:
+        blocks.append("Rollout (tokens/s, higher is better):\n\n" + markdown_table(
+            ["model", "gspo s/call", "generate() s/call", "gspo tokens/s", "generate() tokens/s",
+             "gspo / generate()", "gspo peak GiB", "generate() peak GiB"], rows))
+    steps, mem = [], []
+    for name, m in models.items():
+        if "step" not in m:
+            continue
+        med = {}
+        for kind, label in (("trl", "TRL GRPOTrainer"), ("gspo", "gspo train")):
+            runs = [r for r in m["step"].get(kind) or [] if "error" not in r]
+            if not runs:
+                continue
+            pool = [s for r in runs for s in r["steps"][1:]]
+            med[kind] = statistics.median(pool)
+            lens = [x for r in runs for x in r["len_mean"][1:]]
+            steps.append([name, label, fmt(med[kind]), ", ".join(fmt(statistics.median(r["steps"][1:])) for r in runs),
+                          fmt(statistics.mean(lens), 1) if lens else "—"])
+            peak = [r.get("peak_allocated_gib") for r in runs]
+            logged = [x for r in runs for x in r.get("memory/peak_gb", [])]
+            reserved = [r.get("peak_reserved_gib") for r in runs]
+            mem.append([name, label, fmt(max(peak), 2) if None not in peak else "—",
+                        fmt(max(reserved), 2) if None not in reserved else "—",
+                        fmt(max(logged), 2) if logged else "—", f"{max(r['rss_mib'] for r in runs):,.0f}"])
+        if len(med) == 2:
+            steps.append([name, "**gspo / TRL**", ratio(med["gspo"], med["trl"]), "", ""])
+    if steps:
+        blocks.append("Time per RL step (first step of each run = warm-up, not counted):\n\n" + markdown_table(
+            ["model", "trainer", "median s/step", "per-round medians (s)", "mean completion length"], steps,
+            right={2, 4}))
+    if mem:
+        blocks.append("Peak memory of each trainer's process (GPU: GiB):\n\n" + markdown_table(
+            ["model", "trainer", "max_memory_allocated", "max_memory_reserved", "gspo's memory/peak_gb",
+             "peak RSS (MiB)"], mem, right={2, 3, 4, 5}))
+    rows = []
+    for name, m in models.items():
+        for dtype, s in ({} if "error" in m.get("mismatch", {}) else m.get("mismatch", {})).items():
+            rows.append([name, dtype, f"{s['token_abs_diff_mean']:.2e}", f"{s['token_abs_diff_max']:.2e}",
+                         f"{s['seq_abs_diff_mean']:.2e}", f"{s['seq_abs_diff_max']:.2e}", f"{s['k3_mean']:.2e}",
+                         f"{s['seq_outside_clip_frac']:.1%}", s["sampler_source"]])
+    if rows:
+        blocks.append("Sampler vs trainer log-probs of the same sampled tokens:\n\n" + markdown_table(
+            ["model", "dtype", "token |d| mean", "token |d| max", "seq |mean d| mean", "seq |mean d| max", "k3 KL",
+             "seqs outside clip", "sampler log-probs from"], rows, right={2, 3, 4, 5, 6, 7}))
+    errors = []
+    for name, m in models.items():
+        failed = [(part, m[part]) for part in ("rollout", "mismatch") if "error" in m.get(part, {})]
+        failed += [("step " + kind, r) for kind, runs in m.get("step", {}).items() for r in runs if "error" in r]
+        errors += [f"- {name} {part}: {(r['error'].strip().splitlines() or ['?'])[-1]}" for part, r in failed]
+    if errors:
+        blocks.append("FAILED (details in the JSON file):\n" + "\n".join(errors))
+    work = (f"{a.prompts} prompts x G={a.group}, {a.max_new_tokens} new tokens (every completion runs to full length), "
+            f"{a.minibatches} minibatches, {a.steps} RL steps per run, {a.rounds} round(s); {a.dtype} on {a.device}")
+    return "\n\n".join([f"Work: {work}. gspo overrides added: {' '.join(a.override) or 'none'}.", *blocks,
+                        f"Versions: {results['env']['versions']}."])
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def attempt(m: dict, part: str, fn) -> None:
+    """m[part] = fn(), or the error if it raised (out of memory, say): the other parts still run."""
+    try:
+        m[part] = fn()
+        print(f"  {part}: {json.dumps(m[part])[:600]}", flush=True)
+    except Exception as e:  # noqa: BLE001  (reported in the JSON and the tables)
+        m[part] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+        print(f"  {part}: FAILED: {m[part]['error']}", flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny models and batch: a smoke test that runs on a CPU")
+    p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
+    p.add_argument("--parts", default="rollout,mismatch,step", help="comma-separated: rollout, mismatch, step")
+    p.add_argument("--trainers", default="trl,gspo", help="step part: comma-separated trl, gspo (run in this order)")
+    for k, v in WORK.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, help=f"default {v} ({TINY_WORK[k]} with --tiny)")
+    p.add_argument("--rounds", type=int, default=1, help="step part: alternations of the trainers")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-size", type=int, default=4, help="gspo's untimed held-out eval at the start and the end")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="an extra gspo Hydra override")
+    p.add_argument("--logprob-rows", type=int, default=16,
+                   help="mismatch part: rows per chunk of the trainer's log-prob pass (bounds its memory)")
+    p.add_argument("--hf-generate-kwargs", default="{}", help='JSON, e.g. \'{"cache_implementation": "static"}\'')
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "outputs")) / "bench_gpu.json")
+    p.add_argument("--keep", type=Path, metavar="DIR", help="keep the step runs' files under DIR")
+    a = p.parse_args()
+    for k, v in (TINY_WORK if a.tiny else WORK).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.models, a.parts, a.trainers = a.models.split(","), a.parts.split(","), a.trainers.split(",")
+    if a.steps < 2 or (a.prompts * a.group) % a.minibatches:
+        p.error("--steps must be at least 2 (the first is a warm-up), and prompts x group must divide into minibatches")
+    a.threads = 0
+    results = {"env": {"versions": versions(), "commit": git_commit(), "args": {k: str(v) for k, v in vars(a).items()}},
+               "models": {}}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        a.out.write_text(json.dumps(results, indent=2))
+
+    t_start = time.time()
+    with work_dir(a.keep, "bench-gpu-") as tmp:
+        for name in a.models:
+            m = results["models"][name] = {"about": (TINY if a.tiny else MODELS)[name][0]}
+            t0 = time.time()
+            model_dir = build(name, a)
+            print(f"{name}: {m['about']}: {model_dir} ({time.time() - t0:.0f} s)", flush=True)
+            if "rollout" in a.parts:
+                attempt(m, "rollout", lambda: bench_rollout(*load(model_dir, a.dtype, a.device), a))
+                save()
+            if "mismatch" in a.parts:
+                attempt(m, "mismatch", lambda: bench_mismatch(model_dir, a))
+                save()
+            if "step" in a.parts:
+                m["step"] = bench_step(model_dir, a, tmp)
+                save()
+    results["env"]["wall_s"] = time.time() - t_start
+    save()
+    print("\n" + tables(results, a))
+    print(f"\nresults: {a.out} (wall {results['env']['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
