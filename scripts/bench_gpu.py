@@ -13,7 +13,7 @@ after every measurement so a run cut short still returns what it finished:
   step      time per RL step: `gspo train hardware=gpu model=hf model.path=DIR ...` vs TRL's
             GRPOTrainer with the same GSPO settings, bf16 weights on both, alternating subprocesses
   memory    peak GPU memory of each trainer's process (`torch.cuda.max_memory_allocated` /
-            `max_memory_reserved`; gspo's `memory/peak_gb` too when it logs one) — from the step runs
+            `max_memory_reserved`; gspo's `memory/peak_gib` too when it logs one) — from the step runs
   mismatch  sampler vs trainer log-probs of the same sampled tokens: per token |diff| (mean, max),
             per sequence |mean diff| (GSPO's log-ratio; mean, max), k3 KL, and the share of sequences
             whose ratio would already sit outside GSPO's clip range (3e-4 / 4e-4) before any update
@@ -64,7 +64,7 @@ WORK = dict(prompts=16, group=8, max_new_tokens=256, minibatches=4, steps=4, rep
 TINY_WORK = dict(prompts=2, group=2, max_new_tokens=8, minibatches=2, steps=2, repeats=1)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CLIP = (3e-4, 4e-4)  # GSPO's clip range (conf/algo/gspo.yaml)
-SAMPLER_LOGPROB_FIELDS = ("sampler_logprobs", "logprobs", "old_logprobs")  # a Rollout field, once gspo records one
+SAMPLER_LOGPROB_FIELDS = ("sampler_logp",)  # the Rollout field gspo records while sampling
 
 
 def sync() -> None:
@@ -131,7 +131,12 @@ def bench_rollout(model, tok, a) -> dict:
                              pad_token_id=tok.pad_token_id, **hf_kwargs)
         return completion_tokens(out[:, ids.shape[1]:], tok.eos_token_id)
 
-    fns, res = {"gspo": gspo, "hf": hf}, {k: {"s": [], "tokens": []} for k in ("gspo", "hf")}
+    def gspo_compiled() -> int:  # static KV cache + torch.compile (CUDA graphs): `hardware.compile=true`
+        return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0, compile=True)
+                   .completion_mask.sum())
+
+    fns = {"gspo": gspo, "hf": hf, **({"gspo_compiled": gspo_compiled} if a.compile else {})}
+    res = {k: {"s": [], "tokens": []} for k in fns}
     with torch.no_grad():
         for name, fn in fns.items():
             fn()  # warm-up: kernels, allocator, caches
@@ -266,6 +271,11 @@ def tables(results: dict, a) -> str:
             rows.append([name, fmt(g["median_s"]), fmt(h["median_s"]), f"{g['tokens_per_s']:,.0f}",
                          f"{h['tokens_per_s']:,.0f}", ratio(g["tokens_per_s"], h["tokens_per_s"]),
                          fmt(g.get("peak_allocated_gib"), 2), fmt(h.get("peak_allocated_gib"), 2)])
+            c = m["rollout"].get("gspo_compiled")
+            if c:
+                rows.append([f"{name} (gspo compiled)", fmt(c["median_s"]), fmt(h["median_s"]), f"{c['tokens_per_s']:,.0f}",
+                             f"{h['tokens_per_s']:,.0f}", ratio(c["tokens_per_s"], h["tokens_per_s"]),
+                             fmt(c.get("peak_allocated_gib"), 2), fmt(h.get("peak_allocated_gib"), 2)])
     if rows:
         blocks.append("Rollout (tokens/s, higher is better):\n\n" + markdown_table(
             ["model", "gspo s/call", "generate() s/call", "gspo tokens/s", "generate() tokens/s",
@@ -285,7 +295,7 @@ def tables(results: dict, a) -> str:
             steps.append([name, label, fmt(med[kind]), ", ".join(fmt(statistics.median(r["steps"][1:])) for r in runs),
                           fmt(statistics.mean(lens), 1) if lens else "—"])
             peak = [r.get("peak_allocated_gib") for r in runs]
-            logged = [x for r in runs for x in r.get("memory/peak_gb", [])]
+            logged = [x for r in runs for x in r.get("memory/peak_gib", [])]
             reserved = [r.get("peak_reserved_gib") for r in runs]
             mem.append([name, label, fmt(max(peak), 2) if None not in peak else "—",
                         fmt(max(reserved), 2) if None not in reserved else "—",
@@ -298,7 +308,7 @@ def tables(results: dict, a) -> str:
             right={2, 4}))
     if mem:
         blocks.append("Peak memory of each trainer's process (GPU: GiB):\n\n" + markdown_table(
-            ["model", "trainer", "max_memory_allocated", "max_memory_reserved", "gspo's memory/peak_gb",
+            ["model", "trainer", "max_memory_allocated", "max_memory_reserved", "gspo's memory/peak_gib",
              "peak RSS (MiB)"], mem, right={2, 3, 4, 5}))
     rows = []
     for name, m in models.items():
@@ -361,6 +371,8 @@ def main() -> None:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="an extra gspo Hydra override")
     p.add_argument("--logprob-rows", type=int, default=16,
                    help="mismatch part: rows per chunk of the trainer's log-prob pass (bounds its memory)")
+    p.add_argument("--compile", action="store_true",
+                   help="rollout part: also gspo's sampler with a static KV cache through torch.compile (hardware.compile)")
     p.add_argument("--hf-generate-kwargs", default="{}", help='JSON, e.g. \'{"cache_implementation": "static"}\'')
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "outputs")) / "bench_gpu.json")
     p.add_argument("--keep", type=Path, metavar="DIR", help="keep the step runs' files under DIR")

@@ -47,7 +47,7 @@ def gspo_run(rows: list[dict]) -> tuple[list[float], dict]:
     steps = [r["time/step_s"] for r in rows]
     extra = {"len_mean": [r["response/len_mean"] for r in rows], "reward_mean": [r["reward/mean"] for r in rows],
              "rollout_s": [r["time/rollout_s"] for r in rows], "update_s": [r["time/update_s"] for r in rows]}
-    for key in ("rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "memory/peak_gb"):
+    for key in ("rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "memory/peak_gib"):
         if any(key in r for r in rows):
             extra[key] = [r.get(key, float("nan")) for r in rows]
     return steps, extra
