@@ -247,3 +247,26 @@ def test_gradient_checkpointing_still_reaches_the_adapters(tmp_path, cache_dir, 
     over = {"model.lora.r": 4, "model.gradient_checkpointing": True, "train.steps": 1, "train.lr": 0.05}
     assert train(compose(tiny(cache_dir, **over)), tmp_path)["status"] == "finished"
     assert all(p.abs().sum() > 0 for n, p in captured[0].named_parameters() if "lora_B" in n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_on_two_ranks_computes_what_one_process_computes(strategy, tmp_path, cache_dir):
+    """GRPO with the KL term (reference = adapters off) and LoRA: 2 gloo ranks == 1 process, adapter for adapter."""
+    from test_distributed import cli, jsonl, small
+
+    from gspo.trainer import train
+
+    over = small(cache_dir, **{"model.lora.r": 4, "train.lr": 0.05})
+    train(compose(over), tmp_path / "one")
+    cli("train", "hardware=cpu-ddp", f"hardware.strategy={strategy}", f"hydra.run.dir={tmp_path / 'two'}", *over,
+        cwd=tmp_path)
+    a, b = jsonl(tmp_path / "one" / "metrics.jsonl"), jsonl(tmp_path / "two" / "metrics.jsonl")
+    for key in ("reward/mean", "train/loss", "train/grad_norm"):
+        assert b[1][key] == pytest.approx(a[1][key], rel=1e-5, abs=1e-7), key
+    assert a[1]["kl/ref"] >= 0.0 and "kl/ref" in b[1]
+    wa = load_file(str(checkpoint.latest(tmp_path / "one") / "adapter_model.safetensors"))
+    wb = load_file(str(checkpoint.latest(tmp_path / "two") / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys() and any(v.abs().sum() > 0 for k, v in wa.items() if "lora_B" in k)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

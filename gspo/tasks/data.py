@@ -31,6 +31,7 @@ from gspo.tasks import Problem, Verdict, is_heldout, register_task
 
 SMALL_HELDOUT = 50  # fewer held-out problems than this: eval/accuracy is too coarse to compare runs, so we warn
 PARQUET_SUFFIXES = (".parquet", ".pq")
+_WARNED: set[tuple[str, int]] = set()
 
 
 # --------------------------------------------------------------------------- reading
@@ -210,7 +211,8 @@ class DataTask:
             side = "held-out" if not self.heldout else "training"
             raise ConfigError(f"task.path={cfg.path}: {len(problems)} rows leave no {side} problems at "
                               f"task.eval_fraction={self.eval_fraction}; add rows or change task.eval_fraction")
-        if len(self.heldout) < SMALL_HELDOUT:
+        if len(self.heldout) < SMALL_HELDOUT and (str(cfg.path), len(self.heldout)) not in _WARNED:
+            _WARNED.add((str(cfg.path), len(self.heldout)))  # once per process: checked, then built again to train
             warnings.warn(f"task.path={cfg.path}: only {len(self.heldout)} held-out problems ({len(problems)} rows, "
                           f"task.eval_fraction={self.eval_fraction}): eval/accuracy moves in steps of "
                           f"{100 / len(self.heldout):.1f} points; add rows or raise task.eval_fraction",
