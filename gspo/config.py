@@ -250,6 +250,7 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+    _add_missing_keys(cfg, _schema_defaults())  # a run saved before a key existed (e.g. model.lora) still loads
     swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
     if swaps:
         fresh = compose(swaps)
@@ -259,6 +260,31 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides if o not in swaps]))
     check(cfg)
     return cfg
+
+
+def _schema_defaults() -> dict:
+    """Every key of the schema at its default, the groups' own schemas included ('???' where there is none)."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    group_schema = {f.name: f.type for f in fields(Config) if f.name in GROUPS}
+    out = OmegaConf.to_container(OmegaConf.structured(Config))
+    for group in GROUPS:
+        out[group] = OmegaConf.to_container(OmegaConf.structured(globals()[group_schema[group]]))
+    return out
+
+
+def _add_missing_keys(node: Any, defaults: dict) -> None:
+    """Add to a loaded config the keys it lacks, at their defaults (never changes a value it has)."""
+    from omegaconf import OmegaConf
+
+    for key, value in defaults.items():
+        if key not in node:
+            if value != "???":
+                node[key] = value
+        elif isinstance(value, dict) and OmegaConf.is_dict(node[key]):
+            _add_missing_keys(node[key], value)
 
 
 def sweep_combinations(overrides: list[str], limit: int = 256) -> list[list[str]]:

@@ -270,3 +270,26 @@ def test_lora_on_two_ranks_computes_what_one_process_computes(strategy, tmp_path
     assert wa.keys() == wb.keys() and any(v.abs().sum() > 0 for k, v in wa.items() if "lora_B" in k)
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_run_saved_before_these_keys_existed_still_loads(tmp_path, cache_dir):
+    """config.yaml of an older run has no model.lora / task.*_column / reward.fn: eval and resume fill the defaults."""
+    import yaml
+
+    from gspo.config import load_run_config
+    from gspo.evaluate import run_eval
+    from gspo.trainer import train
+
+    train(compose(tiny(cache_dir, model="qwen3-tiny", **{"train.steps": 1})), tmp_path)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del saved["model"]["lora"]
+    for key in ("prompt_column", "answer_column", "system_prompt"):
+        del saved["task"][key]
+    for key in ("fn", "weights", "ill_formed"):
+        del saved["reward"][key]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = load_run_config(tmp_path)
+    assert cfg.model.lora.r == 0 and cfg.reward.fn is None and cfg.task.prompt_column == "prompt"
+    assert run_eval(str(tmp_path), ["task.eval_size=4"], examples=0, pass_k=1)["n"] == 4
+    assert train(compose(tiny(cache_dir, model="qwen3-tiny", **{"train.steps": 2, "resume": str(tmp_path)})),
+                 tmp_path)["status"] == "finished"
