@@ -44,10 +44,25 @@ class AlgoConfig:
 
 @dataclass
 class WarmStartConfig:
+    # Tiny models only (model=hf is used as it is). The data: (prompt, reference answer) pairs drawn from the
+    # task's TRAINING split, never the held-out one; with task=data that is the training rows' answer column, so a
+    # file of N rows is seen about steps * batch_size / N times each and RL may start with them memorised.
     steps: int = 500  # supervised steps on the task's reference solutions (0 = none)
     lr: float = 3e-3
     batch_size: int = 64
     seed: int = 0  # own seed, so every RL seed of a sweep starts from the same base
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # LoRA rank through peft; 0 = off (full fine-tuning). See gspo/adapters.py
+    alpha: Optional[float] = None  # LoRA scaling is alpha / r; None = 2 * r
+    dropout: float = 0.0  # dropout on the adapter input; must be 0 when MoE expert weights are adapted (peft's limit)
+    target_modules: list[str] = field(default_factory=lambda: [  # Linear modules adapted, by name suffix (routers never)
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    target_parameters: list[str] = field(default_factory=lambda: [  # fused 3-D MoE expert weights (transformers 5), where present
+        "experts.gate_up_proj", "experts.down_proj"])
+    save_merged: bool = False  # at the end also write RUN_DIR/merged/: base + adapter as one plain HF checkpoint
 
 
 @dataclass
@@ -70,24 +85,31 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     use_chat_template: bool = False  # wrap prompts in the tokenizer's chat template (real checkpoints)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0); the base stays frozen
 
 
 @dataclass
 class TaskConfig:
-    name: str = MISSING  # addition | countdown | jsonl
+    name: str = MISSING  # addition | countdown | data (jsonl: the same)
     digits: int = 2  # addition: operand digits
     num_operands: int = 3  # countdown: numbers to combine
     max_operand: int = 9  # countdown: largest number
-    path: Optional[str] = None  # jsonl: file with prompt/answer fields
+    path: Optional[str] = None  # data: a .jsonl or .parquet file, one problem per row (gspo/tasks/data.py)
+    prompt_column: str = "prompt"  # data: the prompt, a string or chat messages [{"role": ..., "content": ...}]
+    answer_column: str = "answer"  # data: the reference answer (GSM8K "... #### 42" or free text, checked with math-verify)
+    system_prompt: Optional[str] = None  # data: a system message put before every prompt (needs a chat template)
     eval_fraction: float = 0.1  # share of the problem space held out (never sampled in training)
     eval_size: int = 200  # held-out prompts scored by eval/accuracy
 
 
 @dataclass
 class RewardConfig:
-    name: str = MISSING  # tinyzero | binary
+    name: str = MISSING  # tinyzero | binary | python
     correct: float = 1.0  # reward of a correct answer
     format_score: float = 0.1  # reward of a well-formed but wrong answer (TinyZero: 0.1)
+    fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; fn(prompts, completions, **row_fields) -> list[float]
+    weights: Optional[list[float]] = None  # python: one weight per function (None = all 1); reward = weighted sum
+    ill_formed: float = 0.0  # python: reward of a completion with a special token before its EOS (functions not called)
 
 
 @dataclass
@@ -237,6 +259,7 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
+    _add_missing_keys(cfg, _schema_defaults())  # a run saved before a key existed (e.g. model.lora) still loads
     swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
     if swaps:
         fresh = compose(swaps)
@@ -246,6 +269,31 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides if o not in swaps]))
     check(cfg)
     return cfg
+
+
+def _schema_defaults() -> dict:
+    """Every key of the schema at its default, the groups' own schemas included ('???' where there is none)."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    group_schema = {f.name: f.type for f in fields(Config) if f.name in GROUPS}
+    out = OmegaConf.to_container(OmegaConf.structured(Config))
+    for group in GROUPS:
+        out[group] = OmegaConf.to_container(OmegaConf.structured(globals()[group_schema[group]]))
+    return out
+
+
+def _add_missing_keys(node: Any, defaults: dict) -> None:
+    """Add to a loaded config the keys it lacks, at their defaults (never changes a value it has)."""
+    from omegaconf import OmegaConf
+
+    for key, value in defaults.items():
+        if key not in node:
+            if value != "???":
+                node[key] = value
+        elif isinstance(value, dict) and OmegaConf.is_dict(node[key]):
+            _add_missing_keys(node[key], value)
 
 
 def sweep_combinations(overrides: list[str], limit: int = 256) -> list[list[str]]:
@@ -347,8 +395,12 @@ def check(cfg: Any) -> None:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: valid values are {', '.join(sorted(registry))}")
     if cfg.model.arch == "hf" and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path}: not a Hugging Face checkpoint directory (no config.json)")
-    if cfg.task.name == "jsonl" and not (cfg.task.path and Path(cfg.task.path).is_file()):
-        raise ConfigError(f"task=jsonl needs task.path=FILE, a JSONL file with prompt/answer fields (got {cfg.task.path})")
+    from gspo import adapters, rewards
+    from gspo.tasks import data
+
+    adapters.check(cfg)  # model.lora.*
+    data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
+    rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
     for key in ("rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens", "train.minibatches"):
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"{key} must be at least 1")

@@ -83,7 +83,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     from gspo import checkpoint
     from gspo.config import compose, load_run_config
     from gspo.errors import ConfigError
-    from gspo.models import base_model, load_pretrained
+    from gspo.models import base_model
     from gspo.tasks import build_task
 
     if target is not None and "=" in target:  # `gspo eval task.eval_size=50`: no target, all overrides
@@ -97,7 +97,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
             run_dir, model_dir = path, checkpoint.latest(path)
             if model_dir is None:
                 raise ConfigError(f"{path}: this run has no checkpoint yet")
-        elif (path / "config.json").is_file():
+        elif checkpoint.is_checkpoint(path):  # full weights, or a LoRA adapter
             model_dir = path
             run_dir = path.parent.parent if (path.parent.parent / "config.yaml").is_file() else None
         else:
@@ -109,13 +109,14 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     task = build_task(cfg.task)
     if model_dir is None:
         model_dir = base_model(cfg, task)
-    model, tokenizer = load_pretrained(model_dir)
-    res = evaluate(model, tokenizer, task, task.eval_set(cfg.task.eval_size), cfg.rollout.max_new_tokens,
+    model, tokenizer = checkpoint.load_model(model_dir)  # a LoRA adapter loads onto the base it records
+    problems = task.eval_set(cfg.task.eval_size)
+    res = evaluate(model, tokenizer, task, problems, cfg.rollout.max_new_tokens,
                    pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,
                    examples=examples)
     res["model"] = str(model_dir)
     res["task"] = cfg.task.name
-    res["n"] = cfg.task.eval_size
+    res["n"] = len(problems)  # what was scored: a small data file holds fewer than task.eval_size
     if run_dir is not None:
         (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
     _print_eval(res)

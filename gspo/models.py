@@ -94,8 +94,8 @@ def _base_key(cfg) -> str:
     from omegaconf import OmegaConf
 
     m = OmegaConf.to_container(cfg.model, resolve=True)
-    for k in ("name", "gradient_checkpointing", "attn_implementation"):
-        m.pop(k, None)  # do not change the weights the warm start produces
+    for k in ("name", "gradient_checkpointing", "attn_implementation", "lora"):
+        m.pop(k, None)  # do not change the weights the warm start produces (LoRA and full runs share a base)
     t = OmegaConf.to_container(cfg.task, resolve=True)
     t.pop("eval_size", None)
     blob = json.dumps({"v": CACHE_VERSION, "model": m, "task": t, "T": cfg.rollout.max_new_tokens}, sort_keys=True)

@@ -1,12 +1,39 @@
-"""Reward functions: map a task's verdict on a completion to a scalar.
+"""Rewards: what a completion is worth.
 
-A reward function is one small function in a registry; `reward=<name>` picks it.
-Every completion is verified by the task; the reward function only decides what
-a verdict is worth, so the same task can be scored TinyZero-style or binary.
+Two kinds, picked by `reward=<name>`:
+
+* a rule on the task's verdict (`tinyzero`, `binary`): one small function in a registry; the task verifies
+  every completion and the rule only decides what a verdict is worth;
+* your own functions (`reward=python reward.fn=FILE.py:NAME`, or a list with `reward.weights`), batched and
+  TRL-like::
+
+      def accuracy(prompts: list, completions: list[str], **row_fields) -> list[float]: ...
+
+  `prompts[i]` is row i's prompt as the task holds it (a string, or chat messages), `completions[i]` the text
+  the model wrote (without its EOS), and each `row_fields[column]` a list with that column of every row: for
+  `task=data`, every column of your file except the prompt (e.g. `answer`); for the built-in tasks, `answer`
+  and the task's own fields. A function without `**kwargs` gets only the columns it names. The reward is the
+  weighted sum; each function is logged as `reward/<name>/mean`.
+
+  A completion the model broke off with a special token before its EOS (a stray `<|im_start|>`; see
+  `tasks.judge`) is ill-formed: no function is called on it, its reward is `reward.ill_formed` (default 0) and
+  `reward/ill_formed/mean` is the share of such rows. A function that raises, returns the wrong number of
+  values, NaN or a non-number stops the run with a one-line `RewardError` naming it and the sample.
+
+Every completion is also judged by the task, whatever the reward: `reward/correct/mean` and
+`reward/format/mean` are logged and held-out accuracy is the task's verdict.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -16,6 +43,8 @@ from gspo.tasks import Problem, Task, Verdict, judge
 
 RewardFn = Callable[[Verdict, object], float]
 REWARDS: dict[str, RewardFn] = {}
+PYTHON = "python"  # reward=python: the user's functions, not a registry entry
+RESERVED = ("correct", "format", "overlong", "ill_formed")  # part names gspo logs itself
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -41,7 +70,186 @@ def binary(v: Verdict, cfg) -> float:
 
 
 class RewardError(ConfigError):
-    """A task verifier or reward function raised on a sample."""
+    """A task verifier or reward function failed on a sample (the CLI prints one line, exit code 2)."""
+
+
+# --------------------------------------------------------------------------- user functions
+
+
+@dataclass(frozen=True)
+class UserFn:
+    """A reward function loaded from a user's file."""
+
+    spec: str  # FILE.py:NAME as given
+    name: str  # NAME: the metric is reward/<name>/mean
+    fn: Callable
+    takes: frozenset[str] | None  # keyword names it accepts; None = **kwargs (everything)
+
+
+def _specs(fn) -> list[str]:
+    if fn is None:
+        return []
+    return [str(fn)] if isinstance(fn, str) else [str(x) for x in fn]
+
+
+def _import(path: Path, spec: str):
+    """Import a user's file once per process (keyed by its resolved path)."""
+    key = "gspo_user_rewards_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    if key in sys.modules:
+        return sys.modules[key]
+    mod_spec = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[key] = module
+    try:
+        mod_spec.loader.exec_module(module)
+    except BaseException as e:  # the user's file raised on import: one line, the file named
+        del sys.modules[key]
+        raise ConfigError(f"reward.fn={spec}: importing {path} raised {type(e).__name__}: {e}") from None
+    return module
+
+
+def load_user_fn(spec: str) -> UserFn:
+    """`FILE.py:NAME` -> the function, checked: the file imports, NAME is callable and takes (prompts, completions)."""
+    file, sep, name = spec.rpartition(":")
+    if not sep or not file or not name.isidentifier():
+        raise ConfigError(f"reward.fn={spec}: expected FILE.py:NAME, e.g. examples/rewards.py:accuracy")
+    path = Path(file)
+    if not path.is_file():
+        raise ConfigError(f"reward.fn={spec}: no such file {file}")
+    module = _import(path, spec)
+    fn = getattr(module, name, None)
+    if fn is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise ConfigError(f"reward.fn={spec}: {file} has no function '{name}'. Functions there: {', '.join(found) or 'none'}")
+    if not callable(fn):
+        raise ConfigError(f"reward.fn={spec}: '{name}' in {file} is a {type(fn).__name__}, not a function")
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function: trust it
+        return UserFn(spec, name, fn, None)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise ConfigError(f"reward.fn={spec}: '{name}' must take (prompts, completions, **row_fields); "
+                          f"it takes ({', '.join(p.name for p in params)})")
+    takes = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(p.name for p in positional[2:]) | \
+        frozenset(p.name for p in params if p.kind == p.KEYWORD_ONLY)
+    return UserFn(spec, name, fn, takes)
+
+
+def user_fns(cfg) -> tuple[list[UserFn], list[float]]:
+    """The configured functions and their weights (reward=python), checked."""
+    specs = _specs(cfg.fn)
+    if not specs:
+        raise ConfigError("reward=python needs reward.fn=FILE.py:NAME (or a list [A.py:f,B.py:g])")
+    fns = [load_user_fn(s) for s in specs]
+    weights = [1.0] * len(fns) if cfg.weights is None else [float(w) for w in cfg.weights]
+    if len(weights) != len(fns):
+        raise ConfigError(f"reward.weights has {len(weights)} values for {len(fns)} reward.fn function(s); give one each")
+    if not all(math.isfinite(w) for w in weights):
+        raise ConfigError(f"reward.weights={list(weights)}: every weight must be a finite number")
+    names = [f.name for f in fns]
+    for n in names:
+        if n in RESERVED:
+            raise ConfigError(f"reward.fn: a function named '{n}' would hide gspo's own reward/{n}/mean; rename it "
+                              f"(reserved: {', '.join(RESERVED)})")
+        if names.count(n) > 1:
+            raise ConfigError(f"reward.fn: two functions are named '{n}'; names key the metrics (reward/<name>/mean), rename one")
+    return fns, weights
+
+
+def check(cfg) -> None:
+    """Before any work (`gspo.config.check`): reward=python's files import and its functions exist."""
+    if cfg.reward.name == PYTHON:
+        user_fns(cfg.reward)
+    elif cfg.reward.name not in REWARDS:
+        raise ConfigError(f"reward={cfg.reward.name}: no such reward. Valid: {', '.join(sorted([*REWARDS, PYTHON]))}")
+    elif cfg.reward.fn is not None:
+        raise ConfigError(f"reward.fn is set but reward={cfg.reward.name}; use reward=python to score with your functions")
+
+
+def row_fields(problem: Problem) -> dict:
+    """The fields of a problem's row that user functions receive: a data file's columns, else answer + meta."""
+    if "row" in problem.meta:
+        return dict(problem.meta["row"])
+    return {"answer": problem.answer, **problem.meta}
+
+
+def _short(x, n: int = 200) -> str:
+    s = repr(x)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _sample(i: int, prompts, completions) -> str:
+    return f"sample {i}: prompt {_short(prompts[i])}, completion {_short(completions[i])}"
+
+
+def _value(v) -> float | None:
+    """A reward value as a float; None when it is not a number."""
+    if isinstance(v, numbers.Real):
+        return float(v)
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # a 0-d tensor / numpy scalar
+        x = v.item()
+        return float(x) if isinstance(x, numbers.Real) else None
+    return None
+
+
+def call_user_fn(f: UserFn, prompts: list, completions: list[str], fields: dict[str, list]) -> list[float]:
+    """Run one user function on a batch; any failure is a RewardError naming the function and the sample."""
+    kwargs = fields if f.takes is None else {k: v for k, v in fields.items() if k in f.takes}
+    who = f"reward function {f.spec}"
+    try:
+        out = f.fn(prompts, completions, **kwargs)
+    except Exception as e:
+        # find the sample it fails on: a batched call does not say which row it choked on
+        for i in range(len(completions)):
+            try:
+                f.fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in kwargs.items()})
+            except Exception as e1:
+                raise RewardError(f"{who} raised {type(e1).__name__}: {e1} on {_sample(i, prompts, completions)}") from e1
+        raise RewardError(f"{who} raised {type(e).__name__}: {e} on a batch of {len(completions)} "
+                          f"(not on any sample alone); first {_sample(0, prompts, completions)}") from e
+    try:
+        values = list(out)
+    except TypeError:
+        raise RewardError(f"{who} returned a {type(out).__name__}, not a list of {len(completions)} numbers") from None
+    if len(values) != len(completions):
+        raise RewardError(f"{who} returned {len(values)} values for {len(completions)} completions")
+    rewards = []
+    for i, v in enumerate(values):
+        x = _value(v)
+        if x is None:
+            raise RewardError(f"{who} returned {_short(v, 60)} ({type(v).__name__}), not a number, on "
+                              f"{_sample(i, prompts, completions)}")
+        if not math.isfinite(x):
+            raise RewardError(f"{who} returned {x} on {_sample(i, prompts, completions)}")
+        rewards.append(x)
+    return rewards
+
+
+def _user_rewards(cfg, texts: list[str], problems: list[Problem], flags: list[bool]) -> tuple[list[float], dict]:
+    fns, weights = user_fns(cfg)
+    keep = [i for i, bad in enumerate(flags) if not bad]
+    prompts = [problems[i].prompt for i in keep]
+    completions = [texts[i] for i in keep]
+    rows = [row_fields(problems[i]) for i in keep]
+    fields = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
+    total = [float(cfg.ill_formed)] * len(texts)
+    for i in keep:
+        total[i] = 0.0
+    parts = {}
+    for f, w in zip(fns, weights):
+        values = call_user_fn(f, prompts, completions, fields) if keep else []
+        per_row = [0.0] * len(texts)  # ill-formed rows: the function was not called, 0 in its own curve
+        for i, v in zip(keep, values):
+            per_row[i] = v
+            total[i] += w * v
+        parts[f.name] = torch.tensor(per_row)
+    parts["ill_formed"] = torch.tensor([float(b) for b in flags])
+    return total, parts
+
+
+# --------------------------------------------------------------------------- scoring
 
 
 def score(task: Task, cfg, texts: list[str], problems: list[Problem],
@@ -51,20 +259,21 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem],
     `ill_formed` (N,) bool, from the rollout: rows with a special token before their EOS (tasks.judge).
     """
     flags = [False] * len(texts) if ill_formed is None else [bool(x) for x in ill_formed]
-    if cfg.name not in REWARDS:
-        raise ConfigError(f"reward={cfg.name}: no such reward. Valid: {', '.join(sorted(REWARDS))}")
-    fn = REWARDS[cfg.name]
-    rewards, correct, formed = [], [], []
+    if cfg.name != PYTHON and cfg.name not in REWARDS:
+        raise ConfigError(f"reward={cfg.name}: no such reward. Valid: {', '.join(sorted([*REWARDS, PYTHON]))}")
+    verdicts = []
     for text, problem, bad in zip(texts, problems, flags):
         try:
-            verdict = judge(task, text, problem, bad)
-            rewards.append(float(fn(verdict, cfg)))
+            verdicts.append(judge(task, text, problem, bad))
         except Exception as e:  # name the culprit: a user's verifier on a user's data
             raise RewardError(
-                f"reward {cfg.name!r} (task {task.name!r}) raised {type(e).__name__}: {e} "
-                f"on prompt {problem.prompt!r}, completion {text!r}"
+                f"reward {cfg.name!r}: the verifier of task {task.name!r} raised {type(e).__name__}: {e} "
+                f"on prompt {_short(problem.prompt)}, completion {_short(text)}"
             ) from e
-        correct.append(float(verdict.correct))
-        formed.append(float(verdict.well_formed))
-    parts = {"correct": torch.tensor(correct), "format": torch.tensor(formed)}
-    return torch.tensor(rewards), parts
+    parts = {"correct": torch.tensor([float(v.correct) for v in verdicts]),
+             "format": torch.tensor([float(v.well_formed) for v in verdicts])}
+    if cfg.name == PYTHON:
+        rewards, user_parts = _user_rewards(cfg, texts, problems, flags)
+        return torch.tensor(rewards), parts | user_parts
+    fn = REWARDS[cfg.name]
+    return torch.tensor([float(fn(v, cfg)) for v in verdicts]), parts

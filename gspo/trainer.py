@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gspo import checkpoint, distributed
+from gspo import adapters, checkpoint, distributed
 from gspo.advantages import compute_advantages
 from gspo.errors import ConfigError
 from gspo.evaluate import evaluate
@@ -94,12 +94,17 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     model.to(device)
     if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    ref = _frozen_copy(model) if cfg.algo.beta > 0 else None  # beta 0: no reference model in memory
+    model = adapters.apply(model, cfg.model.lora, base_dir, cfg.seed)  # LoRA: model.lora.r > 0 -> PeftModel, base frozen
+    # beta 0: no reference model in memory; LoRA: the reference is the base, i.e. adapters off (no copy)
+    ref = _frozen_copy(model) if cfg.algo.beta > 0 and not adapters.is_adapted(model) else None
     if resume_ckpt is not None:  # every rank loads the same checkpoint, before wrapping
-        model.load_state_dict(load_pretrained(resume_ckpt, dist.storage_dtype(dtype))[0].state_dict())
+        checkpoint.load_weights(model, resume_ckpt, dist.storage_dtype(dtype))  # LoRA: the adapter only
     policy = dist.wrap(model, dtype)  # what the update trains through: DDP(model), fully_shard(model), or model
     ref = dist.wrap(ref, dtype, frozen=True) if ref is not None else None
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    if cfg.algo.beta > 0 and adapters.is_adapted(model):  # LoRA: reference = same weights, adapters disabled
+        ref = adapters.reference(model)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapters only
+                            lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     # warmup counts RL steps, like train.steps: the scheduler steps once per rollout batch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.train.warmup_steps)))
     if resume_ckpt is not None:
@@ -114,6 +119,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.eval.temperature,
         cfg.model.use_chat_template), eval_problems, model)
+    summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
     try:
@@ -142,6 +148,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched)  # rank 0 writes
                 summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
+                if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
+                    adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(dtype))
             progress.update(step, metrics)
             if not math.isfinite(metrics["train/loss"]):
                 raise FloatingPointError(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")

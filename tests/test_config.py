@@ -21,9 +21,12 @@ def test_default_config_composes_to_the_documented_keys():
 
 @pytest.mark.parametrize("group", [g for g in GROUPS if g != "model"])
 def test_every_option_of_every_group_composes(group, tmp_path):
-    (tmp_path / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / "data.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(1000)))
+    (tmp_path / "fns.py").write_text("def f(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    extras = {"jsonl": [f"task.path={tmp_path / 'data.jsonl'}"], "data": [f"task.path={tmp_path / 'data.jsonl'}"],
+              "python": [f"reward.fn={tmp_path / 'fns.py'}:f"]}
     for option in group_options(group):
-        extra = [f"task.path={tmp_path / 'data.jsonl'}"] if option == "jsonl" else []
+        extra = extras.get(option, [])
         cfg = compose([f"{group}={option}", *extra])
         assert cfg[group].name == option
 

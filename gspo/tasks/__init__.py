@@ -65,7 +65,7 @@ def register_task(name: str) -> Callable:
 
 def build_task(cfg) -> Task:
     """Build the task named by `cfg.name` from its config node."""
-    from gspo.tasks import arithmetic, jsonl  # noqa: F401  (registers the tasks)
+    from gspo.tasks import arithmetic, data  # noqa: F401  (registers the tasks)
 
     if cfg.name not in TASKS:
         raise ConfigError(f"task={cfg.name}: no such task. Valid: {', '.join(sorted(TASKS))}")

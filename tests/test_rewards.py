@@ -1,0 +1,208 @@
+"""reward=python: users' reward functions, batched, weighted, checked before work and named when they fail."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from typer.testing import CliRunner
+
+from cli.main import app
+from gspo.config import RewardConfig, TaskConfig, compose
+from gspo.errors import ConfigError
+from gspo.rewards import RewardError, score
+from gspo.tasks import Problem, Verdict, build_task
+
+from conftest import tiny
+
+FNS = '''
+import math
+
+CALLS = []
+
+def exact(prompts, completions, answer, **kwargs):
+    CALLS.append(("exact", list(completions), sorted(kwargs)))
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+def length(prompts, completions):
+    return [len(c) / 10 for c in completions]
+
+def only_answer(prompts, completions, answer):
+    return [float(a) for a in answer]
+
+def raises_on_x(prompts, completions, **kw):
+    return [1 / 0 if c == "x" else 0.0 for c in completions]
+
+def short(prompts, completions, **kw):
+    return [0.0]
+
+def nan_on_x(prompts, completions, **kw):
+    return [math.nan if c == "x" else 0.0 for c in completions]
+
+def text_on_x(prompts, completions, **kw):
+    return ["high" if c == "x" else 0.0 for c in completions]
+
+def not_a_list(prompts, completions, **kw):
+    return 3.0
+
+def one_arg(completions):
+    return [0.0 for _ in completions]
+
+def correct(prompts, completions, **kw):
+    return [0.0 for _ in completions]
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def fns(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(FNS)
+    return path
+
+
+def cfg(fn, weights=None, ill_formed=0.0):
+    return OmegaConf.structured(RewardConfig(name="python", fn=fn, weights=weights, ill_formed=ill_formed))
+
+
+def addition():
+    return build_task(OmegaConf.structured(TaskConfig(name="addition")))
+
+
+class Unjudged:
+    """A task whose verifier has no opinion: the reward is the functions' alone."""
+
+    name = "unjudged"
+
+    def verify(self, completion, problem):
+        return Verdict(False, False)
+
+
+PROBS = [Problem("1+1=", "2"), Problem("2+2=", "4"), Problem("3+3=", "6")]
+
+
+def test_weighted_sum_of_functions_and_one_part_each(fns):
+    texts = ["2", "5", "123"]
+    r, parts = score(addition(), cfg([f"{fns}:exact", f"{fns}:length"], weights=[1.0, 0.5]), texts, PROBS)
+    # exact: 1, 0, 0; length: 0.1, 0.1, 0.3 -> 1 + 0.05, 0 + 0.05, 0 + 0.15
+    assert r.tolist() == pytest.approx([1.05, 0.05, 0.15])
+    assert parts["exact"].tolist() == [1.0, 0.0, 0.0] and parts["length"].tolist() == pytest.approx([0.1, 0.1, 0.3])
+    assert parts["correct"].tolist() == [1.0, 0.0, 0.0]  # the task's own verdict is still logged
+    assert parts["ill_formed"].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_one_function_as_a_string_and_weights_default_to_one(fns):
+    r, _ = score(addition(), cfg(f"{fns}:length"), ["ab", "abcd", ""], PROBS)
+    assert r.tolist() == pytest.approx([0.2, 0.4, 0.0])
+
+
+def test_functions_see_prompts_and_row_fields_as_lists(fns):
+    import sys
+
+    score(addition(), cfg(f"{fns}:exact"), ["2", "4", "7"], PROBS)
+    module = next(m for k, m in sys.modules.items() if k.startswith("gspo_user_rewards_") and hasattr(m, "CALLS")
+                  and m.__file__ == str(fns))
+    assert module.CALLS[-1] == ("exact", ["2", "4", "7"], [])  # addition rows have `answer` only, named explicitly
+    # a function without **kwargs gets only the fields it names
+    r, _ = score(addition(), cfg(f"{fns}:only_answer"), ["a", "b", "c"],
+                 [Problem("p", "1", {"row": {"answer": "1", "extra": 9}})] * 3)
+    assert r.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_ill_formed_rows_are_not_shown_to_the_functions(fns):
+    r, parts = score(addition(), cfg(f"{fns}:raises_on_x", ill_formed=-1.0), ["1", "x", "2"], PROBS,
+                     ill_formed=[False, True, False])
+    assert r.tolist() == [0.0, -1.0, 0.0]  # the "x" row would raise: it was never passed in
+    assert parts["ill_formed"].tolist() == [0.0, 1.0, 0.0] and parts["raises_on_x"].tolist() == [0.0, 0.0, 0.0]
+    r, _ = score(addition(), cfg(f"{fns}:length"), ["x", "y"], PROBS[:2], ill_formed=[True, True])
+    assert r.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("raises_on_x", r"reward function .*:raises_on_x raised ZeroDivisionError: division by zero on sample 1: "
+                    r"prompt '2\+2=', completion 'x'"),
+    ("short", r"reward function .*:short returned 1 values for 3 completions"),
+    ("nan_on_x", r"reward function .*:nan_on_x returned nan on sample 1: prompt '2\+2=', completion 'x'"),
+    ("text_on_x", r"reward function .*:text_on_x returned 'high' \(str\), not a number, on sample 1"),
+    ("not_a_list", r"reward function .*:not_a_list returned a float, not a list of 3 numbers"),
+])
+def test_a_failing_function_is_named_with_the_sample(fns, name, message):
+    with pytest.raises(RewardError, match=message) as e:
+        score(addition(), cfg(f"{fns}:{name}"), ["1", "x", "2"], PROBS)
+    assert isinstance(e.value, ConfigError) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.fn={d}/nope.py:f", r"reward.fn=.*nope.py:f: no such file"),
+    ("reward.fn={d}/my_rewards.py:missing", r"has no function 'missing'. Functions there: .*exact.*length"),
+    ("reward.fn={d}/my_rewards.py:NOT_CALLABLE", r"'NOT_CALLABLE' in .* is a int, not a function"),
+    ("reward.fn={d}/my_rewards.py:one_arg", r"must take \(prompts, completions, \*\*row_fields\); it takes \(completions\)"),
+    ("reward.fn={d}/my_rewards.py:correct", r"a function named 'correct' would hide gspo's own reward/correct/mean"),
+    ("reward.fn=[{d}/my_rewards.py:exact,{d}/my_rewards.py:exact]", r"two functions are named 'exact'"),
+    ("reward.fn={d}/my_rewards.py", r"expected FILE.py:NAME"),
+    ("reward.fn={d}/broken.py:f", r"importing .*broken.py raised NameError"),
+])
+def test_load_failures_are_caught_before_work(fns, tmp_path, override, message):
+    (tmp_path / "broken.py").write_text("undefined_name\n")
+    with pytest.raises(ConfigError, match=message):
+        compose(["reward=python", override.format(d=tmp_path)])
+
+
+def test_weights_must_match_the_functions(fns):
+    with pytest.raises(ConfigError, match=r"reward.weights has 1 values for 2 reward.fn function\(s\)"):
+        compose(["reward=python", f"reward.fn=[{fns}:exact,{fns}:length]", "reward.weights=[1.0]"])
+    with pytest.raises(ConfigError, match=r"reward=python needs reward.fn=FILE.py:NAME"):
+        compose(["reward=python"])
+    with pytest.raises(ConfigError, match="reward.fn is set but reward=tinyzero"):
+        compose([f"reward.fn={fns}:exact"])
+
+
+def test_cli_refuses_a_missing_function_in_one_line(fns, cache_dir):
+    res = CliRunner().invoke(app, ["train", "reward=python", f"reward.fn={fns}:nope", *tiny(cache_dir)])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "has no function 'nope'" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_each_function_is_logged_and_a_failure_keeps_the_finished_steps(tmp_path, cache_dir):
+    """Step 1 scores fine, step 2's call raises: the error names the function, steps 0-1 stay on disk."""
+    from gspo.trainer import train
+
+    counter = tmp_path / "calls"
+    (tmp_path / "fns.py").write_text(f'''
+from pathlib import Path
+def ok(prompts, completions, answer, **kw):
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+def fails_later(prompts, completions, **kw):
+    p = Path({str(counter)!r})
+    n = int(p.read_text()) if p.exists() else 0
+    p.write_text(str(n + 1))
+    if n >= 1:
+        raise RuntimeError("boom")
+    return [0.5] * len(completions)
+''')
+    overrides = tiny(cache_dir, model="qwen3-tiny", reward="python", **{
+        "reward.fn": f"[{tmp_path}/fns.py:ok,{tmp_path}/fns.py:fails_later]", "reward.weights": "[1.0,2.0]",
+        "train.steps": 3})
+    with pytest.raises(RewardError, match=r"fns.py:fails_later raised RuntimeError: boom on sample 0"):
+        train(compose(overrides), tmp_path / "run")
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1]
+    step1 = lines[1]
+    # ill-formed rows (a sampled special token) are not passed to the functions: 0 in their curves, reward 0
+    assert step1["reward/fails_later/mean"] == pytest.approx(0.5 * (1 - step1["reward/ill_formed/mean"]))
+    assert 0.0 <= step1["reward/ok/mean"] <= 1.0
+    assert step1["reward/mean"] == pytest.approx(step1["reward/ok/mean"] + 2 * step1["reward/fails_later/mean"])
+    assert math.isfinite(step1["reward/python/mean"])
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] != "finished"
+
+
+def test_the_shipped_reward_file():
+    path = Path(__file__).resolve().parent.parent / "examples" / "rewards.py"
+    problems = [Problem([{"role": "user", "content": "q"}], "3 + 4 = 7\n#### 7", {"row": {"answer": "3 + 4 = 7\n#### 7"}})] * 4
+    texts = ["3 + 4 = 7\n#### 7", "#### 8", "7", "#### 7.0"]
+    r, parts = score(Unjudged(), cfg([f"{path}:accuracy", f"{path}:formatted"], weights=[1.0, 0.2]), texts, problems)
+    assert parts["accuracy"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert parts["formatted"].tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert r.tolist() == pytest.approx([1.2, 0.2, 0.0, 1.2])
