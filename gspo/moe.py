@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Optional
 
@@ -47,9 +48,19 @@ def _is_router(module: nn.Module) -> bool:
             and isinstance(getattr(module, "weight", None), torch.Tensor))
 
 
+_ROUTERS: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
+
+
 def find_routers(model: nn.Module) -> list[nn.Module]:
-    """The model's MoE routers in layer order (module registration order); [] for dense models."""
-    return [m for _, m in model.named_modules() if _is_router(m)]
+    """The model's MoE routers in layer order (module registration order); [] for dense models.
+
+    Remembered per model object: walking every module costs ~1 ms and the loop asks on every
+    forward it hooks. (peft adapts layers in place but never routers, and wraps the model in
+    a new object, which is scanned afresh.)
+    """
+    if model not in _ROUTERS:
+        _ROUTERS[model] = [m for _, m in model.named_modules() if _is_router(m)]
+    return list(_ROUTERS[model])
 
 
 def is_moe(model: nn.Module) -> bool:

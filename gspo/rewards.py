@@ -275,5 +275,14 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem],
     if cfg.name == PYTHON:
         rewards, user_parts = _user_rewards(cfg, texts, problems, flags)
         return torch.tensor(rewards), parts | user_parts
-    fn = REWARDS[cfg.name]
-    return torch.tensor([float(fn(v, cfg)) for v in verdicts]), parts
+    fn, values = REWARDS[cfg.name], _plain(cfg)  # plain values: an OmegaConf lookup per sample is slow
+    return torch.tensor([float(fn(v, values)) for v in verdicts]), parts
+
+
+def _plain(cfg):
+    """The reward config as a namespace of plain values (attribute access, like the DictConfig)."""
+    from types import SimpleNamespace
+
+    from omegaconf import DictConfig, OmegaConf
+
+    return SimpleNamespace(**OmegaConf.to_container(cfg, resolve=True)) if isinstance(cfg, DictConfig) else cfg

@@ -91,12 +91,12 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs))
+    """(ids, mask) (N, max len): each sequence right-aligned, `pad_id` / 0 before it."""
+    lengths = torch.tensor([len(s) for s in seqs])
+    width = int(lengths.max())
+    mask = (torch.arange(width) >= width - lengths[:, None]).long()
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s) :] = 1
+    ids[mask.bool()] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
     return ids, mask
 
 
@@ -107,16 +107,15 @@ def encode_prompts(tokenizer, prompts: list, chat_template: bool = False) -> lis
     one user message when `chat_template` is on (and the tokenizer has a template).
     """
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    out = []
+    texts = []
     for p in prompts:
         if isinstance(p, str) and not (chat_template and has_template):
-            out.append(tokenizer(p, add_special_tokens=False)["input_ids"])
+            texts.append(p)
             continue
         messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
         # render, then tokenize: apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return out
+        texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one batched call
 
 
 @torch.no_grad()
@@ -153,6 +152,8 @@ def generate(
     done = torch.zeros(n, dtype=torch.bool, device=device)
     # one attention mask for the whole rollout, filled in as tokens arrive (no per-token re-allocation)
     full_mask = torch.cat([mask, torch.ones((n, max_new_tokens), dtype=mask.dtype, device=device)], dim=1)
+    # every row's random draws for the whole rollout at once (one call per group, not one per group per token)
+    u = None if greedy else _uniforms(n, max_new_tokens, generator, device)
     # on a GPU, asking "all done?" every token stalls the launch queue: ask every few tokens
     check_every = 1 if device.type == "cpu" else 8
     trace = None
@@ -175,7 +176,7 @@ def generate(
             else:
                 res = model(attention_mask=full_mask[:, : p + t], **kwargs)
             cache, logits = res.past_key_values, res.logits[:, -1].float()
-            nxt = _sample(logits, temperature, top_p, greedy, generator)
+            nxt = _sample(logits, temperature, top_p, greedy, None if greedy else u[:, t])
             if not greedy:  # the sampled token's log-prob under the temperature-scaled policy (top-p aside)
                 sampler_logp[:, t] = torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
@@ -200,7 +201,7 @@ def generate(
     body = comp_mask.bool() & ~(out == eos)
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=device)
     ill_formed = (torch.isin(out, special) & body).any(-1).cpu()
-    texts = [tokenizer.decode(row[m].tolist(), skip_special_tokens=False) for row, m in zip(out.cpu(), body.cpu())]
+    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(out.cpu(), body.cpu())], skip_special_tokens=False)
     routing = router_logp = None
     if trace is not None:
         # (N, P+T, L, k); the last sampled token was never routed: -1 (replay routes it live)
@@ -243,18 +244,30 @@ def _fit(x: torch.Tensor, width: int, value) -> torch.Tensor:
     return F.pad(x.movedim(1, -1), (0, width - x.shape[1]), value=value).movedim(-1, 1)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, generator) -> torch.Tensor:
-    if greedy or temperature <= 0:
+def _uniforms(n: int, steps: int, generator, device) -> torch.Tensor:
+    """(n, steps) uniforms in [0, 1) for the whole rollout, drawn once: per group from its own
+    generator (a list: one per prompt group, rows group-contiguous), so a group's draws do not
+    depend on the rest of the batch."""
+    if isinstance(generator, (list, tuple)):
+        per_group = n // len(generator)
+        return torch.cat([torch.rand((per_group, steps), generator=g, device=g.device).to(device) for g in generator])
+    gen_device = generator.device if generator is not None else device
+    return torch.rand((n, steps), generator=generator, device=gen_device).to(device)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, u: Optional[torch.Tensor]) -> torch.Tensor:
+    """The next token of each row: argmax, or an inverse-CDF draw with the row's uniform u (N,)."""
+    if greedy:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, idx = probs.sort(-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p * keep)
-    if isinstance(generator, (list, tuple)):  # one generator per prompt group
-        groups = probs.split(probs.shape[0] // len(generator))
-        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(groups, generator)]).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.cumsum(-1)
+    # the first token whose cumulative probability exceeds u x total: never a zero-probability token
+    nxt = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return nxt.clamp_max(probs.shape[-1] - 1)
 
 
 def token_logprobs(

@@ -113,3 +113,20 @@ def test_special_token_inside_a_completion_is_ill_formed():
     assert rewards.tolist() == [0.0, 1.0] and parts["format"].tolist() == [0.0, 1.0]
     # the flag alone is enough, whatever the text says
     assert score(task, reward_cfg, ["125", "125"], [p, p], r.ill_formed)[0].tolist() == [0.0, 1.0]
+
+
+def test_inverse_cdf_sampling_draws_the_softmax_distribution():
+    """`_sample` with uniforms draws token v with probability softmax(logits / temp)_v, never a token top-p removed."""
+    from gspo.rollout import _sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]]))  # the last token has probability 0
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(0))
+    draws = _sample(logits.expand(len(u), -1), 1.0, 1.0, False, u)
+    freq = torch.bincount(draws, minlength=5).float() / len(u)
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]), atol=4e-3, rtol=0)
+    # top_p = 0.8 keeps {0.5, 0.3} (the smallest set reaching 0.8), renormalised to 0.625 / 0.375
+    draws = _sample(logits.expand(len(u), -1), 1.0, 0.8, False, u)
+    freq = torch.bincount(draws, minlength=5).float() / len(u)
+    torch.testing.assert_close(freq, torch.tensor([0.625, 0.375, 0.0, 0.0, 0.0]), atol=4e-3, rtol=0)
+    assert _sample(logits, 1.0, 1.0, False, torch.zeros(1)).item() == 0  # u = 0 takes the first token with mass
+    assert _sample(torch.tensor([[-1e9, 0.0, 0.0]]), 1.0, 1.0, False, torch.zeros(1)).item() == 1
