@@ -102,7 +102,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     logger = (MetricsLogger(run_dir, cfg, resume_step=start if resume_ckpt is not None else None) if dist.is_main
               else distributed.NullLogger())
     ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
-        model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.eval.temperature,
+        model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
         cfg.model.use_chat_template), eval_problems, model)
     summary = _read_summary(run_dir) if start else {}
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
