@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from omegaconf import OmegaConf
 
-from gspo.config import (GROUPS, check_machine, compose, group_options, load_run_config, resume_overrides,
-                         resume_target, sweep_combinations)
+from hydra.errors import HydraException
+
+from gspo.config import (GROUPS, _explain, check_machine, compose, group_options, load_run_config,
+                         resume_overrides, resume_target, sweep_combinations)
 from gspo.errors import ConfigError, ReportedError
 
 
@@ -82,14 +85,22 @@ _PRINT_ONLY_FLAGS = {"--cfg", "-c", "--info", "--help", "-h", "--hydra-help", "-
 _LOCAL_LAUNCHERS = {"basic", "parallel", "joblib", "local-submitit", "submitit_local"}
 
 
+def _flag_value(flags: list[str], *names: str) -> Optional[str]:
+    """The value after the first of `names` in Hydra's flags, or None."""
+    for i, flag in enumerate(flags[:-1]):
+        if flag in names:
+            return flags[i + 1]
+    return None
+
+
 def _runs_here(overrides: list[str]) -> bool:
     """Whether the jobs these overrides describe run on this machine."""
     launchers = [o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+") == "hydra/launcher"]
     return all(name in _LOCAL_LAUNCHERS for name in launchers)
 
 
-def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: bool) -> list[str]:
-    """Every check that needs no work, for each job; raises ConfigError. Returns the extra Hydra overrides."""
+def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: bool) -> list:
+    """Every check that needs no work, for each job; raises ConfigError. Returns the jobs' configs."""
     from gspo.distributed import check as check_distributed
 
     resume = resume_target(overrides)
@@ -100,15 +111,15 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
         raise ConfigError(f"resume={resume}: not a gspo run directory (no config.yaml there)")
     if resume:  # the run's own config, with the KEY=VALUE overrides it accepts
         cfgs = [load_run_config(resume, resume_overrides(overrides))]
+        cfgs[0].resume = resume
     else:
-        cfgs = (compose(combo) for combo in (sweep_combinations(overrides) if multirun else [overrides]))
+        cfgs = [compose(combo) for combo in (sweep_combinations(overrides) if multirun else [overrides])]
     machine = _runs_here(overrides) and not _PRINT_ONLY_FLAGS.intersection(hydra_flags)
     for cfg in cfgs:
         check_distributed(cfg)  # e.g. prompts that do not split over hardware.nproc
         if machine:
             check_machine(cfg)
-    # resume: Hydra's run directory is the resumed one, and no .hydra/ in it (it would hold a default config)
-    return ["hydra.run.dir=${resume}", "hydra.output_subdir=null"] if resume else []
+    return cfgs
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, help=TRAIN_HELP,
@@ -119,9 +130,16 @@ def train(
 ) -> None:
     overrides, hydra_flags = _split_hydra_flags(ctx.args)
     try:
-        extra = _check_before_work(overrides, hydra_flags, multirun)
+        cfgs = _check_before_work(overrides, hydra_flags, multirun)
     except ConfigError as e:
         _fail(str(e))
+    extra = []
+    if resume_target(overrides):
+        if _flag_value(hydra_flags, "--cfg", "-c") == "job":  # Hydra would print the default config, not the run's
+            typer.echo(OmegaConf.to_yaml(cfgs[0]), nl=False)
+            return
+        # Hydra's run directory is the resumed one, with no .hydra/ (it would record a default config there)
+        extra = ["hydra.run.dir=${resume}", "hydra.output_subdir=null"]
     from cli.hydra_app import hydra_train
 
     sys.argv = ["gspo train", *(["--multirun"] if multirun else []), *hydra_flags, *overrides, *extra]
@@ -135,6 +153,8 @@ def train(
         raise typer.Exit(2)
     except ConfigError as e:
         _fail(str(e))
+    except HydraException as e:  # Hydra's own composition (e.g. a launcher plugin that is not installed)
+        _fail(_explain(e))
     finally:
         if saved is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -309,9 +309,12 @@ def _explain(e: Exception) -> str:
     if m:
         parent = m.group(1).rsplit(".", 1)[0] if "." in m.group(1) else ""
         return f"{m.group(1)}: unknown key.{_valid_keys(parent)}"
+    m = re.search(r"Could not load '(hydra/launcher/[^']+)'", text)
+    if m:
+        return f"{m.group(1)}: the Hydra launcher plugin is not installed (pip install 'gspo[cluster]')"
     m = re.search(r"Could not find '([^']+)'", text)
     if m:
-        group = m.group(1).split("/")[0]
+        group = m.group(1).rsplit("/", 1)[0]  # algo/gspoo -> algo; hydra/launcher/x -> hydra/launcher
         return f"{m.group(1)}: no such config. Valid options for '{group}': {', '.join(group_options(group))}"
     m = re.search(r"full_key: (\S+)", text)
     first = msgs[-1].strip().splitlines()[0]

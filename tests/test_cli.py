@@ -105,6 +105,10 @@ def test_a_worker_crash_is_still_a_failure_not_a_config_error(in_tmp, monkeypatc
     assert res.exit_code == 1 and isinstance(res.exception, ChildFailedError)
 
 
+def test_hydra_launcher_errors_are_one_line(in_tmp):
+    one_line_exit_2(runner.invoke(app, ["train", "hydra/launcher=nope"]), "hydra/launcher/nope", "parallel", "slurm")
+
+
 # --------------------------------------------------------------------------- the machine
 
 
@@ -150,6 +154,14 @@ def test_resume_refuses_unknown_keys_and_bad_values_up_front(in_tmp, finished_ru
                     "rollout.temperature=0")
     one_line_exit_2(runner.invoke(app, ["train", f"resume={in_tmp / 'nothing'}"]), "resume=", "config.yaml")
     one_line_exit_2(runner.invoke(app, ["train", "-m", f"resume={finished_run}", "seed=0,1"]), "resume", "-m")
+
+
+def test_resume_cfg_job_prints_the_config_resume_trains(in_tmp, finished_run):
+    """Hydra's `--cfg job` would print the default config, not the run's own."""
+    res = runner.invoke(app, ["train", f"resume={finished_run}", "train.steps=7", "--cfg", "job"])
+    assert res.exit_code == 0, res.output
+    assert "steps: 7" in res.output and "group_size: 4" in res.output  # the run's tiny G=4, not the default 8
+    assert f"resume: {finished_run}" in res.output and not (in_tmp / "outputs").exists()
 
 
 def test_resume_continues_in_place_and_leaves_no_new_directory(tmp_path, cache_dir):
