@@ -90,11 +90,16 @@ def heldout_problems(task: Task, tcfg) -> list[Problem]:
     return problems
 
 
-def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k: int = 4) -> dict:
+DEFAULT_PASS_K = 4  # `gspo eval` estimates pass@4 unless eval.pass_k=K is given
+
+
+def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k: int | None = None) -> dict:
     """`gspo eval`: score a run's last checkpoint, a checkpoint directory, or the warm-start base.
 
     With a run directory, writes RUN_DIR/eval.json. Overrides change the task or the
-    budget (e.g. `task=countdown`, `task.eval_size=500`).
+    budget (e.g. `task=countdown`, `task.eval_size=500`, `eval.pass_k=8`; 0 = no pass@k).
+    pass@k is estimated with k = `pass_k` if given, else `eval.pass_k` from the overrides,
+    else DEFAULT_PASS_K (a run's own eval.pass_k is about evaluation during training).
     """
     import json
     from pathlib import Path
@@ -130,6 +135,8 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     if model_dir is None:
         model_dir = base_model(cfg, task)
     problems = heldout_problems(task, cfg.task)
+    if pass_k is None:
+        pass_k = cfg.eval.pass_k if any(o.startswith("eval.pass_k=") for o in overrides) else DEFAULT_PASS_K
     model, tokenizer = load_pretrained(model_dir)
     res = evaluate(model, tokenizer, task, problems, cfg.rollout.max_new_tokens,
                    pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,

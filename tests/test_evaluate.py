@@ -84,3 +84,12 @@ def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, ca
     train(compose(tiny(cache_dir, **over)), tmp_path)
     run_eval(str(tmp_path), [], examples=0, pass_k=1)
     assert seen and all(t == 0.7 for t in seen), seen
+
+
+def test_eval_pass_k_override_is_used_not_ignored(cache_dir):
+    res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 4, "eval.pass_k": 2}), examples=0)
+    assert "eval/pass@2" in res and "eval/pass@4" not in res
+    res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 4}), examples=0)
+    assert "eval/pass@4" in res  # the default
+    res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 4, "eval.pass_k": 0}), examples=0)
+    assert not any(k.startswith("eval/pass@") for k in res)
