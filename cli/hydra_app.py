@@ -1,13 +1,17 @@
 """Hydra's entry point for `gspo train`: one job of a run or of a multirun sweep.
 
-`gspo train` has checked the config before calling this; a ConfigError that can only arise
-here (a user's data or reward function, a worker's) is raised to it as one line naming the
-job, and `cli.main` turns it into exit code 2 (it sets HYDRA_FULL_ERROR so Hydra re-raises).
+`gspo train` has checked the config before calling this. A ConfigError that can only arise
+here (a user's data or reward function, a worker's) is the user's to fix, so it must end as
+one line and exit code 2, not as Hydra's report (a line of overrides, a traceback, exit 1):
+a job running in this process records it in JOB_ERRORS for `cli.main` to print; a job a
+launcher runs elsewhere (joblib, SLURM) raises it, with the job named, and Hydra hands it
+back to `cli.main` (which sets HYDRA_FULL_ERROR so Hydra re-raises it).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -20,18 +24,24 @@ from gspo.errors import ConfigError, ReportedError
 register_configs()
 _register_resolvers()
 
+# ConfigErrors of the jobs run in this process, as messages (None: a worker already printed it)
+JOB_ERRORS: list[Optional[str]] = []
+
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_train(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
+    in_process = hc.mode == RunMode.RUN or str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
     try:
         return _train_job(cfg, hc)
-    except ReportedError:
-        raise
     except ConfigError as e:
-        if hc.mode == RunMode.MULTIRUN:  # say which job of the sweep
-            raise ConfigError(f"job {hc.job.num} ({' '.join(hc.overrides.task)}): {e}") from None
-        raise
+        msg = None if isinstance(e, ReportedError) else str(e)
+        if msg and hc.mode == RunMode.MULTIRUN:  # say which job of the sweep
+            msg = f"job {hc.job.num} ({' '.join(hc.overrides.task)}): {msg}"
+        if not in_process:
+            raise (e if msg is None else ConfigError(msg)) from None
+        JOB_ERRORS.append(msg)
+        return float("nan")
 
 
 def _train_job(cfg: DictConfig, hc) -> float:

@@ -140,15 +140,16 @@ def train(
             return
         # Hydra's run directory is the resumed one, with no .hydra/ (it would record a default config there)
         extra = ["hydra.run.dir=${resume}", "hydra.output_subdir=null"]
-    from cli.hydra_app import hydra_train
+    from cli import hydra_app
 
     sys.argv = ["gspo train", *(["--multirun"] if multirun else []), *hydra_flags, *overrides, *extra]
     # Hydra prints a job's exception with a traceback and exits 1; with HYDRA_FULL_ERROR it re-raises
-    # it instead, so a ConfigError raised inside a job (or a sweep's job) ends as one line and exit 2.
+    # it instead, so a ConfigError from a job run by another process also ends as one line and exit 2.
     saved = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    hydra_app.JOB_ERRORS.clear()
     try:
-        hydra_train()
+        hydra_app.hydra_train()
     except ReportedError:  # a torchrun worker printed its own `gspo: error:` line
         raise typer.Exit(2)
     except ConfigError as e:
@@ -160,6 +161,10 @@ def train(
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = saved
+    if hydra_app.JOB_ERRORS:  # jobs of this process that refused their input: one line each
+        for msg in filter(None, hydra_app.JOB_ERRORS):
+            typer.echo(f"gspo: error: {msg}", err=True)
+        raise typer.Exit(2)
 
 
 @app.command(help="Evaluate a run (or a checkpoint, or a warm-start base) on the held-out split.")

@@ -36,7 +36,7 @@ def one_line_exit_2(res, *needles: str) -> str:
     out = res.output if hasattr(res, "output") else res.stdout + res.stderr
     code = res.exit_code if hasattr(res, "exit_code") else res.returncode
     assert code == 2, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
+    assert "Traceback" not in out and "Error executing job" not in out, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("gspo: error:")]
     assert len(errors) == 1, out[-3000:]
     for needle in needles:
