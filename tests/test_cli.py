@@ -109,6 +109,24 @@ def test_hydra_launcher_errors_are_one_line(in_tmp):
     one_line_exit_2(runner.invoke(app, ["train", "hydra/launcher=nope"]), "hydra/launcher/nope", "parallel", "slurm")
 
 
+def test_a_data_error_found_inside_the_job_is_one_line_for_real(tmp_path):
+    """End to end, no stand-ins: a JSONL row without an answer is found when the job builds the task."""
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    res = gspo_cli("train", "task=jsonl", "task.path=bad.jsonl", "hardware.threads=1", cwd=tmp_path)
+    one_line_exit_2(res, "bad.jsonl")
+
+
+def test_a_data_error_in_a_parallel_sweep_job_is_exit_2_without_a_traceback(tmp_path):
+    """joblib runs the jobs in other processes: Hydra hands the job's ConfigError back to gspo."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    res = gspo_cli("train", "-m", "hydra/launcher=parallel", "task=jsonl", "task.path=bad.jsonl", "hardware.threads=1",
+                   "seed=0,1", cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert any(line.startswith("gspo: error: job ") and "bad.jsonl" in line for line in out.splitlines()), out[-3000:]
+
+
 # --------------------------------------------------------------------------- the machine
 
 
