@@ -1,33 +1,67 @@
-"""Hydra's entry point for `gspo train`: one job of a run or of a multirun sweep."""
+"""Hydra's entry point for `gspo train`: one job of a run or of a multirun sweep.
+
+`gspo train` has checked the config before calling this. A ConfigError that can only arise
+here (a user's data or reward function, a worker's) is the user's to fix, so it must end as
+one line and exit code 2, not as Hydra's report (a line of overrides, a traceback, exit 1):
+a job running in this process records it in JOB_ERRORS for `cli.main` to print; a job a
+launcher runs elsewhere (joblib, SLURM) raises it, with the job named, and Hydra hands it
+back to `cli.main` (which sets HYDRA_FULL_ERROR so Hydra re-raises it).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gspo.config import CONF_DIR, _register_resolvers, load_run_config, register_configs
+from gspo.config import CONF_DIR, _register_resolvers, load_run_config, register_configs, resume_overrides
+from gspo.errors import ConfigError, ReportedError
 
 register_configs()
 _register_resolvers()
 
+# ConfigErrors of the jobs run in this process, as messages (None: a worker already printed it)
+JOB_ERRORS: list[Optional[str]] = []
+
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_train(cfg: DictConfig) -> float:
+    hc = HydraConfig.get()
+    in_process = hc.mode == RunMode.RUN or str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
+    try:
+        return _train_job(cfg, hc)
+    except ConfigError as e:
+        msg = None if isinstance(e, ReportedError) else str(e)
+        if msg and hc.mode == RunMode.MULTIRUN:  # say which job of the sweep
+            msg = f"job {hc.job.num} ({' '.join(hc.overrides.task)}): {msg}"
+        if not in_process:
+            raise (e if msg is None else ConfigError(msg)) from None
+        JOB_ERRORS.append(msg)
+        return float("nan")
+
+
+def _train_job(cfg: DictConfig, hc) -> float:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     from gspo import distributed
     from gspo.trainer import train
 
-    hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     if cfg.resume:  # continue the stopped run in its own directory, with its own config
         run_dir = Path(cfg.resume)
-        dotted = [o for o in hc.overrides.task if "." in o.split("=")[0]]  # e.g. train.steps=400
-        cfg = load_run_config(run_dir, dotted)
+        cfg = load_run_config(run_dir, resume_overrides(list(hc.overrides.task)))
         cfg.resume = str(run_dir)
     if distributed.needs_launch(cfg.hardware):  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
-        summary = distributed.launch(cfg, run_dir)
+        try:
+            summary = distributed.launch(cfg, run_dir)
+        except ChildFailedError as e:
+            if any(f.exitcode == 2 for f in e.failures.values()):  # a worker refused the config and said why
+                raise ReportedError("a worker stopped on a config error (its message is above)") from None
+            raise
     else:  # one process, or a worker of a torchrun started by hand (every rank takes rank 0's directory)
         run_dir = distributed.shared_run_dir(run_dir, cfg.hardware)
         summary = train(cfg, run_dir)

@@ -7,19 +7,25 @@ launchers and run directories are Hydra's, not ours.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+from omegaconf import OmegaConf
 
-from gspo.config import GROUPS, compose, group_options, sweep_combinations
-from gspo.errors import ConfigError
+from hydra.errors import HydraException
+
+from gspo.config import (GROUPS, _explain, check_machine, compose, group_options, load_run_config,
+                         resume_overrides, resume_target, sweep_combinations)
+from gspo.errors import ConfigError, ReportedError
 
 
 def _groups_help() -> str:
+    # "\b" keeps Click from rewrapping the paragraph to the terminal's width
     lines = [f"  {g:<9} {', '.join(group_options(g))}" for g in GROUPS]
-    return "Config groups and their options (pick with GROUP=OPTION):\n\n" + "\n\n".join(lines)
+    return "Config groups and their options (pick with GROUP=OPTION):\n\n\b\n" + "\n".join(lines)
 
 
 app = typer.Typer(
@@ -36,19 +42,21 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+TRAIN_EXAMPLES = """
+  gspo train                                      # the default: GSPO on a tiny Qwen3-MoE, addition
+  gspo train algo=grpo train.steps=50 seed=1
+  gspo train -m algo=grpo,gspo seed=0,1,2          # a sweep (Hydra multirun)
+  gspo train resume=outputs/2026-01-01/12-00-00     # continue a stopped run
+  gspo train resume=outputs/2026-01-01/12-00-00 train.steps=400   # ... for longer
+  gspo train --cfg job algo=grpo                  # print the composed config, run nothing
+"""
+
 TRAIN_HELP = f"""Train with Hydra OVERRIDES (KEY=VALUE or GROUP=OPTION).
 
 Examples:
 
-  gspo train                                   # the default: GSPO on a tiny Qwen3-MoE, addition
-
-  gspo train algo=grpo train.steps=50 seed=1
-
-  gspo train -m algo=grpo,gspo seed=0,1,2       # a sweep (Hydra multirun)
-
-  gspo train resume=outputs/2026-01-01/12-00-00  # continue a stopped run
-
-Keys are documented in gspo/config.py; `gspo train --cfg job` prints the composed config.
+\b{TRAIN_EXAMPLES}
+Every key, its meaning and what it accepts: docs/contracts.md and gspo/config.py.
 
 {_groups_help()}
 """
@@ -71,6 +79,49 @@ def _split_hydra_flags(args: list[str]) -> tuple[list[str], list[str]]:
     return overrides, flags
 
 
+# Hydra flags after which nothing is trained: the machine checks do not apply
+_PRINT_ONLY_FLAGS = {"--cfg", "-c", "--info", "--help", "-h", "--hydra-help", "--shell-completion", "-sc"}
+# launchers whose jobs run on this machine (the others, e.g. slurm, run them on other nodes)
+_LOCAL_LAUNCHERS = {"basic", "parallel", "joblib", "local-submitit", "submitit_local"}
+
+
+def _flag_value(flags: list[str], *names: str) -> Optional[str]:
+    """The value after the first of `names` in Hydra's flags, or None."""
+    for i, flag in enumerate(flags[:-1]):
+        if flag in names:
+            return flags[i + 1]
+    return None
+
+
+def _runs_here(overrides: list[str]) -> bool:
+    """Whether the jobs these overrides describe run on this machine."""
+    launchers = [o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+") == "hydra/launcher"]
+    return all(name in _LOCAL_LAUNCHERS for name in launchers)
+
+
+def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: bool) -> list:
+    """Every check that needs no work, for each job; raises ConfigError. Returns the jobs' configs."""
+    from gspo.distributed import check as check_distributed
+
+    resume = resume_target(overrides)
+    if resume and multirun:
+        raise ConfigError(f"resume={resume}: resume continues one run; it cannot be swept (-m). "
+                          "Resume each run with its own `gspo train resume=DIR`")
+    if resume and not (Path(resume) / "config.yaml").is_file():
+        raise ConfigError(f"resume={resume}: not a gspo run directory (no config.yaml there)")
+    if resume:  # the run's own config, with the KEY=VALUE overrides it accepts
+        cfgs = [load_run_config(resume, resume_overrides(overrides))]
+        cfgs[0].resume = resume
+    else:
+        cfgs = [compose(combo) for combo in (sweep_combinations(overrides) if multirun else [overrides])]
+    machine = _runs_here(overrides) and not _PRINT_ONLY_FLAGS.intersection(hydra_flags)
+    for cfg in cfgs:
+        check_distributed(cfg)  # e.g. prompts that do not split over hardware.nproc
+        if machine:
+            check_machine(cfg)
+    return cfgs
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, help=TRAIN_HELP,
              options_metavar="[-m] [OVERRIDES]...")
 def train(
@@ -78,17 +129,42 @@ def train(
     multirun: bool = typer.Option(False, "-m", "--multirun", help="Run a sweep over comma-separated values."),
 ) -> None:
     overrides, hydra_flags = _split_hydra_flags(ctx.args)
-    from gspo.distributed import check as check_distributed
-
     try:
-        for combo in sweep_combinations(overrides) if multirun else [overrides]:
-            check_distributed(compose(combo))  # e.g. prompts that do not split over hardware.nproc: exit 2
+        cfgs = _check_before_work(overrides, hydra_flags, multirun)
     except ConfigError as e:
         _fail(str(e))
-    from cli.hydra_app import hydra_train
+    extra = []
+    if resume_target(overrides):
+        if _flag_value(hydra_flags, "--cfg", "-c") == "job":  # Hydra would print the default config, not the run's
+            typer.echo(OmegaConf.to_yaml(cfgs[0]), nl=False)
+            return
+        # Hydra's run directory is the resumed one, with no .hydra/ (it would record a default config there)
+        extra = ["hydra.run.dir=${resume}", "hydra.output_subdir=null"]
+    from cli import hydra_app
 
-    sys.argv = ["gspo train", *(["--multirun"] if multirun else []), *hydra_flags, *overrides]
-    hydra_train()
+    sys.argv = ["gspo train", *(["--multirun"] if multirun else []), *hydra_flags, *overrides, *extra]
+    # Hydra prints a job's exception with a traceback and exits 1; with HYDRA_FULL_ERROR it re-raises
+    # it instead, so a ConfigError from a job run by another process also ends as one line and exit 2.
+    saved = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    hydra_app.JOB_ERRORS.clear()
+    try:
+        hydra_app.hydra_train()
+    except ReportedError:  # a torchrun worker printed its own `gspo: error:` line
+        raise typer.Exit(2)
+    except ConfigError as e:
+        _fail(str(e))
+    except HydraException as e:  # Hydra's own composition (e.g. a launcher plugin that is not installed)
+        _fail(_explain(e))
+    finally:
+        if saved is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved
+    if hydra_app.JOB_ERRORS:  # jobs of this process that refused their input: one line each
+        for msg in filter(None, hydra_app.JOB_ERRORS):
+            typer.echo(f"gspo: error: {msg}", err=True)
+        raise typer.Exit(2)
 
 
 @app.command(help="Evaluate a run (or a checkpoint, or a warm-start base) on the held-out split.")

@@ -8,9 +8,10 @@ choose values; defaults live here, each with one line saying what it means.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -148,8 +149,8 @@ class RolloutConfig:
     group_size: int = 8  # G: completions per prompt
     prompts_per_step: int = 16  # prompts per rollout batch
     max_new_tokens: int = 8  # completion length cap
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # > 0; also the temperature of pass@k (eval.pass_k)
+    top_p: float = 1.0  # nucleus sampling: in (0, 1]; 1 = off
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
     # forward pass of the trainer; auto = sampler in float32, recompute in bf16/fp16
     old_logprobs: str = "auto"
@@ -172,8 +173,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 0  # evaluate every N steps (0 = only at the start and the end)
-    pass_k: int = 0  # also estimate pass@k with n = 2k samples (0 = off)
-    temperature: float = 1.0  # sampling temperature for pass@k
+    pass_k: int = 0  # also estimate pass@k with n = 2k samples at rollout.temperature (0 = off)
 
 
 @dataclass
@@ -251,49 +251,53 @@ def compose(overrides: list[str] = ()) -> Any:
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
-    """A run's saved config.yaml with `overrides` applied, checked.
+    """A run's saved config.yaml with `overrides` applied, typed by the schema and checked.
 
     GROUP=OPTION replaces the whole group by that option's composed node (`task=countdown`);
-    KEY=VALUE sets one value (`task.eval_size=500`), after the group swaps.
+    KEY=VALUE sets one value (`task.eval_size=500`), after the group swaps. A key the saved
+    config or an override names that the schema does not have is an error, except the keys
+    gspo itself removed (REMOVED_KEYS), which an older run's config.yaml may still hold.
     """
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(Path(run_dir) / "config.yaml")
-    _add_missing_keys(cfg, _schema_defaults())  # a run saved before a key existed (e.g. model.lora) still loads
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: not a gspo run directory (no config.yaml there)")
+    saved = OmegaConf.load(path)
+    _drop_removed_keys(saved, path)
     swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
-    if swaps:
-        fresh = compose(swaps)
+    fresh = compose(swaps) if swaps else None
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), saved)
         for o in swaps:
             group = o.partition("=")[0]
             cfg[group] = fresh[group]
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides if o not in swaps]))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides if o not in swaps]))
+    except Exception as e:  # an unknown key or a wrong type: the one line that names it
+        raise ConfigError(_explain(e)) from None
     check(cfg)
     return cfg
 
 
-def _schema_defaults() -> dict:
-    """Every key of the schema at its default, the groups' own schemas included ('???' where there is none)."""
-    from dataclasses import fields
+# Keys gspo no longer has -> the key that replaced them. An old run's config.yaml still loads (the key
+# is dropped, with a note when its value differed); on the command line the old key names its successor.
+REMOVED_KEYS = {
+    "eval.temperature": "rollout.temperature",  # pass@k samples at the temperature the policy is trained at
+}
 
+
+def _drop_removed_keys(saved: Any, path: Path) -> None:
     from omegaconf import OmegaConf
 
-    group_schema = {f.name: f.type for f in fields(Config) if f.name in GROUPS}
-    out = OmegaConf.to_container(OmegaConf.structured(Config))
-    for group in GROUPS:
-        out[group] = OmegaConf.to_container(OmegaConf.structured(globals()[group_schema[group]]))
-    return out
-
-
-def _add_missing_keys(node: Any, defaults: dict) -> None:
-    """Add to a loaded config the keys it lacks, at their defaults (never changes a value it has)."""
-    from omegaconf import OmegaConf
-
-    for key, value in defaults.items():
-        if key not in node:
-            if value != "???":
-                node[key] = value
-        elif isinstance(value, dict) and OmegaConf.is_dict(node[key]):
-            _add_missing_keys(node[key], value)
+    for old, new in REMOVED_KEYS.items():
+        parent, _, leaf = old.rpartition(".")
+        node = OmegaConf.select(saved, parent) if parent else saved
+        if node is None or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        if value != OmegaConf.select(saved, new):
+            print(f"gspo: note: {path} sets {old}={value}, a key gspo no longer has; "
+                  f"{new}={OmegaConf.select(saved, new)} is used instead", file=sys.stderr)
 
 
 def sweep_combinations(overrides: list[str], limit: int = 256) -> list[list[str]]:
@@ -331,12 +335,17 @@ def _explain(e: Exception) -> str:
     msgs = [str(x) for x in (e, e.__cause__) if x is not None]
     text = "\n".join(msgs)
     m = re.search(r"Key '([^']+)' (?:is )?not in", text) and re.search(r"full_key: (\S+)", text)
+    if m and m.group(1) in REMOVED_KEYS:
+        return f"{m.group(1)}: no longer a key; use {REMOVED_KEYS[m.group(1)]}"
     if m:
         parent = m.group(1).rsplit(".", 1)[0] if "." in m.group(1) else ""
         return f"{m.group(1)}: unknown key.{_valid_keys(parent)}"
+    m = re.search(r"Could not load '(hydra/launcher/[^']+)'", text)
+    if m:
+        return f"{m.group(1)}: the Hydra launcher plugin is not installed (pip install 'gspo[cluster]')"
     m = re.search(r"Could not find '([^']+)'", text)
     if m:
-        group = m.group(1).split("/")[0]
+        group = m.group(1).rsplit("/", 1)[0]  # algo/gspoo -> algo; hydra/launcher/x -> hydra/launcher
         return f"{m.group(1)}: no such config. Valid options for '{group}': {', '.join(group_options(group))}"
     m = re.search(r"full_key: (\S+)", text)
     first = msgs[-1].strip().splitlines()[0]
@@ -360,6 +369,11 @@ def _valid_keys(parent: str) -> str:
     return f" Valid keys under '{parent or 'the top level'}': {', '.join(keys)}" if keys else ""
 
 
+# --------------------------------------------------------------------------- checks
+# Everything that can be refused before work starts is refused here, in one line naming the
+# key, the value and what is allowed. `check` needs only the config; `check_machine` also asks
+# this machine (a config may be composed here and trained elsewhere).
+
 CHOICES = {
     "moe.routing_replay": ("none", "R2", "R3"),
     "rollout.old_logprobs": ("auto", "sampler", "recompute"),
@@ -367,6 +381,7 @@ CHOICES = {
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "hardware.strategy": ("none", "ddp", "fsdp"),
+    "hardware.backend": ("gloo", "nccl"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.agg": (None, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
     "model.arch": ("qwen3", "qwen3_moe", "hf"),
@@ -374,12 +389,118 @@ CHOICES = {
 }
 
 
+def _at_least(lo: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= lo), f">= {lo}"
+
+
+def _above(lo: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v > lo), f"> {lo}"
+
+
+def _within(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> tuple[Callable[[Any], bool], str]:
+    ok = lambda v: (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)  # noqa: E731
+    return ok, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
+# key -> (accepts the value, what is allowed, why). None values (optional keys) are not checked.
+# Comparisons refuse NaN by themselves.
+RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "rollout.group_size": (*_at_least(2), "group-relative advantages compare the completions of one prompt"),
+    "rollout.prompts_per_step": (*_at_least(1), ""),
+    "rollout.max_new_tokens": (*_at_least(1), ""),
+    "rollout.temperature": (*_above(0), "greedy training is not defined: the log-probs are those of logits / temperature"),
+    "rollout.top_p": (*_within(0, 1, lo_open=True), "1 = no nucleus truncation"),
+    "train.steps": (*_at_least(1), "0 steps is nothing to do"),
+    "train.minibatches": (*_at_least(1), ""),
+    "train.lr": (*_at_least(0), ""),
+    "train.weight_decay": (*_at_least(0), ""),
+    "train.grad_clip": (*_above(0), "it is the largest gradient norm an update may have"),
+    "train.warmup_steps": (*_at_least(0), ""),
+    "train.checkpoint_every": (*_at_least(1), "a checkpoint every N steps; one is always saved at the end"),
+    "eval.every": (*_at_least(0), "0 = only at the start and the end"),
+    "eval.pass_k": (*_at_least(0), "0 = off"),
+    "task.eval_fraction": (*_within(0, 1, lo_open=True, hi_open=True), "the share of problems held out of training"),
+    "task.eval_size": (*_at_least(1), ""),
+    "task.digits": (*_at_least(1), ""),
+    "task.num_operands": (*_at_least(2), ""),
+    "task.max_operand": (*_at_least(1), ""),
+    "algo.eps_low": (*_at_least(0), ""),
+    "algo.eps_high": (*_at_least(0), ""),
+    "algo.clip_ratio_c": (*_above(1), "the dual-clip bound lies above the clip range"),
+    "algo.beta": (*_at_least(0), "0 = no KL term"),
+    "algo.tau_pos": (*_above(0), ""),
+    "algo.tau_neg": (*_above(0), ""),
+    "algo.router_shift_floor": (*_within(0, 1), ""),
+    "algo.max_sample_batches": (*_at_least(1), ""),
+    "algo.overlong_buffer": (*_at_least(0), "0 = off"),
+    "algo.overlong_penalty": (*_at_least(0), ""),
+    "model.hidden_size": (*_at_least(1), ""),
+    "model.num_layers": (*_at_least(1), ""),
+    "model.num_heads": (*_at_least(1), ""),
+    "model.num_kv_heads": (*_at_least(1), ""),
+    "model.head_dim": (*_at_least(1), ""),
+    "model.intermediate_size": (*_at_least(1), ""),
+    "model.num_experts": (*_at_least(1), ""),
+    "model.top_k": (*_at_least(1), ""),
+    "model.moe_intermediate_size": (*_at_least(1), ""),
+    "model.router_aux_loss_coef": (*_at_least(0), "0 = off"),
+    "model.warm_start.steps": (*_at_least(0), "0 = no warm start"),
+    "model.warm_start.lr": (*_above(0), ""),
+    "model.warm_start.batch_size": (*_at_least(1), ""),
+    "hardware.nproc": (*_at_least(1), ""),
+    "hardware.threads": (*_at_least(0), "0 = torch's default"),
+    "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
+}
+
+TINY_MAX_POSITIONS = 256  # positions of the models built from config (gspo.models.build_model)
+
+
+def _max_positions(cfg: Any) -> Optional[int]:
+    """The positions the model has room for: prompt and completion must fit."""
+    if cfg.model.arch != "hf":
+        return TINY_MAX_POSITIONS
+    import json
+
+    try:
+        conf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return conf.get("max_position_embeddings") or (conf.get("text_config") or {}).get("max_position_embeddings")
+
+
+def _cross_checks(cfg: Any) -> Optional[str]:
+    """Limits that depend on another key: the first one broken, as a message, or None."""
+    r, m = cfg.rollout, cfg.model
+    batch = r.prompts_per_step * r.group_size
+    if cfg.train.minibatches > batch:
+        return (f"train.minibatches={cfg.train.minibatches}: must be at most the rollout batch, "
+                f"rollout.prompts_per_step x rollout.group_size = {batch} completions")
+    if cfg.algo.overlong_buffer > r.max_new_tokens:
+        return (f"algo.overlong_buffer={cfg.algo.overlong_buffer}: must be at most rollout.max_new_tokens="
+                f"{r.max_new_tokens} (the punishment starts max_new_tokens - overlong_buffer tokens in)")
+    positions = _max_positions(cfg)
+    if positions and r.max_new_tokens >= positions:
+        return (f"rollout.max_new_tokens={r.max_new_tokens}: must be below the model's {positions} positions "
+                "(max_position_embeddings), which the prompt shares")
+    if m.arch == "qwen3_moe" and m.top_k > m.num_experts:
+        return f"model.top_k={m.top_k}: must be at most model.num_experts={m.num_experts}"
+    if m.arch != "hf" and m.num_heads % m.num_kv_heads:
+        return f"model.num_heads={m.num_heads}: must be a multiple of model.num_kv_heads={m.num_kv_heads}"
+    return None
+
+
 def check(cfg: Any) -> None:
-    """Semantic checks Hydra cannot do: registry names, enumerations, required paths."""
+    """Refuse, with one line naming key, value and what is allowed, a config that cannot train.
+
+    Registry names, enumerations, ranges (RULES), limits between keys, required paths.
+    Machine-independent: `check_machine` asks this machine.
+    """
     from omegaconf import OmegaConf
 
     from gspo.advantages import ADVANTAGES
     from gspo.losses import LOSSES
+    from gspo.rewards import PYTHON, REWARDS
+    from gspo.tasks import TASKS, arithmetic, data  # noqa: F401  (importing registers the tasks)
 
     missing = sorted(OmegaConf.missing_keys(cfg))
     if cfg.model.arch == "hf" and not cfg.model.path:
@@ -389,10 +510,15 @@ def check(cfg: Any) -> None:
     for key, valid in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in valid:
-            raise ConfigError(f"{key}={value}: valid values are {', '.join(map(str, valid))}")
-    for key, registry in (("algo.loss", LOSSES), ("algo.advantage", ADVANTAGES)):
+            raise ConfigError(f"{key}={value}: must be one of {', '.join(map(str, valid))}")
+    for key, registry in (("algo.loss", LOSSES), ("algo.advantage", ADVANTAGES), ("task.name", TASKS),
+                          ("reward.name", [*REWARDS, PYTHON])):
         if OmegaConf.select(cfg, key) not in registry:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: valid values are {', '.join(sorted(registry))}")
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be one of {', '.join(sorted(registry))}")
+    for key, (ok, allowed, why) in RULES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not ok(value):
+            raise ConfigError(f"{key}={value}: must be {allowed}" + (f" ({why})" if why else ""))
     if cfg.model.arch == "hf" and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path}: not a Hugging Face checkpoint directory (no config.json)")
     from gspo import adapters, rewards
@@ -401,12 +527,50 @@ def check(cfg: Any) -> None:
     adapters.check(cfg)  # model.lora.*
     data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
     rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
-    for key in ("rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens", "train.minibatches"):
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"{key} must be at least 1")
     if cfg.rollout.tis != "none" and cfg.rollout.old_logprobs != "recompute" and (
             cfg.rollout.old_logprobs == "sampler" or cfg.hardware.dtype == "float32"):
         raise ConfigError(f"rollout.tis={cfg.rollout.tis} corrects the sampler/trainer mismatch, which exists only when the "
                           "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
+    problem = _cross_checks(cfg)
+    if problem:
+        raise ConfigError(problem)
     if cfg.resume and not (Path(cfg.resume) / "config.yaml").is_file():
         raise ConfigError(f"resume={cfg.resume}: not a gspo run directory (no config.yaml there)")
+
+
+def check_machine(cfg: Any) -> None:
+    """Refuse a config this machine cannot run (before `gspo train` starts work here)."""
+    import torch
+
+    hw = cfg.hardware
+    if hw.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"hardware.device=cuda (hardware={hw.name}): no CUDA device is visible on this machine; "
+                          "use hardware=cpu, or hardware=cpu-ddp for several processes")
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def resume_target(overrides: list[str]) -> Optional[str]:
+    """The run directory a `resume=DIR` override names (the last one wins, as in Hydra), or None."""
+    values = [o.partition("=")[2] for o in overrides if o.partition("=")[0] == "resume"]
+    return values[-1] if values and values[-1] not in ("", "null") else None
+
+
+def resume_overrides(overrides: list[str]) -> list[str]:
+    """The KEY=VALUE overrides a resume applies to the run's own config.yaml (`train.steps=400`).
+
+    Resume continues the run's config: a group swap (`algo=grpo`), an added or removed key
+    (`+key=v`, `~key`) would make it another run, so they are refused rather than ignored.
+    Hydra's own settings (`hydra.*`, `hydra/...`) and `resume=` itself are left out.
+    """
+    kept = []
+    for o in overrides:
+        key = o.partition("=")[0]
+        if key == "resume" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if key.startswith(("+", "~")) or key in GROUPS or "/" in key:
+            raise ConfigError(f"{o}: resume continues the run's own config (its config.yaml); only KEY=VALUE "
+                              "overrides of its keys apply on resume (e.g. train.steps=400). Start a new run to change it")
+        kept.append(o)
+    return kept

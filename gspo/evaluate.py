@@ -70,11 +70,36 @@ def evaluate(
     return out
 
 
-def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k: int = 4) -> dict:
+def heldout_problems(task: Task, tcfg) -> list[Problem]:
+    """The held-out problems to score: up to `task.eval_size` of them.
+
+    Fewer than asked is a warning (the accuracy is then an estimate over that many); none is a
+    ConfigError, since an accuracy over zero problems would read as 0%.
+    """
+    import sys
+
+    from gspo.errors import ConfigError
+
+    problems = task.eval_set(tcfg.eval_size)
+    if not problems:
+        raise ConfigError(f"task={tcfg.name}: the held-out split is empty (task.eval_fraction={tcfg.eval_fraction}); "
+                          "raise task.eval_fraction, or use a larger problem set")
+    if len(problems) < tcfg.eval_size:
+        print(f"gspo: warning: task.eval_size={tcfg.eval_size} but the held-out split has {len(problems)} problems: "
+              f"evaluating those {len(problems)} (raise task.eval_fraction for a tighter estimate)", file=sys.stderr)
+    return problems
+
+
+DEFAULT_PASS_K = 4  # `gspo eval` estimates pass@4 unless eval.pass_k=K is given
+
+
+def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k: int | None = None) -> dict:
     """`gspo eval`: score a run's last checkpoint, a checkpoint directory, or the warm-start base.
 
     With a run directory, writes RUN_DIR/eval.json. Overrides change the task or the
-    budget (e.g. `task=countdown`, `task.eval_size=500`).
+    budget (e.g. `task=countdown`, `task.eval_size=500`, `eval.pass_k=8`; 0 = no pass@k).
+    pass@k is estimated with k = `pass_k` if given, else `eval.pass_k` from the overrides,
+    else DEFAULT_PASS_K (a run's own eval.pass_k is about evaluation during training).
     """
     import json
     from pathlib import Path
@@ -109,14 +134,16 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     task = build_task(cfg.task)
     if model_dir is None:
         model_dir = base_model(cfg, task)
+    problems = heldout_problems(task, cfg.task)
+    if pass_k is None:
+        pass_k = cfg.eval.pass_k if any(o.startswith("eval.pass_k=") for o in overrides) else DEFAULT_PASS_K
     model, tokenizer = checkpoint.load_model(model_dir)  # a LoRA adapter loads onto the base it records
-    problems = task.eval_set(cfg.task.eval_size)
     res = evaluate(model, tokenizer, task, problems, cfg.rollout.max_new_tokens,
                    pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,
                    examples=examples)
     res["model"] = str(model_dir)
     res["task"] = cfg.task.name
-    res["n"] = len(problems)  # what was scored: a small data file holds fewer than task.eval_size
+    res["n"] = len(problems)  # what was scored, which a small held-out split makes fewer than task.eval_size
     if run_dir is not None:
         (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
     _print_eval(res)

@@ -6,8 +6,9 @@ of truth (`gspo compare` reads it): one JSON object per call, flushed at once,
 NaN/inf written as JSON's NaN/Infinity so a diverged run is visible, not lost.
 
 W&B is imported only when `logger.wandb` is true. Offline mode (the default)
-writes under RUN_DIR/wandb/ and needs no account; `close()` prints the
-`wandb sync` command that uploads it later.
+writes under RUN_DIR/wandb/ and needs no account; the `wandb sync` command
+that uploads it later is printed once at the end (by W&B, or by `close()` when
+W&B is silenced).
 
 Resuming: pass the checkpoint's step as `resume_step`; lines logged after it
 (by the run that crashed) are dropped from metrics.jsonl and samples.jsonl
@@ -231,8 +232,10 @@ class MetricsLogger:
             return
         offline = self.logger_cfg.wandb_cfg.mode == "offline"
         sync_dir = getattr(run.settings, "sync_dir", None) if offline else None
+        # W&B prints its own `wandb sync` line on finish unless silenced (WANDB_SILENT / WANDB_QUIET)
+        wandb_says_it = not (getattr(run.settings, "silent", False) or getattr(run.settings, "quiet", False))
         run.finish(exit_code=exit_code)
-        if offline:
+        if offline and not wandb_says_it:
             target = sync_dir or (self.run_dir / "wandb")
             print(f"W&B run saved offline; upload it with: wandb sync {target}", file=sys.stderr)
 

@@ -23,6 +23,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from gspo.config import TINY_MAX_POSITIONS
 from gspo.errors import ConfigError
 from gspo.moe import is_moe
 
@@ -53,7 +54,7 @@ def build_model(mcfg, vocab_size: int, tokenizer: PreTrainedTokenizerFast, seed:
         num_key_value_heads=mcfg.num_kv_heads,
         head_dim=mcfg.head_dim,
         intermediate_size=mcfg.intermediate_size,
-        max_position_embeddings=256,
+        max_position_embeddings=TINY_MAX_POSITIONS,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

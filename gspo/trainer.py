@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from gspo import adapters, checkpoint, distributed
 from gspo.advantages import compute_advantages
 from gspo.errors import ConfigError
-from gspo.evaluate import evaluate
+from gspo.evaluate import evaluate, heldout_problems
 from gspo.logging import MetricsLogger
 from gspo.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.mismatch import mismatch_metrics, tis_weights
@@ -87,7 +87,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     if dist.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     task = build_task(cfg.task)
-    eval_problems = task.eval_set(cfg.task.eval_size)
+    eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
     with dist.main_first():  # rank 0 builds the warm-started base, the others then load it
         base_dir = base_model(cfg, task)
     model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation)
@@ -117,7 +117,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
     logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
     ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
-        model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.eval.temperature,
+        model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
         cfg.model.use_chat_template), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
@@ -407,7 +407,8 @@ def _worker(argv: list[str]) -> int:
     try:
         train(OmegaConf.load(run_dir / "config.yaml"), run_dir)
     except ConfigError as e:
-        print(f"gspo: error: {e}", file=sys.stderr)
+        if distributed.is_main_process():  # every rank refuses the same config: one line, not one per rank
+            print(f"gspo: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,10 +1,12 @@
 """Config composition and the errors people see: one line naming the problem, exit code 2."""
 
 import pytest
+from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
 from gspo.config import GROUPS, compose, group_options, sweep_combinations
+from gspo.errors import ConfigError
 
 runner = CliRunner()
 
@@ -98,3 +100,127 @@ def test_hydra_flags_with_values_pass_through():
     res = runner.invoke(app, ["train", "--cfg", "job", "algo=grpo", "train.steps=7"])
     assert res.exit_code == 0, res.output
     assert "name: grpo" in res.output and "steps: 7" in res.output
+
+
+# --------------------------------------------------------------------------- values refused before work
+
+# (overrides, what the one-line message must name); the default batch is 32 prompts x G=8 = 256 rows
+BAD_VALUES = [
+    (["rollout.group_size=1"], "rollout.group_size=1"),
+    (["rollout.temperature=0"], "rollout.temperature=0"),
+    (["rollout.temperature=-1"], "rollout.temperature=-1"),
+    (["rollout.top_p=0"], "rollout.top_p=0"),
+    (["rollout.top_p=1.5"], "rollout.top_p=1.5"),
+    (["rollout.prompts_per_step=0"], "rollout.prompts_per_step=0"),
+    (["rollout.max_new_tokens=0"], "rollout.max_new_tokens=0"),
+    (["rollout.max_new_tokens=256"], "rollout.max_new_tokens=256"),  # the tiny models have 256 positions
+    (["train.minibatches=257"], "train.minibatches=257"),
+    (["train.minibatches=0"], "train.minibatches=0"),
+    (["train.checkpoint_every=0"], "train.checkpoint_every=0"),
+    (["train.steps=0"], "train.steps=0"),
+    (["train.lr=-0.001"], "train.lr=-0.001"),
+    (["train.lr=nan"], "train.lr=nan"),
+    (["train.weight_decay=-1"], "train.weight_decay=-1"),
+    (["train.grad_clip=0"], "train.grad_clip=0"),
+    (["train.warmup_steps=-1"], "train.warmup_steps=-1"),
+    (["task.eval_fraction=0"], "task.eval_fraction=0"),
+    (["task.eval_fraction=1"], "task.eval_fraction=1"),
+    (["task.eval_size=0"], "task.eval_size=0"),
+    (["task.digits=0"], "task.digits=0"),
+    (["task=countdown", "task.num_operands=1"], "task.num_operands=1"),
+    (["task.name=sudoku"], "task.name=sudoku"),
+    (["reward.name=fancy"], "reward.name=fancy"),
+    (["eval.every=-1"], "eval.every=-1"),
+    (["eval.pass_k=-1"], "eval.pass_k=-1"),
+    (["algo.eps_low=-0.1"], "algo.eps_low=-0.1"),
+    (["algo.eps_high=-0.1"], "algo.eps_high=-0.1"),
+    (["algo.beta=-0.01"], "algo.beta=-0.01"),
+    (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c=0.5"),
+    (["algo.tau_neg=0"], "algo.tau_neg=0"),
+    (["algo.router_shift_floor=2"], "algo.router_shift_floor=2"),
+    (["algo.max_sample_batches=0"], "algo.max_sample_batches=0"),
+    (["algo.overlong_buffer=-1"], "algo.overlong_buffer=-1"),
+    (["algo.overlong_buffer=6"], "algo.overlong_buffer=6"),  # more than rollout.max_new_tokens=5
+    (["algo.overlong_penalty=-1"], "algo.overlong_penalty=-1"),
+    (["model.top_k=9"], "model.top_k=9"),  # 8 experts
+    (["model.num_heads=3"], "model.num_heads=3"),  # 2 KV heads
+    (["model.num_layers=0"], "model.num_layers=0"),
+    (["model.router_aux_loss_coef=-1"], "model.router_aux_loss_coef=-1"),
+    (["model.warm_start.steps=-1"], "model.warm_start.steps=-1"),
+    (["model.warm_start.batch_size=0"], "model.warm_start.batch_size=0"),
+    (["model.warm_start.lr=0"], "model.warm_start.lr=0"),
+    (["hardware.threads=-1"], "hardware.threads=-1"),
+    (["hardware.nproc=0"], "hardware.nproc=0"),
+    (["hardware.backend=mpi"], "hardware.backend=mpi"),
+    (["logger.wandb_cfg.mode=sometimes"], "logger.wandb_cfg.mode=sometimes"),
+    (["logger.wandb_cfg.samples_every=-1"], "logger.wandb_cfg.samples_every=-1"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_bad_values_are_refused_naming_key_value_and_what_is_allowed(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg and "must be" in msg, msg
+
+
+def test_bad_values_through_the_cli_are_one_line_and_exit_2():
+    """`--cfg job` only prints the config: without the check these would exit 0."""
+    for args in (["rollout.group_size=1"], ["rollout.temperature=0"], ["train.checkpoint_every=0"],
+                 ["task.eval_fraction=0"], ["-m", "seed=0,1", "train.steps=1,0"]):
+        out = _error(["train", "--cfg", "job", *args])
+        assert len(out.strip().splitlines()) == 1 and out.startswith("gspo: error:"), out
+
+
+def test_temperature_zero_says_why():
+    with pytest.raises(ConfigError, match="greedy"):
+        compose(["rollout.temperature=0"])
+
+
+def test_the_edges_of_what_is_allowed_compose():
+    compose(["rollout.group_size=2", "rollout.top_p=1", "rollout.temperature=0.05", "train.minibatches=64",  # 32 x 2
+             "train.lr=0", "eval.every=0", "task.eval_fraction=0.5", "algo.eps_low=0", "hardware.threads=0",
+             "algo.overlong_buffer=5", "rollout.max_new_tokens=5", "model.top_k=8", "algo.clip_ratio_c=3"])
+
+
+def test_eval_temperature_is_gone_and_says_where_it_went():
+    with pytest.raises(ConfigError, match="rollout.temperature"):
+        compose(["eval.temperature=0.7"])
+
+
+def test_an_old_run_config_with_eval_temperature_still_loads(tmp_path, capsys):
+    import yaml
+
+    from gspo.config import load_run_config
+
+    saved = yaml.safe_load(OmegaConf.to_yaml(compose([]), resolve=True))
+    saved["eval"]["temperature"] = 0.7  # written by gspo before eval.temperature was removed
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    cfg = load_run_config(tmp_path, ["task.eval_size=50"])
+    assert "temperature" not in cfg.eval and cfg.task.eval_size == 50 and cfg.rollout.temperature == 1.0
+    assert "eval.temperature=0.7" in capsys.readouterr().err  # a differing old value is not dropped silently
+
+
+def test_a_saved_run_config_refuses_unknown_keys(tmp_path):
+    from gspo.config import load_run_config
+
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose([]), resolve=True))
+    with pytest.raises(ConfigError, match="train.stepz"):
+        load_run_config(tmp_path, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match="rollout.top_p=0"):
+        load_run_config(tmp_path, ["rollout.top_p=0"])
+
+
+def test_cuda_is_checked_against_the_machine(monkeypatch):
+    import torch
+
+    from gspo.config import check_machine
+
+    cfg = compose(["hardware=gpu"])  # composing for another machine is fine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="hardware.device=cuda"):
+        check_machine(cfg)
+    check_machine(compose(["hardware=cpu"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_machine(cfg)

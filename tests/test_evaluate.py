@@ -46,3 +46,50 @@ def test_eval_of_a_run_on_another_task(tmp_path, cache_dir):
     res = run_eval(str(run_dir), ["task=countdown", "task.eval_size=4"], examples=1, pass_k=1)
     assert res["task"] == "countdown" and res["n"] == 4
     assert "," in res["examples"][0]["prompt"]  # a Countdown prompt ("3,5,7=22:"), not "a+b="
+
+
+def test_eval_reports_the_number_of_problems_it_scored_and_warns_when_short(cache_dir, capsys):
+    """1-digit addition has 100 problems, about 10% held out: asking for 200 scores the ~10 there are."""
+    res = run_eval(None, tiny(cache_dir, **{"task.digits": 1, "task.eval_size": 200}), examples=0, pass_k=1)
+    from gspo.tasks import is_heldout
+
+    held_out = sum(is_heldout(f"{a}+{b}=", 0.1) for a in range(10) for b in range(10))
+    assert 0 < held_out < 200 and res["n"] == held_out
+    err = capsys.readouterr().err
+    assert "task.eval_size=200" in err and f"{held_out} problems" in err
+
+
+def test_eval_of_an_empty_held_out_split_is_refused(cache_dir):
+    from gspo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="task.eval_fraction"):
+        run_eval(None, tiny(cache_dir, **{"task.digits": 1, "task.eval_fraction": 0.0001}), examples=0, pass_k=1)
+
+
+def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, cache_dir, monkeypatch):
+    """Both sample pass@k at rollout.temperature, the temperature the policy is trained at."""
+    import gspo.evaluate
+    import gspo.trainer
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("temperature", args[6] if len(args) > 6 else None))
+        return real(*args, **kwargs)
+
+    real = gspo.evaluate.evaluate
+    monkeypatch.setattr(gspo.trainer, "evaluate", spy)
+    monkeypatch.setattr(gspo.evaluate, "evaluate", spy)
+    over = {"train.steps": 1, "eval.pass_k": 1, "rollout.temperature": 0.7, "task.eval_size": 4}
+    train(compose(tiny(cache_dir, **over)), tmp_path)
+    run_eval(str(tmp_path), [], examples=0, pass_k=1)
+    assert seen and all(t == 0.7 for t in seen), seen
+
+
+def test_eval_pass_k_override_is_used_not_ignored(cache_dir):
+    res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 4, "eval.pass_k": 2}), examples=0)
+    assert "eval/pass@2" in res and "eval/pass@4" not in res
+    res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 4}), examples=0)
+    assert "eval/pass@4" in res  # the default
+    res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 4, "eval.pass_k": 0}), examples=0)
+    assert not any(k.startswith("eval/pass@") for k in res)

@@ -171,3 +171,19 @@ def test_wandb_disabled_mode_makes_no_run(tmp_path, offline_wandb):
         log.log({"reward/mean": 0.5}, step=1)
         assert log.wandb_run is None
     assert not (tmp_path / "wandb").exists() and not (tmp_path / "wandb_id.txt").exists()
+
+
+@pytest.mark.parametrize("silent", ["true", "false"])
+def test_wandb_sync_command_is_printed_once(tmp_path, offline_wandb, monkeypatch, capfd, silent):
+    """W&B prints its own `wandb sync` line unless silenced; gspo adds one only when it is."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", silent)
+    wandb.teardown()  # W&B reads its settings from the environment once per process
+    try:
+        with MetricsLogger(tmp_path, cfg(wandb=True)) as log:
+            log.log({"reward/mean": 0.5}, step=1)
+    finally:
+        wandb.teardown()
+    out = capfd.readouterr()
+    assert (out.out + out.err).count("wandb sync ") == 1, out.out + out.err

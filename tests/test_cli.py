@@ -1,0 +1,221 @@
+"""The `gspo` command as a user meets it: errors raised inside the Hydra job or a torchrun
+worker still end as one line and exit code 2, resume refuses what it would ignore and leaves
+no stray directory, the machine is checked before work, the help keeps its examples intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import TRAIN_EXAMPLES, app
+from gspo.config import compose
+from gspo.errors import ConfigError
+from gspo.trainer import train
+
+from conftest import tiny
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def gspo_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def one_line_exit_2(res, *needles: str) -> str:
+    """The output of a refused command: exit 2, no traceback, one `gspo: error:` line naming `needles`."""
+    out = res.output if hasattr(res, "output") else res.stdout + res.stderr
+    code = res.exit_code if hasattr(res, "exit_code") else res.returncode
+    assert code == 2, out[-3000:]
+    assert "Traceback" not in out and "Error executing job" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("gspo: error:")]
+    assert len(errors) == 1, out[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run the CLI in an empty directory, so a run directory Hydra makes would show."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# --------------------------------------------------------------------------- errors inside the job
+
+
+def test_config_error_inside_the_hydra_job_is_one_line_and_exit_2(in_tmp, monkeypatch, cache_dir):
+    def refuses(cfg, run_dir):
+        raise ConfigError("reward.fn=mine.py:score: raised KeyError on sample 3")
+
+    monkeypatch.setattr("gspo.trainer.train", refuses)
+    res = runner.invoke(app, ["train", *tiny(cache_dir)])
+    one_line_exit_2(res, "reward.fn=mine.py:score")
+
+
+def test_config_error_in_one_job_of_a_sweep_names_the_job(in_tmp, monkeypatch, cache_dir):
+    ran = []
+
+    def refuses_seed_1(cfg, run_dir):
+        ran.append(cfg.seed)
+        if cfg.seed == 1:
+            raise ConfigError("bad data for this seed")
+        return {}
+
+    monkeypatch.setattr("gspo.trainer.train", refuses_seed_1)
+    res = runner.invoke(app, ["train", "-m", "seed=0,1,2", *tiny(cache_dir)])
+    line = one_line_exit_2(res, "bad data for this seed", "seed=1")
+    assert "job 1" in line
+    assert ran == [0, 1, 2]  # the other jobs of the sweep still ran
+
+
+def test_a_worker_that_refused_its_config_exits_2_without_a_traceback(in_tmp, monkeypatch, cache_dir):
+    """torchrun workers print their own `gspo: error:` line and exit 2; the launching job must
+    not turn that into Hydra's traceback and exit 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def launch(cfg, run_dir):
+        print("gspo: error: task.path=x.jsonl: line 3 lacks a 'prompt' field", file=sys.stderr)  # what the worker printed
+        raise ChildFailedError("gspo.distributed", {1: ProcessFailure(1, 1234, 2, "<N/A>"),
+                                                    0: ProcessFailure(0, 1233, -15, "<N/A>")})
+
+    monkeypatch.setattr("gspo.distributed.launch", launch)
+    res = runner.invoke(app, ["train", "hardware=cpu-ddp", *tiny(cache_dir)])
+    one_line_exit_2(res, "task.path=x.jsonl")
+
+
+def test_a_worker_crash_is_still_a_failure_not_a_config_error(in_tmp, monkeypatch, cache_dir):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def launch(cfg, run_dir):
+        raise ChildFailedError("gspo.distributed", {0: ProcessFailure(0, 1233, 1, "<N/A>")})
+
+    monkeypatch.setattr("gspo.distributed.launch", launch)
+    res = runner.invoke(app, ["train", "hardware=cpu-ddp", *tiny(cache_dir)])
+    assert res.exit_code == 1 and isinstance(res.exception, ChildFailedError)
+
+
+def test_hydra_launcher_errors_are_one_line(in_tmp):
+    one_line_exit_2(runner.invoke(app, ["train", "hydra/launcher=nope"]), "hydra/launcher/nope", "parallel", "slurm")
+
+
+BAD_REWARD = "def boom(prompts, completions, **fields):\n    raise ValueError('boom on ' + completions[0])\n"
+
+
+def test_a_data_error_found_before_the_job_is_one_line_for_real(tmp_path):
+    """End to end, no stand-ins: a JSONL row without an answer is refused before any work."""
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    res = gspo_cli("train", "task=jsonl", "task.path=bad.jsonl", "hardware.threads=1", cwd=tmp_path)
+    one_line_exit_2(res, "bad.jsonl")
+
+
+def test_a_reward_error_inside_the_job_is_one_line_for_real(tmp_path, cache_dir):
+    """A user's reward function that raises while training: found inside the job, still one line and exit 2."""
+    (tmp_path / "rw.py").write_text(BAD_REWARD)
+    res = gspo_cli("train", "reward=python", "reward.fn=rw.py:boom", *tiny(cache_dir), cwd=tmp_path)
+    one_line_exit_2(res, "boom")
+
+
+def test_a_reward_error_in_a_parallel_sweep_job_is_exit_2_without_a_traceback(tmp_path, cache_dir):
+    """joblib runs the jobs in other processes: Hydra hands the job's ConfigError back to gspo."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    (tmp_path / "rw.py").write_text(BAD_REWARD)
+    res = gspo_cli("train", "-m", "hydra/launcher=parallel", "reward=python", "reward.fn=rw.py:boom", "seed=0,1",
+                   *tiny(cache_dir, **{"hardware.threads": 1}), cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert any(line.startswith("gspo: error: job ") and "boom" in line for line in out.splitlines()), out[-3000:]
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def test_gpu_profile_without_cuda_is_refused_before_any_work(in_tmp, monkeypatch, cache_dir):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args in (["hardware=gpu"], ["hardware.device=cuda"], ["hardware=gpu-ddp", "hardware.nproc=2"]):
+        res = runner.invoke(app, ["train", *args, *tiny(cache_dir)])
+        one_line_exit_2(res, "hardware", "CUDA")
+    assert not (in_tmp / "outputs").exists()  # refused before Hydra made a run directory
+
+
+def test_machine_checks_skip_what_only_prints_or_runs_elsewhere(in_tmp, monkeypatch):
+    """`--cfg job` runs nothing, and a SLURM sweep's jobs run on the cluster's GPU nodes."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = runner.invoke(app, ["train", "--cfg", "job", "hardware=gpu"])
+    assert res.exit_code == 0, res.output
+    from cli.main import _runs_here
+
+    assert _runs_here(["hardware=gpu"]) and _runs_here(["hydra/launcher=parallel"])
+    assert not _runs_here(["hydra/launcher=slurm", "hardware=gpu-ddp"])
+
+
+# --------------------------------------------------------------------------- resume
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("runs") / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run_dir)
+    return run_dir
+
+
+def test_resume_refuses_group_swaps(in_tmp, finished_run):
+    for swap in ("algo=grpo", "model=qwen3-tiny", "+experiment=x", "~seed"):
+        res = runner.invoke(app, ["train", f"resume={finished_run}", swap, "train.steps=2"])
+        one_line_exit_2(res, swap, "resume", "KEY=VALUE")
+    assert not (in_tmp / "outputs").exists()
+
+
+def test_resume_refuses_unknown_keys_and_bad_values_up_front(in_tmp, finished_run):
+    one_line_exit_2(runner.invoke(app, ["train", f"resume={finished_run}", "train.stepz=2"]), "train.stepz")
+    one_line_exit_2(runner.invoke(app, ["train", f"resume={finished_run}", "rollout.temperature=0"]),
+                    "rollout.temperature=0")
+    one_line_exit_2(runner.invoke(app, ["train", f"resume={in_tmp / 'nothing'}"]), "resume=", "config.yaml")
+    one_line_exit_2(runner.invoke(app, ["train", "-m", f"resume={finished_run}", "seed=0,1"]), "resume", "-m")
+
+
+def test_resume_cfg_job_prints_the_config_resume_trains(in_tmp, finished_run):
+    """Hydra's `--cfg job` would print the default config, not the run's own."""
+    res = runner.invoke(app, ["train", f"resume={finished_run}", "train.steps=7", "--cfg", "job"])
+    assert res.exit_code == 0, res.output
+    assert "steps: 7" in res.output and "group_size: 4" in res.output  # the run's tiny G=4, not the default 8
+    assert f"resume: {finished_run}" in res.output and not (in_tmp / "outputs").exists()
+
+
+def test_resume_continues_in_place_and_leaves_no_new_directory(tmp_path, cache_dir):
+    run_dir = tmp_path / "runs" / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run_dir)
+    before = {p for p in tmp_path.rglob("*") if p.is_dir()}
+    res = gspo_cli("train", f"resume={run_dir}", "train.steps=2", "hardware.threads=1", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    new = {p for p in tmp_path.rglob("*") if p.is_dir()} - before
+    assert new == {run_dir / "checkpoints" / "step_000002"}, new  # no outputs/DATE/TIME, no .hydra/
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    assert "steps: 2" in (run_dir / "config.yaml").read_text()
+
+
+# --------------------------------------------------------------------------- help
+
+
+def test_train_help_keeps_every_example_line_intact():
+    """Click rewraps help paragraphs to the terminal width; the examples must survive a narrow one."""
+    for width in (60, 200):
+        res = runner.invoke(app, ["train", "--help"], terminal_width=width)
+        assert res.exit_code == 0
+        lines = [line.strip() for line in res.output.splitlines()]
+        for example in TRAIN_EXAMPLES.strip().splitlines():
+            assert example.strip() in lines, (width, example)
+    res = runner.invoke(app, ["--help"], terminal_width=60)
+    assert any(line.strip().startswith("algo ") and "gspo_token" in line and "softmax_weighted" in line
+               for line in res.output.splitlines()), res.output
