@@ -74,12 +74,12 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = MISSING  # addition | countdown | jsonl
-    digits: int = 2  # addition: operand digits
-    num_operands: int = 3  # countdown: numbers to combine
-    max_operand: int = 9  # countdown: largest number
+    name: str = MISSING  # addition | countdown | long_addition | chain | jsonl
+    digits: int = 2  # addition, long_addition: operand digits
+    num_operands: int = 3  # countdown, chain: numbers to combine
+    max_operand: int = 9  # countdown, chain: largest number
     path: Optional[str] = None  # jsonl: file with prompt/answer fields
-    eval_fraction: float = 0.1  # share of the problem space held out (never sampled in training)
+    eval_fraction: float = 0.1  # share of the problem space held out, by canonical form (never sampled in training)
     eval_size: int = 200  # held-out prompts scored by eval/accuracy
 
 
