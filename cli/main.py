@@ -111,12 +111,13 @@ def compare(
     by: str = typer.Option("algo", "--by", help="Config key that tells the groups apart (dotted; 'algo' = algo.name)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: SWEEP/compare)."),
     threshold: Optional[float] = typer.Option(None, help="Accuracy target for 'steps to target' (default: halfway from base to best)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="A group to compare every other group with (difference of means, Welch 95% interval)."),
 ) -> None:
     from gspo.compare import compare as run_compare
     from gspo.compare import print_report
 
     try:
-        result = run_compare(paths, by=by, out=out, threshold=threshold)
+        result = run_compare(paths, by=by, out=out, threshold=threshold, baseline=baseline)
     except ConfigError as e:
         _fail(str(e))
     print_report(result)
