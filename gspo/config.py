@@ -48,6 +48,7 @@ class WarmStartConfig:
     lr: float = 3e-3
     batch_size: int = 64
     seed: int = 0  # own seed, so every RL seed of a sweep starts from the same base
+    problems: int = 0  # warm-start data: this many fixed training problems, cycled (0 = fresh ones every step)
 
 
 @dataclass
@@ -262,6 +263,12 @@ def _check_group_choices(overrides: list[str]) -> None:
 
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
+        if key == "experiment":  # a preset over several groups (conf/experiment/*.yaml), added with a +
+            valid = ", ".join(group_options("experiment"))
+            if value not in group_options("experiment"):
+                raise ConfigError(f"+experiment={value}: no such experiment. Valid experiments: {valid}")
+            if not o.startswith("+"):
+                raise ConfigError(f"{o}: an experiment is added to the config, not swapped in: write +experiment={value}")
         if key in GROUPS and value and value not in group_options(key):
             raise ConfigError(
                 f"{key}={value}: no such option for '{key}'. Valid options: {', '.join(group_options(key))}"

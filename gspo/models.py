@@ -29,7 +29,7 @@ from gspo.moe import is_moe
 transformers.utils.logging.disable_progress_bar()  # no per-load progress bars between our own lines
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-CACHE_VERSION = 2  # bump when warm-start code changes, so stale bases are rebuilt
+CACHE_VERSION = 3  # bump when warm-start code changes, so stale bases are rebuilt (3: canonical split, warm-start pool)
 
 
 def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
@@ -132,17 +132,23 @@ def base_model(cfg, task, log=print) -> Path:
 
 
 def warm_start(model, tokenizer, task, wcfg, log=print) -> None:
-    """Supervised steps on (prompt, reference answer + EOS); loss on the answer tokens only."""
+    """Supervised steps on (prompt, reference answer + EOS); loss on the answer tokens only.
+
+    The data: `wcfg.problems` fixed training problems drawn once and cycled in shuffled
+    batches, or (0) fresh training problems every step. Never a held-out one.
+    """
     if wcfg.steps <= 0:
         return
     rng = random.Random(wcfg.seed)
     torch.manual_seed(wcfg.seed)
+    pool = task.sample_train(rng, wcfg.problems) if wcfg.problems > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / wcfg.steps))
     moe_kwargs = {"output_router_logits": True} if is_moe(model) else {}
     model.train()
     for step in range(wcfg.steps):
-        problems = task.sample_train(rng, wcfg.batch_size)
+        problems = (task.sample_train(rng, wcfg.batch_size) if pool is None
+                    else rng.sample(pool, min(wcfg.batch_size, len(pool))))
         ids, labels = [], []
         for p in problems:
             prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
