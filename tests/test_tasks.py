@@ -16,7 +16,7 @@ from gspo.tasks import Problem, Verdict, build_task, canonical, is_heldout
 from gspo.tasks.reasoning import final_answer, scratchpad_sum
 
 GENERATED = ["addition", "countdown", "long_addition", "chain"]
-PRESETS = {"long_addition": {"digits": 4}, "chain": {"num_operands": 6}}  # as in conf/task/*.yaml
+PRESETS = {"long_addition": {"digits": 4}, "chain": {"num_operands": 7}}  # as in conf/task/*.yaml
 
 
 def task(name, **kw):
@@ -62,7 +62,7 @@ def test_reference_answers_verify(name):
 
 _EVAL_SET = "from gspo.tasks import build_task; from omegaconf import OmegaConf; import json, random\n" \
     "out = {}\n" \
-    "for n, kw in {'addition': {}, 'countdown': {}, 'long_addition': {'digits': 4}, 'chain': {'num_operands': 6}}.items():\n" \
+    "for n, kw in {'addition': {}, 'countdown': {}, 'long_addition': {'digits': 4}, 'chain': {'num_operands': 7}}.items():\n" \
     "    t = build_task(OmegaConf.create({'name': n, 'eval_fraction': 0.1, 'digits': 2, 'num_operands': 3, 'max_operand': 9, **kw}))\n" \
     "    out[n] = [p.prompt for p in t.eval_set(50) + t.sample_train(random.Random(3), 20)]\n" \
     "print(json.dumps(out))"
