@@ -122,35 +122,37 @@ def print_report(result: "CompareResult", console: Any = None) -> None:
     """The table on the console, the baseline comparison, then collapsed runs, warnings and unreadable dirs."""
     from rich import box
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     # in a log or a pipe rich would fold the table to 80 columns; a wide table reads better there
     console = console or (Console() if sys.stdout.isatty() else Console(width=260))
 
     def table(title: str, names: list[str], rows: list[list[str]]) -> Table:
-        t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1))
+        # escape: "[lo, hi]" and "[95% CI]" would otherwise be read as rich markup and vanish
+        t = Table(title=escape(title), box=box.SIMPLE_HEAD, padding=(0, 1))
         for name in names:
-            t.add_column(name, justify="left" if name == "group" else "right", overflow="fold",
+            t.add_column(escape(name), justify="left" if name == "group" else "right", overflow="fold",
                          no_wrap=name in ("group", "steps"))
         for cells in rows:
-            t.add_row(*cells)
+            t.add_row(*map(escape, cells))
         return t
 
     console.print(table(f"gspo compare — grouped by {result.by}", [n for n, _ in COLUMNS], format_rows(result.rows)))
-    console.print(LEGEND)
-    console.print(result.target_note)
+    console.print(LEGEND, markup=False)
+    console.print(result.target_note, markup=False)
     if result.baseline is not None:
         console.print(table(f"against the baseline {result.baseline}", [n for n, _ in PAIR_COLUMNS],
                             _pair_cells(result)))
-        console.print(PAIR_LEGEND)
+        console.print(PAIR_LEGEND, markup=False)
     for g in result.groups:
         for r in g.runs:
             if r.collapse:
-                console.print(f"[red]collapsed[/] {g.label} {r.path}: {r.collapse}")
+                console.print(f"[red]collapsed[/] {escape(f'{g.label} {r.path}: {r.collapse}')}")
     for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(f"[yellow]warning:[/] {escape(w)}")
     for b in result.broken:
-        console.print(f"[red]skipped[/] {b.path}: {b.reason}")
+        console.print(f"[red]skipped[/] {escape(f'{b.path}: {b.reason}')}")
     for f in [*result.figures, result.table_path]:
         if f is not None:
             console.print(f"wrote {f}")

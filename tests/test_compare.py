@@ -290,10 +290,12 @@ def test_figures_and_report(tmp_path):
     assert (out / "compare.md").exists() and "![comparison](compare.png)" in (out / "compare.md").read_text()
     from rich.console import Console
 
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=320)
     print_report(result, console)
     text = console.export_text()
     assert "grpo" in text and "gspo" in text and "collapsed" in text and "compare.png" in text
+    # brackets are text, not rich markup: the intervals and the legend survive
+    assert "final acc [95% CI]" in text and "[lo, hi]" in text and "0.575 [" in text
     # a single run dir works too, clip fractions all zero (symlog keeps 0 visible)
     single = make_run(tmp_path / "one", "gspo", 0, extra={"clip/frac": 0.0, "clip/frac_low": 0.0,
                                                          "clip/frac_high": 0.0})
