@@ -48,7 +48,9 @@ class WarmStartConfig:
     lr: float = 3e-3
     batch_size: int = 64
     seed: int = 0  # own seed, so every RL seed of a sweep starts from the same base
-    problems: int = 0  # warm-start data: this many fixed training problems, cycled (0 = fresh ones every step)
+    problems: int = 0  # warm-start data: this many fixed training problems, sampled in batches (0 = fresh ones every step)
+    target_accuracy: float = 0.0  # stop once greedy accuracy on 200 training problems reaches this (0 = run all steps)
+    check_every: int = 25  # steps between those checks
 
 
 @dataclass
