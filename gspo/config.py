@@ -44,12 +44,12 @@ class AlgoConfig:
 
 @dataclass
 class WarmStartConfig:
-    steps: int = 500  # supervised steps on the task's reference solutions (0 = none)
-    lr: float = 3e-3
+    steps: int = 1500  # supervised steps on the task's reference solutions, at most (0 = none)
+    lr: float = 3e-3  # peak; linear warmup over 20 steps, linear decay to 0 at `steps`
     batch_size: int = 64
     seed: int = 0  # own seed, so every RL seed of a sweep starts from the same base
     problems: int = 0  # warm-start data: this many fixed training problems, sampled in batches (0 = fresh ones every step)
-    target_accuracy: float = 0.0  # stop once greedy accuracy on 200 training problems reaches this (0 = run all steps)
+    target_accuracy: float = 0.4  # stop once greedy accuracy on 200 training problems reaches this (0 = run all `steps`)
     check_every: int = 25  # steps between those checks
 
 

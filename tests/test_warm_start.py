@@ -47,7 +47,7 @@ def test_warm_start_stops_at_the_target_accuracy():
 def test_without_a_target_it_runs_every_step_and_never_checks():
     task = Echo()
     tok = char_tokenizer(task.alphabet)
-    record = warm_start(tiny_model(tok), tok, task, wcfg(steps=12, lr=1e-2), log=lambda m: None)
+    record = warm_start(tiny_model(tok), tok, task, wcfg(steps=12, lr=1e-2, target_accuracy=0.0), log=lambda m: None)
     assert record == {"steps": 12, "train_accuracy": None}
     assert task.drawn == 12 * 16  # fresh problems every step
 
@@ -55,5 +55,5 @@ def test_without_a_target_it_runs_every_step_and_never_checks():
 def test_a_fixed_pool_is_drawn_once():
     task = Echo()
     tok = char_tokenizer(task.alphabet)
-    warm_start(tiny_model(tok), tok, task, wcfg(steps=12, lr=1e-2, problems=40), log=lambda m: None)
+    warm_start(tiny_model(tok), tok, task, wcfg(steps=12, lr=1e-2, problems=40, target_accuracy=0.0), log=lambda m: None)
     assert task.drawn == 40
