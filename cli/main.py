@@ -19,6 +19,7 @@ from gspo.errors import ConfigError
 
 def _groups_help() -> str:
     lines = [f"  {g:<9} {', '.join(group_options(g))}" for g in GROUPS]
+    lines.append(f"  +experiment={{{','.join(group_options('experiment'))}}}  presets over several groups")
     return "Config groups and their options (pick with GROUP=OPTION):\n\n" + "\n\n".join(lines)
 
 

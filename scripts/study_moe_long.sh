@@ -65,11 +65,12 @@ export OUT EXTRA GSPO
 
 mkdir -p "$OUT/logs"
 start=$(date +%s)
-# The warm-started bases first, one per experiment (in parallel), so the runs never race to build them.
+# The warm-started bases first, one per experiment (in parallel, one thread each like the runs:
+# the thread count changes float rounding, hence the base), so the runs never race to build them.
 # shellcheck disable=SC2086
 printf '%s\n' moe_long dense_long | xargs -P "$JOBS" -I{} python -c \
-  'import sys; from gspo.config import compose; from gspo.models import base_model; from gspo.tasks import build_task
-c = compose(sys.argv[1:]); print("base:", base_model(c, build_task(c.task), log=lambda m: None))' \
+  'import sys, torch; from gspo.config import compose; from gspo.models import base_model; from gspo.tasks import build_task
+torch.set_num_threads(1); c = compose(sys.argv[1:]); print("base:", base_model(c, build_task(c.task), log=lambda m: None))' \
   "+experiment={}" $EXTRA
 for cell in "${CELLS[@]}"; do
   for ((seed = 0; seed < SEEDS; seed++)); do

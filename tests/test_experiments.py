@@ -65,3 +65,8 @@ def test_dapo_never_penalises_a_correct_answer_for_length(overrides):
                            cfg.algo.overlong_penalty)
     assert pen.tolist() == [0.0]
     assert cfg.algo.overlong_buffer >= 1  # and the punishment is on
+
+
+def test_help_lists_the_experiments():
+    res = runner.invoke(app, ["train", "--help"])
+    assert res.exit_code == 0 and "+experiment=" in res.output and "moe_long" in res.output
