@@ -25,6 +25,7 @@ from gspo.errors import ConfigError, ReportedError
 def _groups_help() -> str:
     # "\b" keeps Click from rewrapping the paragraph to the terminal's width
     lines = [f"  {g:<9} {', '.join(group_options(g))}" for g in GROUPS]
+    lines.append(f"  +experiment={{{','.join(group_options('experiment'))}}}  presets over several groups")
     return "Config groups and their options (pick with GROUP=OPTION):\n\n\b\n" + "\n".join(lines)
 
 
@@ -187,12 +188,13 @@ def compare(
     by: str = typer.Option("algo", "--by", help="Config key that tells the groups apart (dotted; 'algo' = algo.name)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: SWEEP/compare)."),
     threshold: Optional[float] = typer.Option(None, help="Accuracy target for 'steps to target' (default: halfway from base to best)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="A group to compare every other group with (difference of means, Welch 95% interval)."),
 ) -> None:
     from gspo.compare import compare as run_compare
     from gspo.compare import print_report
 
     try:
-        result = run_compare(paths, by=by, out=out, threshold=threshold)
+        result = run_compare(paths, by=by, out=out, threshold=threshold, baseline=baseline)
     except ConfigError as e:
         _fail(str(e))
     print_report(result)

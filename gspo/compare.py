@@ -10,8 +10,12 @@ and hidden folders are not searched. Runs are grouped by a dotted config key
 
 Aggregation: at each step, mean and sample std (ddof=1) over the group's runs
 with a finite value there; partial runs stop contributing after their last
-step. The collapse flag and the steps-to-target level are defined in
-`detect_collapse` and `accuracy_target`, and explained in docs/compare.md.
+step. Per-run statistics (final and best accuracy, ...) get a 95% Student-t
+interval over seeds, and each group a Welch interval for its difference from a
+`baseline` group (gspo/stats.py). The collapse flag and the steps-to-target
+level are defined in `detect_collapse` and `accuracy_target`, and explained in
+docs/compare.md. The table and the console report are written by gspo/report.py,
+the figure by gspo/plots.py.
 """
 
 from __future__ import annotations
@@ -19,20 +23,23 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from gspo.errors import ConfigError
+from gspo.report import print_report, write_markdown  # noqa: F401  (print_report: part of this module's API)
+from gspo.stats import Welch, mean_ci, welch
 
 REWARD, LOSS, ACC = "reward/mean", "train/loss", "eval/accuracy"
 CLIP, CLIP_LOW, CLIP_HIGH = "clip/frac", "clip/frac_low", "clip/frac_high"
 KL_REF, KL_OLD, ENTROPY = "kl/ref", "kl/old", "policy/entropy"
 LENGTH, ROUTING, STEP_S = "response/len_mean", "moe/routing_volatility", "time/step_s"
+RATIO_MAX = "policy/ratio_max"
+PAIRWISE_STATS = ("final_acc", "best_acc")  # compared against the baseline group, with Welch intervals
 
 # Config keys whose differences make runs incomparable (unless it is the grouping key).
 COMPARABILITY_KEYS = ("model.", "task.", "reward.", "rollout.", "train.steps", "train.minibatches")
@@ -55,22 +62,25 @@ class _Broken(Exception):
 
 @dataclass
 class Stat:
-    """Mean and sample std over runs (std None with one run; mean None with none)."""
+    """Mean, sample std and 95% t-interval half-width over runs (std, ci None with one run; mean None with none)."""
 
     mean: float | None
     std: float | None
     n: int
+    ci: float | None = None  # the 95% interval is mean ± ci (Student t, n - 1 degrees of freedom)
+    values: tuple[float, ...] = ()  # the runs' own values (the seeds), for pairwise comparisons
 
     @classmethod
     def of(cls, values: Iterable[float | None]) -> "Stat":
-        vals = [v for v in values if v is not None and math.isfinite(v)]
+        vals = [float(v) for v in values if v is not None and math.isfinite(v)]
         if not vals:
             return cls(None, None, 0)
         mean = float(np.mean(vals))
         std = float(np.std(vals, ddof=1)) if len(vals) > 1 else None
+        ci = mean_ci(vals)[1] if len(vals) > 1 else None
         if std is not None and std < 1e-12 * max(1.0, abs(mean)):
-            std = 0.0  # rounding noise of equal values
-        return cls(mean, std, len(vals))
+            std = ci = 0.0  # rounding noise of equal values
+        return cls(mean, std, len(vals), ci, tuple(vals))
 
 
 @dataclass
@@ -130,10 +140,21 @@ class Group:
 
 
 @dataclass
+class Pairwise:
+    """One group against the baseline group: a Welch interval per statistic (None: < 2 seeds on a side)."""
+
+    group: str
+    baseline: str
+    stats: dict[str, Welch | None]
+
+
+@dataclass
 class CompareResult:
     by: str
     groups: list[Group]
     rows: list[dict[str, Any]]
+    baseline: str | None
+    pairwise: list[Pairwise]
     target: float | None  # the eval/accuracy level of "steps to target"
     target_note: str  # how that level was set
     figures: list[Path]
@@ -190,9 +211,16 @@ def _read_metrics(path: Path) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
     return {k: (np.asarray(s), np.asarray(v, dtype=float)) for k, (s, v) in series.items()}, notes
 
 
+class _HydraOnly(Exception):
+    """Only Hydra's own files (`.hydra/`, `*.log`): a resume's or a refused job's directory, not a run."""
+
+
 def _load_run(path: Path) -> Run:
     has_cfg, has_metrics = (path / "config.yaml").exists(), (path / "metrics.jsonl").exists()
     if not has_cfg and not has_metrics:
+        ours = [p.name for p in path.iterdir() if p.name != ".hydra" and p.suffix != ".log"]
+        if not ours:
+            raise _HydraOnly
         raise _Broken("no config.yaml or metrics.jsonl (not started, or crashed before its first step)")
     if not has_cfg:
         raise _Broken("no config.yaml")
@@ -246,11 +274,17 @@ def find_run_dirs(paths: Sequence[Path | str]) -> list[Path]:
 
 
 def load_runs(paths: Sequence[Path | str]) -> tuple[list[Run], list[BrokenRun]]:
-    """Readable runs and the run-like dirs that could not be read (with the reason)."""
+    """Readable runs and the run-like dirs that could not be read (with the reason).
+
+    A directory holding only Hydra's own files (`.hydra/`, `*.log`) is skipped quietly: every
+    `gspo train resume=...` leaves one beside the run it continues.
+    """
     runs, broken = [], []
     for path in find_run_dirs(paths):
         try:
             runs.append(_load_run(path))
+        except _HydraOnly:
+            continue
         except _Broken as e:
             broken.append(BrokenRun(path, str(e)))
     return runs, broken
@@ -276,16 +310,33 @@ def aggregate(runs: Sequence[Run], key: str) -> Curve | None:
     return Curve(steps, np.where(n > 0, mean, np.nan), std, n, per_run)
 
 
+MIN_WINDOW = 5  # the collapse rule's smallest moving-average window (steps)
+NOISE_Z = 3.0  # a collapse must exceed this many standard errors of the reward noise
+
+
+def reward_noise(rewards: np.ndarray) -> float:
+    """Robust std of the per-step reward noise: median |r_{i+1} - r_i| / (0.6745·√2).
+
+    For independent noise of std σ around a slowly moving mean, r_{i+1} - r_i has std σ√2
+    and median absolute value 0.6745·σ√2; the median ignores the few steps where the
+    mean itself jumps (a collapse), so the collapse does not inflate its own noise bar.
+    """
+    if len(rewards) < 2:
+        return 0.0
+    return float(np.median(np.abs(np.diff(rewards)))) / (0.6745 * math.sqrt(2.0))
+
+
 def detect_collapse(run: Run) -> tuple[str | None, int | None]:
     """(reason, step) when the run collapsed, else (None, None).
 
-    Collapsed: (a) any NaN/inf in reward/mean or train/loss; or (b) with n >= 10
-    reward/mean values, ma their trailing moving average over w = max(2, round(0.1·n))
-    steps, initial = ma[0], peak = max(ma), drop = 0.5·max(peak − initial, 0.5·|peak|):
-    drop > 0 and ma < peak − drop on each of the last >= w points up to the end, i.e.
-    after its peak the run lost half its gain (and at least a quarter of the peak,
-    so noise on a flat curve does not count) and never came back. The step is where
-    that final stretch began.
+    Collapsed: (a) any NaN/inf in reward/mean or train/loss; or (b), with n reward/mean
+    values, the window w = max(5, round(0.1·n)) and n >= 3·w (at least 15 steps: a window
+    to start from, one to peak in, one to stay down in), ma their trailing moving average
+    over w steps, initial = ma[0], peak = max(ma), drop = 0.5·max(peak − initial, 0.5·|peak|),
+    σ = reward_noise(rewards): drop > 3·σ·sqrt(2/w) (larger than the noise of a difference of
+    two window means) and ma < peak − drop on each of the last >= w points up to the end,
+    i.e. after its peak the run lost half its gain (and at least a quarter of the peak) and
+    never came back. The step is where that final stretch began.
     """
     for key in (REWARD, LOSS):
         steps, values = run.series(key)
@@ -294,14 +345,14 @@ def detect_collapse(run: Run) -> tuple[str | None, int | None]:
             return f"non-finite {key} at step {int(steps[bad][0])}", int(steps[bad][0])
     steps, rewards = run.series(REWARD)
     n = len(rewards)
-    if n < 10:
+    w = max(MIN_WINDOW, round(0.1 * n))
+    if n < 3 * w:
         return None, None
-    w = max(2, round(0.1 * n))
     ma = np.convolve(rewards, np.ones(w) / w, mode="valid")  # ma[i] ends at steps[i + w - 1]
     initial, peak = ma[0], ma.max()
     drop = 0.5 * max(peak - initial, 0.5 * abs(peak))  # half the gain, at least a quarter of the peak
     below = ma < peak - drop
-    if drop <= 0 or not below[-1]:
+    if drop <= NOISE_Z * reward_noise(rewards) * math.sqrt(2.0 / w) or not below[-1]:
         return None, None
     start = len(below) - int(np.argmin(below[::-1])) if not below.all() else 0
     if len(below) - start < w:
@@ -391,16 +442,26 @@ def _run_stats(run: Run, target: float | None) -> dict[str, float | None]:
         v = v[(s >= 1) & np.isfinite(v)]
         return float(v.mean()) if len(v) else None
 
+    def train_max(key: str) -> float | None:
+        s, v = run.series(key)
+        v = v[(s >= 1) & np.isfinite(v)]
+        return float(v.max()) if len(v) else None
+
     _, rewards = run.series(REWARD)
     tail = rewards[-max(1, round(0.1 * len(rewards))):] if len(rewards) else rewards
-    reached = steps[acc >= target] if target is not None else []
+    reached = steps[(acc >= target) & (steps >= 1)] if target is not None else []
+    trained = acc[steps >= 1]  # the step-0 eval is the base, not something training reached
     return {
         "base_acc": float(acc[0]) if len(acc) and steps[0] == 0 else None,
-        "final_acc": float(acc[-1]) if len(acc) else None,
-        "best_acc": float(acc.max()) if len(acc) else None,
+        "final_acc": float(acc[-1]) if len(trained) else None,
+        "best_acc": float(trained.max()) if len(trained) else None,
         "steps_to_target": float(reached[0]) if len(reached) else None,
         "final_reward": float(np.mean(tail)) if len(tail) else None,
         "clip_frac": train_mean(CLIP),
+        "clip_frac_low": train_mean(CLIP_LOW),
+        "clip_frac_high": train_mean(CLIP_HIGH),
+        "kl_old": train_mean(KL_OLD),
+        "ratio_max": train_max(RATIO_MAX),
         "routing_volatility": train_mean(ROUTING),
         "step_s": train_mean(STEP_S),
     }
@@ -445,60 +506,14 @@ def summarize_group(group: Group, target: float | None) -> dict[str, Any]:
     return row
 
 
+def pairwise(rows: Sequence[dict[str, Any]], baseline: str) -> list[Pairwise]:
+    """Each other group against `baseline` (a group label): Welch intervals for mean differences."""
+    base = next(r for r in rows if r["group"] == baseline)
+    return [Pairwise(r["group"], baseline, {k: welch(r[k].values, base[k].values) for k in PAIRWISE_STATS})
+            for r in rows if r["group"] != baseline]
+
+
 # -- output --------------------------------------------------------------------
-def _fmt(stat: Stat, fmt: Callable[[float], str]) -> str:
-    if stat.mean is None:
-        return "—"
-    return fmt(stat.mean) if stat.std is None else f"{fmt(stat.mean)}±{fmt(stat.std)}"
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.3g}%"
-
-
-COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
-    ("group", lambda r: str(r["group"])),
-    ("seeds", lambda r: str(r["runs"])),
-    ("steps", lambda r: (f"{r['steps_max']}" if r["steps_min"] == r["steps_max"]
-                         else f"{r['steps_min']}–{r['steps_max']}")
-     + (f" ({r['partial']} partial)" if r["partial"] else "")),
-    ("base acc", lambda r: _fmt(r["base_acc"], "{:.3f}".format)),
-    ("final acc", lambda r: _fmt(r["final_acc"], "{:.3f}".format)),
-    ("best acc", lambda r: _fmt(r["best_acc"], "{:.3f}".format)),
-    ("steps to target", lambda r: "—" if r["target"] is None else
-     f"{_fmt(r['steps_to_target'], '{:.0f}'.format)} ({r['steps_to_target'].n}/{r['runs']})"),
-    ("final reward", lambda r: _fmt(r["final_reward"], "{:.3f}".format)),
-    ("clip/frac", lambda r: _fmt(r["clip_frac"], _pct)),
-    ("routing vol.", lambda r: _fmt(r["routing_volatility"], _pct)),
-    ("s/step", lambda r: _fmt(r["step_s"], "{:.3g}".format)),
-    ("collapsed", lambda r: f"{r['collapsed']}/{r['runs']}"),
-]
-
-
-def format_rows(rows: Sequence[dict]) -> list[list[str]]:
-    return [[cell(r) for _, cell in COLUMNS] for r in rows]
-
-
-def write_markdown(result: CompareResult, path: Path) -> None:
-    lines = [f"# gspo compare — grouped by `{result.by}`", ""]
-    lines += ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in format_rows(result.rows)]
-    lines += ["", "Mean ± sample std over seeds. Final/best acc: last/highest eval/accuracy of each run; "
-              "final reward: mean reward/mean over a run's last 10% of steps; clip/frac, routing vol., "
-              f"s/step: mean over training steps. {result.target_note} (k/n) = runs that reached it. "
-              "See docs/compare.md.", ""]
-    lines += [f"![comparison]({f.name})" for f in result.figures if f.suffix == ".png"]
-    collapsed = [(g.label, r) for g in result.groups for r in g.runs if r.collapse]
-    if collapsed:
-        lines += ["", "## Collapsed runs", ""] + [f"- {lab} `{r.path}`: {r.collapse}" for lab, r in collapsed]
-    if result.warnings:
-        lines += ["", "## Warnings", ""] + [f"- {w}" for w in result.warnings]
-    if result.broken:
-        lines += ["", "## Unreadable run directories (skipped)", ""]
-        lines += [f"- `{b.path}`: {b.reason}" for b in result.broken]
-    path.write_text("\n".join(lines) + "\n")
-
-
 def _default_out(paths: Sequence[Path], runs: Sequence[Run]) -> Path:
     """The first PATH that is a sweep (not a run) dir, else the runs' common parent, + /compare."""
     for p in paths:
@@ -513,8 +528,13 @@ def compare(
     out: Path | str | None = None,
     threshold: float | None = None,
     plot: bool = True,
+    baseline: str | None = None,
 ) -> CompareResult:
-    """Load, group, check, aggregate, plot and tabulate; writes OUT/compare.{png,svg,md,json}."""
+    """Load, group, check, aggregate, plot and tabulate; writes OUT/compare.{png,svg,md,json}.
+
+    `baseline`: a group label (as the table shows it, e.g. `grpo`); every other group is then
+    compared with it (difference of means, Welch 95% interval) for final and best accuracy.
+    """
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not paths:
         raise CompareError("give at least one run directory or sweep directory")
@@ -527,6 +547,9 @@ def compare(
     for run in runs:
         run.collapse, run.collapse_step = detect_collapse(run)
     groups = group_runs(runs, key)
+    labels = [g.label for g in groups]
+    if baseline is not None and baseline not in labels:
+        raise CompareError(f"--baseline {baseline}: no such group. Groups (by {key}): {', '.join(labels)}")
     if any(all(lookup(r.config, k) == _MISSING for r in runs) for k in key.split(",")):
         warnings.append(f"no run has the config key {key!r}: all runs form one group")
     warnings += comparability_warnings(groups, key)
@@ -536,44 +559,19 @@ def compare(
                         "group means use the runs that reached each step")
     target, target_note = accuracy_target(groups, threshold)
     rows = [summarize_group(g, target) for g in groups]
+    pairs = pairwise(rows, baseline) if baseline is not None else []
     out_dir = Path(out) if out is not None else _default_out(paths, runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     from gspo.plots import plot_groups  # matplotlib only when a figure is asked for
 
     figures = plot_groups(groups, out_dir) if plot else []
-    result = CompareResult(key, groups, rows, target, target_note, figures, out_dir / "compare.md",
-                           broken, warnings, out_dir)
+    result = CompareResult(key, groups, rows, baseline, pairs, target, target_note, figures,
+                           out_dir / "compare.md", broken, warnings, out_dir)
     write_markdown(result, result.table_path)
     (out_dir / "compare.json").write_text(json.dumps(
-        {"by": key, "target": target, "rows": [{k: asdict(v) if isinstance(v, Stat) else v
-                                                 for k, v in r.items()} for r in rows]}, indent=1))
+        {"by": key, "target": target, "level": 0.95, "baseline": baseline,
+         "rows": [{k: asdict(v) if isinstance(v, Stat) else v for k, v in r.items()} for r in rows],
+         "pairwise": [{"group": p.group, "baseline": p.baseline,
+                       **{k: None if w is None else {**asdict(w), "low": w.low, "high": w.high}
+                          for k, w in p.stats.items()}} for p in pairs]}, indent=1))
     return result
-
-
-def print_report(result: CompareResult, console: Any = None) -> None:
-    """The table on the console, then collapsed runs, warnings and unreadable dirs."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    # in a log or a pipe rich would fold the table to 80 columns; a wide table reads better there
-    console = console or (Console() if sys.stdout.isatty() else Console(width=220))
-    table = Table(title=f"gspo compare — grouped by {result.by}", box=box.SIMPLE_HEAD, padding=(0, 1))
-    for name, _ in COLUMNS:
-        table.add_column(name, justify="left" if name == "group" else "right", overflow="fold",
-                         no_wrap=name in ("group", "steps"))
-    for cells in format_rows(result.rows):
-        table.add_row(*cells)
-    console.print(table)
-    console.print(result.target_note)
-    for g in result.groups:
-        for r in g.runs:
-            if r.collapse:
-                console.print(f"[red]collapsed[/] {g.label} {r.path}: {r.collapse}")
-    for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
-    for b in result.broken:
-        console.print(f"[red]skipped[/] {b.path}: {b.reason}")
-    for f in [*result.figures, result.table_path]:
-        if f is not None:
-            console.print(f"wrote {f}")

@@ -48,10 +48,13 @@ class WarmStartConfig:
     # Tiny models only (model=hf is used as it is). The data: (prompt, reference answer) pairs drawn from the
     # task's TRAINING split, never the held-out one; with task=data that is the training rows' answer column, so a
     # file of N rows is seen about steps * batch_size / N times each and RL may start with them memorised.
-    steps: int = 500  # supervised steps on the task's reference solutions (0 = none)
-    lr: float = 3e-3
+    steps: int = 1500  # supervised steps on the task's reference solutions, at most (0 = none)
+    lr: float = 3e-3  # peak; linear warmup over 20 steps, linear decay to 0 at `steps`
     batch_size: int = 64
     seed: int = 0  # own seed, so every RL seed of a sweep starts from the same base
+    problems: int = 0  # warm-start data: this many fixed training problems, sampled in batches (0 = fresh ones every step)
+    target_accuracy: float = 0.4  # stop once greedy accuracy on 200 training problems reaches this (0 = run all `steps`)
+    check_every: int = 25  # steps between those checks
 
 
 @dataclass
@@ -91,15 +94,15 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = MISSING  # addition | countdown | data (jsonl: the same)
-    digits: int = 2  # addition: operand digits
-    num_operands: int = 3  # countdown: numbers to combine
-    max_operand: int = 9  # countdown: largest number
+    name: str = MISSING  # addition | countdown | long_addition | chain | data (jsonl: the same)
+    digits: int = 2  # addition, long_addition: operand digits
+    num_operands: int = 3  # countdown, chain: numbers to combine
+    max_operand: int = 9  # countdown, chain: largest number
     path: Optional[str] = None  # data: a .jsonl or .parquet file, one problem per row (gspo/tasks/data.py)
     prompt_column: str = "prompt"  # data: the prompt, a string or chat messages [{"role": ..., "content": ...}]
     answer_column: str = "answer"  # data: the reference answer (GSM8K "... #### 42" or free text, checked with math-verify)
     system_prompt: Optional[str] = None  # data: a system message put before every prompt (needs a chat template)
-    eval_fraction: float = 0.1  # share of the problem space held out (never sampled in training)
+    eval_fraction: float = 0.1  # share of the problem space held out, by canonical form (never sampled in training)
     eval_size: int = 200  # held-out prompts scored by eval/accuracy
 
 
@@ -323,6 +326,12 @@ def _check_group_choices(overrides: list[str]) -> None:
 
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
+        if key == "experiment":  # a preset over several groups (conf/experiment/*.yaml), added with a +
+            valid = ", ".join(group_options("experiment"))
+            if value not in group_options("experiment"):
+                raise ConfigError(f"+experiment={value}: no such experiment. Valid experiments: {valid}")
+            if not o.startswith("+"):
+                raise ConfigError(f"{o}: an experiment is added to the config, not swapped in: write +experiment={value}")
         if key in GROUPS and value and value not in group_options(key):
             raise ConfigError(
                 f"{key}={value}: no such option for '{key}'. Valid options: {', '.join(group_options(key))}"
@@ -500,7 +509,7 @@ def check(cfg: Any) -> None:
     from gspo.advantages import ADVANTAGES
     from gspo.losses import LOSSES
     from gspo.rewards import PYTHON, REWARDS
-    from gspo.tasks import TASKS, arithmetic, data  # noqa: F401  (importing registers the tasks)
+    from gspo.tasks import TASKS, arithmetic, data, reasoning  # noqa: F401  (importing registers the tasks)
 
     missing = sorted(OmegaConf.missing_keys(cfg))
     if cfg.model.arch == "hf" and not cfg.model.path:

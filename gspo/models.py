@@ -30,7 +30,7 @@ from gspo.moe import is_moe
 transformers.utils.logging.disable_progress_bar()  # no per-load progress bars between our own lines
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-CACHE_VERSION = 2  # bump when warm-start code changes, so stale bases are rebuilt
+CACHE_VERSION = 3  # bump when warm-start code changes, so stale bases are rebuilt (3: canonical split, warm-start pool)
 
 
 def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
@@ -120,11 +120,11 @@ def base_model(cfg, task, log=print) -> Path:
     tokenizer = char_tokenizer(task.alphabet)
     model = build_model(cfg.model, len(tokenizer), tokenizer, seed=cfg.model.warm_start.seed)
     t0 = time.time()
-    warm_start(model, tokenizer, task, cfg.model.warm_start, log=log)
+    record = warm_start(model, tokenizer, task, cfg.model.warm_start, log=log)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "warm_start.json").write_text(json.dumps({"seconds": time.time() - t0, "steps": cfg.model.warm_start.steps}))
+    (tmp / "warm_start.json").write_text(json.dumps({"seconds": time.time() - t0, **record}))
     try:
         os.rename(tmp, target)
     except OSError:  # another job finished first: use its base
@@ -132,18 +132,33 @@ def base_model(cfg, task, log=print) -> Path:
     return target
 
 
-def warm_start(model, tokenizer, task, wcfg, log=print) -> None:
-    """Supervised steps on (prompt, reference answer + EOS); loss on the answer tokens only."""
+def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
+    """Supervised steps on (prompt, reference answer + EOS); loss on the answer tokens only.
+
+    The data: `wcfg.problems` fixed training problems drawn once and sampled in batches, or
+    (0) fresh training problems every step; never a held-out one. With `wcfg.target_accuracy`
+    > 0 it stops at the first check (every `wcfg.check_every` steps) where greedy accuracy on
+    200 fixed *training* problems reaches the target: a base of a known accuracy. Where the
+    accuracy stands after a fixed number of steps is chaotic (float rounding, which differs
+    with the thread count and the CPU's vector ISA, moves it by tens of points: docs/results.md),
+    so a fixed step count alone does not give the same base on two machines.
+
+    Returns what was done: {"steps", "train_accuracy" (at the last check, None without one)}.
+    """
+    record = {"steps": 0, "train_accuracy": None}
     if wcfg.steps <= 0:
-        return
+        return record
     rng = random.Random(wcfg.seed)
     torch.manual_seed(wcfg.seed)
+    pool = task.sample_train(rng, wcfg.problems) if wcfg.problems > 0 else None
+    check = _accuracy_check(model, tokenizer, task, wcfg) if wcfg.target_accuracy > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / wcfg.steps))
     moe_kwargs = {"output_router_logits": True} if is_moe(model) else {}
     model.train()
     for step in range(wcfg.steps):
-        problems = task.sample_train(rng, wcfg.batch_size)
+        problems = (task.sample_train(rng, wcfg.batch_size) if pool is None
+                    else rng.sample(pool, min(wcfg.batch_size, len(pool))))
         ids, labels = [], []
         for p in problems:
             prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
@@ -163,6 +178,27 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> None:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        record["steps"] = step + 1
         if step % 100 == 0 or step == wcfg.steps - 1:
             log(f"warm start {step + 1}/{wcfg.steps}: loss {out.loss.item():.3f}")
+        if check is not None and (step + 1) % wcfg.check_every == 0:
+            record["train_accuracy"] = check()
+            if record["train_accuracy"] >= wcfg.target_accuracy:
+                log(f"warm start {step + 1}/{wcfg.steps}: greedy accuracy on training problems "
+                    f"{record['train_accuracy']:.1%} >= target {wcfg.target_accuracy:.0%}: stopping")
+                break
     model.eval()
+    return record
+
+
+def _accuracy_check(model, tokenizer, task, wcfg, n: int = 200):
+    """A function returning greedy accuracy on `n` fixed training problems (never held-out ones)."""
+    from gspo.evaluate import evaluate
+
+    problems = task.sample_train(random.Random(f"warm-start-check-{wcfg.seed}"), n)
+    width = max(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in problems) + 1
+
+    def check() -> float:
+        return evaluate(model, tokenizer, task, problems, max_new_tokens=width)["eval/accuracy"]
+
+    return check

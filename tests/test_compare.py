@@ -110,7 +110,9 @@ def test_groups_by_algo_and_aggregates_seeds(tmp_path):
     assert grpo["collapsed"] == 0 and result.broken == [] and result.warnings == []
     assert result.out_dir == root / "compare"
     md = (root / "compare" / "compare.md").read_text()
-    assert "| grpo | 3 | 20 | 0.300±0.000 | 0.600±0.100 |" in md and "| — |" in md
+    # final acc 0.5, 0.6, 0.7: mean 0.6, s = 0.1, 95% CI 0.6 ± t(0.975, 2) · 0.1 / sqrt(3) = 0.6 ± 0.248
+    assert grpo["final_acc"].ci == pytest.approx(4.302652729749464 * 0.1 / math.sqrt(3))
+    assert "| grpo | 3 | 20 | 0.300±0.000 | 0.600 [0.352, 0.848] | 0.600 [0.352, 0.848] |" in md and "| — |" in md
     assert json.loads((root / "compare" / "compare.json").read_text())["rows"][1]["runs"] == 2
     # `--by algo` is `algo.name`
     assert [g.label for g in compare([root], by="algo.name", plot=False).groups] == ["grpo", "gspo"]
@@ -170,6 +172,27 @@ def test_collapse_flag():
     assert detect_collapse(series_run(rise + [0.8] * 45 + [0.0] * 5)) == (None, None)
 
 
+def test_short_noisy_runs_are_not_collapsed():
+    # 20 noisy steps around 0.4 (tiny batches), two low ones at the end: the old 2-step window
+    # flagged this run ("fell from 0.55 to 0.15 at step 15")
+    noisy = [0.4, 0.6, 0.2, 0.5, 0.3, 0.6, 0.2, 0.4, 0.7, 0.3, 0.5, 0.2, 0.6, 0.4, 0.3, 0.5, 0.2, 0.6, 0.1, 0.2]
+    assert detect_collapse(series_run(noisy)) == (None, None)
+    # window max(5, round(0.1 n)) = 5: runs under 15 steps are never judged by the moving average
+    assert detect_collapse(series_run([0.8] * 10 + [0.0] * 4)) == (None, None)
+    # ...but a clean collapse in 20 steps still counts: initial ma 0.68, peak 0.8, drop 0.5 * max(0.12, 0.4)
+    # = 0.2, level 0.6; the window ending at step 9 averages 0.65, the one ending at step 10 0.5 < 0.6
+    reason, step = detect_collapse(series_run([0.5, 0.6, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8] + [0.05] * 12))
+    assert "window 5" in reason and step == 10
+
+
+def test_reward_noise_by_hand():
+    from gspo.compare import reward_noise
+
+    # |diffs| = 0.2, 0.2, 0.2, 0.6 -> median 0.2 -> sigma = 0.2 / (0.6745 * sqrt 2)
+    assert reward_noise(np.array([0.1, 0.3, 0.1, 0.3, 0.9])) == pytest.approx(0.2 / (0.6745 * math.sqrt(2)))
+    assert reward_noise(np.array([0.5])) == 0.0
+
+
 def test_collapsed_runs_are_counted(tmp_path):
     root = tmp_path / "s"
     rise = list(np.linspace(0.2, 0.8, 10))
@@ -194,7 +217,10 @@ def test_broken_run_dirs_are_listed_and_skipped(tmp_path):
     write_run(root / "3", BASE_CFG)  # no metrics
     write_run(root / "4", BASE_CFG)
     (root / "4" / "metrics.jsonl").write_text("garbage\n{\"step\": 1}\n")
-    write_run(root / "5")  # .hydra only: job started, nothing else yet
+    write_run(root / "5")  # .hydra only: a resume's leftover (or a job refused before its run began): skipped quietly
+    (root / "5" / "hydra_app.log").write_text("")
+    write_run(root / "8")  # .hydra and something of ours, but no config or metrics: broken
+    (root / "8" / "samples.jsonl").write_text("")
     make_run(root / "6", "grpo", 1)
     with (root / "6" / "metrics.jsonl").open("a") as fh:
         fh.write('{"step": 21, "reward/m')  # cut short by a crash: ignored with a note
@@ -202,11 +228,12 @@ def test_broken_run_dirs_are_listed_and_skipped(tmp_path):
     runs, broken = load_runs([root])
     assert [r.path.name for r in runs] == ["0", "6"]
     reasons = {b.path.name: b.reason for b in broken}
-    assert set(reasons) == {"1", "2", "3", "4", "5"}
+    assert set(reasons) == {"1", "2", "3", "4", "8"}
     assert "empty" in reasons["1"] and "config.yaml" in reasons["2"] and "metrics.jsonl" in reasons["3"]
-    assert "line 1" in reasons["4"] and "not started" in reasons["5"]
+    assert "line 1" in reasons["4"] and "not started" in reasons["8"]
     result = compare([root], plot=False)
     assert len(result.broken) == 5 and result.rows[0]["runs"] == 2
+    assert not any("/5" in w for w in result.warnings)
     assert any("unreadable last line" in w for w in result.warnings)
     with pytest.raises(CompareError, match="does not exist"):
         compare([tmp_path / "nope"])
@@ -263,10 +290,12 @@ def test_figures_and_report(tmp_path):
     assert (out / "compare.md").exists() and "![comparison](compare.png)" in (out / "compare.md").read_text()
     from rich.console import Console
 
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=320)
     print_report(result, console)
     text = console.export_text()
     assert "grpo" in text and "gspo" in text and "collapsed" in text and "compare.png" in text
+    # brackets are text, not rich markup: the intervals and the legend survive
+    assert "final acc [95% CI]" in text and "[lo, hi]" in text and "0.575 [" in text
     # a single run dir works too, clip fractions all zero (symlog keeps 0 visible)
     single = make_run(tmp_path / "one", "gspo", 0, extra={"clip/frac": 0.0, "clip/frac_low": 0.0,
                                                          "clip/frac_high": 0.0})
@@ -289,7 +318,8 @@ def test_target_undefined_without_improvement(tmp_path):
     make_run(root / "1", "gspo", 0, acc={0: 0.5, 20: 0.5})
     result = compare([root], plot=False)
     assert result.target is None and "undefined" in result.target_note
-    assert "| grpo | 1 | 20 | 0.500 | 0.400 | 0.500 | — |" in result.table_path.read_text()
+    # best acc is the best *trained* accuracy: the step-0 base (0.5) does not count
+    assert "| grpo | 1 | 20 | 0.500 | 0.400 | 0.400 | — |" in result.table_path.read_text()
     # a group node stands for its name: `--by model` groups by model.name
     assert [g.label for g in compare([root], by="model", plot=False).groups] == ["model=tiny-moe"]
 
@@ -301,3 +331,42 @@ def test_groups_by_several_keys(tmp_path):
     result = compare([tmp_path], by="algo,moe.routing_replay", plot=False)
     assert sorted(g.label for g in result.groups) == [
         "grpo routing_replay=R2", "grpo routing_replay=none", "gspo routing_replay=none"]
+
+
+def test_best_acc_does_not_count_the_base(tmp_path):
+    make_run(tmp_path / "0", "grpo", 0, acc={0: 0.9, 10: 0.5, 20: 0.6})
+    make_run(tmp_path / "1", "grpo", 1, acc={0: 0.9})  # never evaluated after the base
+    row = compare([tmp_path], plot=False).rows[0]
+    assert row["best_acc"].values == (0.6,) and row["final_acc"].values == (0.6,)
+    assert row["base_acc"].mean == pytest.approx(0.9)
+
+
+def test_pairwise_against_a_baseline(tmp_path):
+    root = sweep(tmp_path)  # grpo finals 0.5, 0.6, 0.7; gspo finals 0.8, 0.9
+    result = compare([root], plot=False, baseline="grpo")
+    [pair] = result.pairwise
+    assert (pair.group, pair.baseline) == ("gspo", "grpo")
+    w = pair.stats["final_acc"]
+    # diff 0.85 - 0.6; va = 0.005/2, vb = 0.01/3; Welch df = (va + vb)^2 / (va^2/1 + vb^2/2)
+    va, vb = 0.005 / 2, 0.01 / 3
+    assert w.diff == pytest.approx(0.25) and w.df == pytest.approx((va + vb) ** 2 / (va**2 + vb**2 / 2))
+    assert (w.n_a, w.n_b) == (2, 3)
+    md = result.table_path.read_text()
+    assert "Against the baseline `grpo`" in md and f"| gspo | 2 / 3 | +0.250 [{w.low:+.3f}, {w.high:+.3f}] (df {w.df:.1f})" in md
+    saved = json.loads((root / "compare" / "compare.json").read_text())
+    assert saved["baseline"] == "grpo" and saved["pairwise"][0]["final_acc"]["diff"] == pytest.approx(0.25)
+    with pytest.raises(CompareError, match=r"--baseline grpoo: no such group.*grpo, gspo"):
+        compare([root], plot=False, baseline="grpoo")
+
+
+def test_compare_cli_baseline(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    root = sweep(tmp_path)
+    res = CliRunner().invoke(app, ["compare", str(root), "--baseline", "gspo"])
+    assert res.exit_code == 0, res.output
+    assert "against the baseline gspo" in res.output and "Welch" in res.output
+    res = CliRunner().invoke(app, ["compare", str(root), "--baseline", "nope"])
+    assert res.exit_code == 2 and "no such group" in res.output and "Traceback" not in res.output

@@ -1,8 +1,9 @@
 """Tasks with verifiable answers: prompt generators, reference solutions, verifiers.
 
 Every task splits its problem space into a training part and a held-out part by a
-stable hash of the problem, so training never samples a held-out problem, and the
-held-out evaluation set is the same for every run, seed and algorithm.
+stable hash of the problem's *canonical form* (`Task.canonical`: `12+34=` and `34+12=`
+are one problem), so training never samples a held-out problem or an equivalent of one,
+and the held-out evaluation set is the same for every run, seed and algorithm.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ class Task(Protocol):
     def sample_train(self, rng: random.Random, n: int) -> list[Problem]: ...
     def eval_set(self, n: int) -> list[Problem]: ...
     def verify(self, completion: str, problem: Problem) -> Verdict: ...
+    def canonical(self, problem: Problem) -> str: ...  # one key per class of equivalent problems
+
+
+def canonical(task: Task, problem: Problem) -> str:
+    """The key the held-out split hashes: the task's canonical form, or the prompt for a task without one."""
+    fn = getattr(task, "canonical", None)
+    return fn(problem) if fn is not None else problem.prompt
 
 
 def judge(task: Task, text: str, problem: Problem, ill_formed: bool = False) -> Verdict:
@@ -65,7 +73,7 @@ def register_task(name: str) -> Callable:
 
 def build_task(cfg) -> Task:
     """Build the task named by `cfg.name` from its config node."""
-    from gspo.tasks import arithmetic, data  # noqa: F401  (registers the tasks)
+    from gspo.tasks import arithmetic, data, reasoning  # noqa: F401  (registers the tasks)
 
     if cfg.name not in TASKS:
         raise ConfigError(f"task={cfg.name}: no such task. Valid: {', '.join(sorted(TASKS))}")

@@ -17,18 +17,25 @@ EVAL_SEED = 12345  # the held-out set is the same for every run
 
 
 class _HeldOutSplit:
-    """Rejection-samples problems from the training or the held-out part of the space."""
+    """Rejection-samples problems from the training or the held-out part of the space.
+
+    Membership is decided on `canonical(problem)`, so two prompts that state the same problem
+    (`12+34=`, `34+12=`) are always on the same side, and the eval set holds each problem once.
+    """
 
     eval_fraction: float
 
     def _draw(self, rng: random.Random) -> Problem:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def canonical(self, problem: Problem) -> str:
+        return problem.prompt
+
     def sample_train(self, rng: random.Random, n: int) -> list[Problem]:
         out: list[Problem] = []
         while len(out) < n:
             p = self._draw(rng)
-            if not is_heldout(p.prompt, self.eval_fraction):
+            if not is_heldout(self.canonical(p), self.eval_fraction):
                 out.append(p)
         return out
 
@@ -36,8 +43,9 @@ class _HeldOutSplit:
         rng, out, seen = random.Random(EVAL_SEED), [], set()
         for _ in range(200 * n):
             p = self._draw(rng)
-            if p.prompt not in seen and is_heldout(p.prompt, self.eval_fraction):
-                seen.add(p.prompt)
+            key = self.canonical(p)
+            if key not in seen and is_heldout(key, self.eval_fraction):
+                seen.add(key)
                 out.append(p)
                 if len(out) == n:
                     break
@@ -59,6 +67,11 @@ class Addition(_HeldOutSplit):
         hi = 10**self.digits - 1
         a, b = rng.randint(0, hi), rng.randint(0, hi)
         return Problem(f"{a}+{b}=", str(a + b))
+
+    def canonical(self, problem: Problem) -> str:
+        """a+b and b+a are one problem: the operands as numbers, sorted."""
+        a, b = sorted(int(x) for x in problem.prompt.rstrip("=").split("+"))
+        return f"{a}+{b}"
 
     def verify(self, completion: str, problem: Problem) -> Verdict:
         text = completion.strip()
@@ -123,6 +136,12 @@ class Countdown(_HeldOutSplit):
             if value.denominator == 1 and 0 <= value <= 99:
                 prompt = ",".join(map(str, sorted(nums))) + f"={int(value)}:"
                 return Problem(prompt, expr, {"nums": sorted(nums), "target": int(value)})
+
+    def canonical(self, problem: Problem) -> str:
+        """One problem per number multiset and target, whatever order the numbers are written in
+        (the prompt's own form, which lists them sorted)."""
+        nums, target = problem.prompt.rstrip(":").split("=")
+        return ",".join(map(str, sorted(int(n) for n in nums.split(",")))) + f"={int(target)}:"
 
     def verify(self, completion: str, problem: Problem) -> Verdict:
         text = completion.strip()

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# GRPO vs GSPO on long completions, on a tiny MoE and on its dense control (docs/results.md).
+#
+#   moe_long:   GRPO, GRPO + Routing Replay R2, GRPO + R3, GSPO
+#   dense_long: GRPO, GSPO
+#   x SEEDS seeds each (default 3), KL off for every algorithm (algo.beta=0), so the runs
+#   differ in ratio, clip and routing replay only; then `gspo compare` on each setting, with
+#   plain GRPO as the baseline of the pairwise comparison.
+#
+# JOBS single-thread runs at a time (default 2: one per core of a 2-core machine). Each run
+# has a fixed directory, OUT/<experiment>/<algo>/seed<k>; a rerun skips the runs whose
+# summary.json says "status": "finished" and starts the others afresh, so the study can be
+# finished in several sittings (Ctrl-C, then run the same command again).
+#
+#   bash scripts/study_moe_long.sh                                  # the study (about 2 h on 2 cores)
+#   SEEDS=5 bash scripts/study_moe_long.sh                          # more seeds (finished runs are kept)
+#   OUT=outputs/study_smoke SEEDS=1 EXTRA="train.steps=3 eval.every=0 task.eval_size=20" \
+#       bash scripts/study_moe_long.sh                              # a smoke test: minutes
+set -euo pipefail
+OUT=${OUT:-outputs/study_moe_long}
+SEEDS=${SEEDS:-3}
+JOBS=${JOBS:-2}
+EXTRA=${EXTRA:-}  # more overrides for every run (e.g. train.steps=3)
+GSPO=${GSPO:-gspo}  # the command (e.g. "python -m cli.main" in a source checkout)
+
+# experiment, algo, routing replay, directory name
+CELLS=(
+  "moe_long grpo none grpo"
+  "moe_long grpo R2 grpo_R2"
+  "moe_long grpo R3 grpo_R3"
+  "moe_long gspo none gspo"
+  "dense_long grpo none grpo"
+  "dense_long gspo none gspo"
+)
+
+finished() {  # finished RUN_DIR: exit 0 when the run's summary says it finished
+  python - "$1/summary.json" <<'EOF'
+import json, sys
+try:
+    sys.exit(0 if json.load(open(sys.argv[1])).get("status") == "finished" else 1)
+except (OSError, ValueError):
+    sys.exit(1)
+EOF
+}
+
+run_one() {  # run_one EXPERIMENT ALGO REPLAY NAME SEED
+  local exp=$1 algo=$2 replay=$3 name=$4 seed=$5
+  local dir="$OUT/$exp/$name/seed$seed" log="$OUT/logs/$exp-$name-seed$seed.log"
+  if finished "$dir"; then
+    echo "skip  $exp $name seed $seed (finished)"
+    return 0
+  fi
+  rm -rf "$dir"  # unfinished: start it again from scratch
+  echo "start $exp $name seed $seed"
+  # shellcheck disable=SC2086  # EXTRA and GSPO are word lists
+  if $GSPO train "+experiment=$exp" "algo=$algo" "moe.routing_replay=$replay" "seed=$seed" algo.beta=0 \
+      hardware.threads=1 logger.progress=false "hydra.run.dir=$dir" $EXTRA >"$log" 2>&1; then
+    echo "done  $exp $name seed $seed: $(grep -h 'held-out accuracy' "$log" || true)"
+  else
+    echo "FAILED $exp $name seed $seed (exit $?): see $log"
+  fi
+}
+export -f finished run_one
+export OUT EXTRA GSPO
+
+mkdir -p "$OUT/logs"
+start=$(date +%s)
+# The warm-started bases first, one per experiment (in parallel, one thread each like the runs:
+# the thread count changes float rounding, hence the base), so the runs never race to build them.
+# shellcheck disable=SC2086
+printf '%s\n' moe_long dense_long | xargs -P "$JOBS" -I{} python -c \
+  'import sys, torch; from gspo.config import compose; from gspo.models import base_model; from gspo.tasks import build_task
+torch.set_num_threads(1); c = compose(sys.argv[1:]); print("base:", base_model(c, build_task(c.task), log=lambda m: None))' \
+  "+experiment={}" $EXTRA
+for cell in "${CELLS[@]}"; do
+  for ((seed = 0; seed < SEEDS; seed++)); do
+    echo "$cell $seed"
+  done
+done | xargs -P "$JOBS" -L1 bash -c 'run_one "$@"' _
+wall=$(( $(date +%s) - start ))
+echo "study wall time: ${wall} s ($JOBS jobs at a time)" | tee -a "$OUT/wall_time.txt"
+
+$GSPO compare "$OUT/moe_long" --by algo,moe.routing_replay --baseline "grpo routing_replay=none" --out "$OUT/compare_moe"
+$GSPO compare "$OUT/dense_long" --by algo --baseline grpo --out "$OUT/compare_dense"

@@ -1,0 +1,72 @@
+"""Experiment presets (conf/experiment/*.yaml) and presets that must fit the task's lengths."""
+
+import random
+import statistics
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from gspo.config import compose, group_options
+from gspo.shaping import overlong_penalty
+from gspo.tasks import build_task
+
+runner = CliRunner()
+
+
+def test_experiments_compose_and_differ_only_in_the_model():
+    assert {"moe_long", "dense_long"} <= set(group_options("experiment"))
+    moe, dense = compose(["+experiment=moe_long"]), compose(["+experiment=dense_long"])
+    assert moe.model.arch == "qwen3_moe" and dense.model.arch == "qwen3"
+    # the dense control's MLP is as wide as the MoE's active experts: similar active parameters per token
+    assert dense.model.intermediate_size == moe.model.top_k * moe.model.moe_intermediate_size
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        assert dense.model[key] == moe.model[key], key
+    for group in ("task", "rollout", "train", "eval", "reward"):
+        assert dense[group] == moe[group], group
+    assert dense.model.warm_start == moe.model.warm_start
+    # command-line keys still win over the preset
+    assert compose(["+experiment=moe_long", "algo=grpo", "train.steps=7"]).train.steps == 7
+
+
+@pytest.mark.parametrize("experiment", ["moe_long", "dense_long"])
+def test_experiment_completions_are_long_and_fit_the_cap(experiment):
+    cfg = compose([f"+experiment={experiment}"])
+    task = build_task(cfg.task)
+    lengths = [len(p.answer) + 1 for p in task.sample_train(random.Random(0), 2000) + task.eval_set(200)]
+    assert statistics.median(lengths) >= 32  # one token per character, + EOS
+    assert max(lengths) <= cfg.rollout.max_new_tokens
+
+
+def _error(args):
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+    return res.output
+
+
+def test_unknown_experiment_is_one_line_listing_the_presets():
+    out = _error(["train", "+experiment=moe_lonf"])
+    assert "+experiment=moe_lonf" in out and "moe_long" in out and "dense_long" in out
+    out = _error(["train", "experiment=moe_long"])  # without the +: say how
+    assert "+experiment=moe_long" in out
+
+
+@pytest.mark.parametrize("overrides", [[], ["+experiment=moe_long"], ["+experiment=dense_long"]])
+def test_dapo_never_penalises_a_correct_answer_for_length(overrides):
+    # a correct answer, at most as long as the longest reference (+ EOS), gets no overlong penalty
+    cfg = compose(["algo=dapo", *overrides])
+    task = build_task(cfg.task)
+    longest = max(len(p.answer) + 1 for p in task.sample_train(random.Random(0), 5000))
+    if cfg.task.name == "addition":
+        assert longest == cfg.task.digits + 2  # 99+99 = 198: 3 digits and EOS
+    pen = overlong_penalty(torch.tensor([longest]), cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
+                           cfg.algo.overlong_penalty)
+    assert pen.tolist() == [0.0]
+    assert cfg.algo.overlong_buffer >= 1  # and the punishment is on
+
+
+def test_help_lists_the_experiments():
+    res = runner.invoke(app, ["train", "--help"])
+    assert res.exit_code == 0 and "+experiment=" in res.output and "moe_long" in res.output

@@ -1,0 +1,59 @@
+"""The warm start: its data (fresh problems or a fixed pool) and its stop at a target accuracy."""
+
+import random
+
+from omegaconf import OmegaConf
+
+from gspo.config import ModelConfig, WarmStartConfig
+from gspo.models import build_model, char_tokenizer, warm_start
+from gspo.tasks import Problem, Verdict
+
+
+class Echo:
+    """`d=` -> `d`: learnable in a few dozen steps. Counts the problems it hands out."""
+
+    name, alphabet = "echo", "0123456789="
+
+    def __init__(self):
+        self.drawn = 0
+
+    def sample_train(self, rng, n):
+        self.drawn += n
+        return [Problem(f"{d}=", str(d)) for d in (rng.randint(0, 9) for _ in range(n))]
+
+    def verify(self, completion, problem):
+        return Verdict(completion.strip() == problem.answer, completion.strip().isdigit())
+
+
+def tiny_model(tok):
+    mcfg = OmegaConf.structured(ModelConfig(name="t", arch="qwen3", hidden_size=32, num_heads=2, num_kv_heads=1,
+                                            head_dim=16, intermediate_size=64, num_layers=1))
+    return build_model(mcfg, len(tok), tok, seed=0)
+
+
+def wcfg(**kw):
+    return OmegaConf.structured(WarmStartConfig(batch_size=16, **kw))
+
+
+def test_warm_start_stops_at_the_target_accuracy():
+    task = Echo()
+    tok = char_tokenizer(task.alphabet)
+    record = warm_start(tiny_model(tok), tok, task, wcfg(steps=400, lr=1e-2, target_accuracy=0.9, check_every=10),
+                        log=lambda m: None)
+    assert record["train_accuracy"] >= 0.9
+    assert record["steps"] < 400 and record["steps"] % 10 == 0  # stopped at a check, well before the cap
+
+
+def test_without_a_target_it_runs_every_step_and_never_checks():
+    task = Echo()
+    tok = char_tokenizer(task.alphabet)
+    record = warm_start(tiny_model(tok), tok, task, wcfg(steps=12, lr=1e-2, target_accuracy=0.0), log=lambda m: None)
+    assert record == {"steps": 12, "train_accuracy": None}
+    assert task.drawn == 12 * 16  # fresh problems every step
+
+
+def test_a_fixed_pool_is_drawn_once():
+    task = Echo()
+    tok = char_tokenizer(task.alphabet)
+    warm_start(tiny_model(tok), tok, task, wcfg(steps=12, lr=1e-2, problems=40, target_accuracy=0.0), log=lambda m: None)
+    assert task.drawn == 40
