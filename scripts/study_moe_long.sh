@@ -3,14 +3,18 @@
 #
 #   moe_long:   GRPO, GRPO + Routing Replay R2, GRPO + R3, GSPO
 #   dense_long: GRPO, GSPO
-#   x SEEDS seeds each (default 3), KL off for every algorithm (algo.beta=0), so the runs
+#   x SEEDS seeds each (default 5), KL off for every algorithm (algo.beta=0), so the runs
 #   differ in ratio, clip and routing replay only; then `gspo compare` on each setting, with
-#   plain GRPO as the baseline of the pairwise comparison.
+#   plain GRPO as the baseline of the pairwise comparison. Every run recomputes the old
+#   policy's log-probs (rollout.old_logprobs=recompute): then R2 replays that pass's routing and
+#   R3 the sampler's, as the GSPO paper defines them (with the sampler's log-probs as the old
+#   policy's there is no old-policy pass, and R2 and R3 would replay the same routing).
 #
 # JOBS single-thread runs at a time (default 2: one per core of a 2-core machine). Each run
 # has a fixed directory, OUT/<experiment>/<algo>/seed<k>; a rerun skips the runs whose
-# summary.json says "status": "finished" and starts the others afresh, so the study can be
-# finished in several sittings (Ctrl-C, then run the same command again).
+# summary.json says "status": "finished", resumes the others from their last checkpoint (or
+# starts them afresh), so the study can be finished in several sittings (Ctrl-C, then run the
+# same command again).
 #
 #   bash scripts/study_moe_long.sh                                  # the study (about 2 h on 2 cores)
 #   SEEDS=5 bash scripts/study_moe_long.sh                          # more seeds (finished runs are kept)
@@ -18,7 +22,7 @@
 #       bash scripts/study_moe_long.sh                              # a smoke test: minutes
 set -euo pipefail
 OUT=${OUT:-outputs/study_moe_long}
-SEEDS=${SEEDS:-3}
+SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-2}
 EXTRA=${EXTRA:-}  # more overrides for every run (e.g. train.steps=3)
 GSPO=${GSPO:-gspo}  # the command (e.g. "python -m cli.main" in a source checkout)
@@ -50,11 +54,17 @@ run_one() {  # run_one EXPERIMENT ALGO REPLAY NAME SEED
     echo "skip  $exp $name seed $seed (finished)"
     return 0
   fi
-  rm -rf "$dir"  # unfinished: start it again from scratch
-  echo "start $exp $name seed $seed"
+  local cmd=(train "+experiment=$exp" "algo=$algo" "moe.routing_replay=$replay" "seed=$seed" algo.beta=0
+             rollout.old_logprobs=recompute hardware.threads=1 logger.progress=false "hydra.run.dir=$dir")
+  if compgen -G "$dir/checkpoints/step_*/trainer_state.pt" >/dev/null; then
+    echo "resume $exp $name seed $seed"
+    cmd=(train "resume=$dir")  # the run's own config: continues after its last checkpoint
+  else
+    rm -rf "$dir"  # no checkpoint yet: start it again from scratch
+    echo "start $exp $name seed $seed"
+  fi
   # shellcheck disable=SC2086  # EXTRA and GSPO are word lists
-  if $GSPO train "+experiment=$exp" "algo=$algo" "moe.routing_replay=$replay" "seed=$seed" algo.beta=0 \
-      hardware.threads=1 logger.progress=false "hydra.run.dir=$dir" $EXTRA >"$log" 2>&1; then
+  if $GSPO "${cmd[@]}" $EXTRA >>"$log" 2>&1; then
     echo "done  $exp $name seed $seed: $(grep -h 'held-out accuracy' "$log" || true)"
   else
     echo "FAILED $exp $name seed $seed (exit $?): see $log"
