@@ -17,8 +17,9 @@ from omegaconf import OmegaConf
 
 from hydra.errors import HydraException
 
-from gspo.config import (GROUPS, _explain, check_machine, compose, group_options, load_run_config,
-                         resume_overrides, resume_target, sweep_combinations)
+from gspo.checks import check_machine
+from gspo.config import (GROUPS, _explain, compose, group_options, load_run_config, resume_overrides, resume_target,
+                         sweep_combinations)
 from gspo.errors import ConfigError, ReportedError
 
 

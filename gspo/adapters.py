@@ -42,7 +42,7 @@ def _names_router(target: str) -> bool:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.config.check`): model.lora.* values."""
+    """Before any work (`gspo.checks.check`): model.lora.* values."""
     lora = cfg.model.lora
     if lora.r < 0:
         raise ConfigError(f"model.lora.r={lora.r}: the LoRA rank must be >= 0 (0 = off, full fine-tuning)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -249,6 +249,8 @@ def compose(overrides: list[str] = ()) -> Any:
         raise ConfigError(_explain(e)) from None
     finally:
         GlobalHydra.instance().clear()
+    from gspo.checks import check
+
     check(cfg)
     return cfg
 
@@ -278,6 +280,8 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides if o not in swaps]))
     except Exception as e:  # an unknown key or a wrong type: the one line that names it
         raise ConfigError(_explain(e)) from None
+    from gspo.checks import check
+
     check(cfg)
     return cfg
 
@@ -376,185 +380,6 @@ def _valid_keys(parent: str) -> str:
                   "hardware": HardwareConfig, "logger": LoggerConfig}.get(parent)
         keys = sorted(OmegaConf.structured(schema).keys()) if schema else []
     return f" Valid keys under '{parent or 'the top level'}': {', '.join(keys)}" if keys else ""
-
-
-# --------------------------------------------------------------------------- checks
-# Everything that can be refused before work starts is refused here, in one line naming the
-# key, the value and what is allowed. `check` needs only the config; `check_machine` also asks
-# this machine (a config may be composed here and trained elsewhere).
-
-CHOICES = {
-    "moe.routing_replay": ("none", "R2", "R3"),
-    "rollout.old_logprobs": ("auto", "sampler", "recompute"),
-    "rollout.tis": ("none", "token", "sequence"),
-    "hardware.device": ("cpu", "cuda", "auto"),
-    "hardware.dtype": ("float32", "bfloat16", "float16"),
-    "hardware.strategy": ("none", "ddp", "fsdp"),
-    "hardware.backend": ("gloo", "nccl"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.agg": (None, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
-    "model.arch": ("qwen3", "qwen3_moe", "hf"),
-    "logger.wandb_cfg.mode": ("online", "offline", "disabled"),
-}
-
-
-def _at_least(lo: float) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v >= lo), f">= {lo}"
-
-
-def _above(lo: float) -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: v > lo), f"> {lo}"
-
-
-def _within(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> tuple[Callable[[Any], bool], str]:
-    ok = lambda v: (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)  # noqa: E731
-    return ok, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-
-
-# key -> (accepts the value, what is allowed, why). None values (optional keys) are not checked.
-# Comparisons refuse NaN by themselves.
-RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "rollout.group_size": (*_at_least(2), "group-relative advantages compare the completions of one prompt"),
-    "rollout.prompts_per_step": (*_at_least(1), ""),
-    "rollout.max_new_tokens": (*_at_least(1), ""),
-    "rollout.temperature": (*_above(0), "greedy training is not defined: the log-probs are those of logits / temperature"),
-    "rollout.top_p": (*_within(0, 1, lo_open=True), "1 = no nucleus truncation"),
-    "train.steps": (*_at_least(1), "0 steps is nothing to do"),
-    "train.minibatches": (*_at_least(1), ""),
-    "train.lr": (*_at_least(0), ""),
-    "train.weight_decay": (*_at_least(0), ""),
-    "train.grad_clip": (*_above(0), "it is the largest gradient norm an update may have"),
-    "train.warmup_steps": (*_at_least(0), ""),
-    "train.checkpoint_every": (*_at_least(1), "a checkpoint every N steps; one is always saved at the end"),
-    "eval.every": (*_at_least(0), "0 = only at the start and the end"),
-    "eval.pass_k": (*_at_least(0), "0 = off"),
-    "task.eval_fraction": (*_within(0, 1, lo_open=True, hi_open=True), "the share of problems held out of training"),
-    "task.eval_size": (*_at_least(1), ""),
-    "task.digits": (*_at_least(1), ""),
-    "task.num_operands": (*_at_least(2), ""),
-    "task.max_operand": (*_at_least(1), ""),
-    "algo.eps_low": (*_at_least(0), ""),
-    "algo.eps_high": (*_at_least(0), ""),
-    "algo.clip_ratio_c": (*_above(1), "the dual-clip bound lies above the clip range"),
-    "algo.beta": (*_at_least(0), "0 = no KL term"),
-    "algo.tau_pos": (*_above(0), ""),
-    "algo.tau_neg": (*_above(0), ""),
-    "algo.router_shift_floor": (*_within(0, 1), ""),
-    "algo.max_sample_batches": (*_at_least(1), ""),
-    "algo.overlong_buffer": (*_at_least(0), "0 = off"),
-    "algo.overlong_penalty": (*_at_least(0), ""),
-    "model.hidden_size": (*_at_least(1), ""),
-    "model.num_layers": (*_at_least(1), ""),
-    "model.num_heads": (*_at_least(1), ""),
-    "model.num_kv_heads": (*_at_least(1), ""),
-    "model.head_dim": (*_at_least(1), ""),
-    "model.intermediate_size": (*_at_least(1), ""),
-    "model.num_experts": (*_at_least(1), ""),
-    "model.top_k": (*_at_least(1), ""),
-    "model.moe_intermediate_size": (*_at_least(1), ""),
-    "model.router_aux_loss_coef": (*_at_least(0), "0 = off"),
-    "model.warm_start.steps": (*_at_least(0), "0 = no warm start"),
-    "model.warm_start.lr": (*_above(0), ""),
-    "model.warm_start.batch_size": (*_at_least(1), ""),
-    "hardware.nproc": (*_at_least(1), ""),
-    "hardware.threads": (*_at_least(0), "0 = torch's default"),
-    "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
-}
-
-TINY_MAX_POSITIONS = 256  # positions of the models built from config (gspo.models.build_model)
-
-
-def _max_positions(cfg: Any) -> Optional[int]:
-    """The positions the model has room for: prompt and completion must fit."""
-    if cfg.model.arch != "hf":
-        return TINY_MAX_POSITIONS
-    import json
-
-    try:
-        conf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return conf.get("max_position_embeddings") or (conf.get("text_config") or {}).get("max_position_embeddings")
-
-
-def _cross_checks(cfg: Any) -> Optional[str]:
-    """Limits that depend on another key: the first one broken, as a message, or None."""
-    r, m = cfg.rollout, cfg.model
-    batch = r.prompts_per_step * r.group_size
-    if cfg.train.minibatches > batch:
-        return (f"train.minibatches={cfg.train.minibatches}: must be at most the rollout batch, "
-                f"rollout.prompts_per_step x rollout.group_size = {batch} completions")
-    if cfg.algo.overlong_buffer > r.max_new_tokens:
-        return (f"algo.overlong_buffer={cfg.algo.overlong_buffer}: must be at most rollout.max_new_tokens="
-                f"{r.max_new_tokens} (the punishment starts max_new_tokens - overlong_buffer tokens in)")
-    positions = _max_positions(cfg)
-    if positions and r.max_new_tokens >= positions:
-        return (f"rollout.max_new_tokens={r.max_new_tokens}: must be below the model's {positions} positions "
-                "(max_position_embeddings), which the prompt shares")
-    if m.arch == "qwen3_moe" and m.top_k > m.num_experts:
-        return f"model.top_k={m.top_k}: must be at most model.num_experts={m.num_experts}"
-    if m.arch != "hf" and m.num_heads % m.num_kv_heads:
-        return f"model.num_heads={m.num_heads}: must be a multiple of model.num_kv_heads={m.num_kv_heads}"
-    return None
-
-
-def check(cfg: Any) -> None:
-    """Refuse, with one line naming key, value and what is allowed, a config that cannot train.
-
-    Registry names, enumerations, ranges (RULES), limits between keys, required paths.
-    Machine-independent: `check_machine` asks this machine.
-    """
-    from omegaconf import OmegaConf
-
-    from gspo.advantages import ADVANTAGES
-    from gspo.losses import LOSSES
-    from gspo.rewards import PYTHON, REWARDS
-    from gspo.tasks import TASKS, arithmetic, data, reasoning  # noqa: F401  (importing registers the tasks)
-
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if cfg.model.arch == "hf" and not cfg.model.path:
-        raise ConfigError("model=hf needs model.path=DIR: a local Hugging Face checkpoint directory")
-    if missing:
-        raise ConfigError(f"missing required value(s): {', '.join(missing)} (set them as KEY=VALUE)")
-    for key, valid in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in valid:
-            raise ConfigError(f"{key}={value}: must be one of {', '.join(map(str, valid))}")
-    for key, registry in (("algo.loss", LOSSES), ("algo.advantage", ADVANTAGES), ("task.name", TASKS),
-                          ("reward.name", [*REWARDS, PYTHON])):
-        if OmegaConf.select(cfg, key) not in registry:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be one of {', '.join(sorted(registry))}")
-    for key, (ok, allowed, why) in RULES.items():
-        value = OmegaConf.select(cfg, key)
-        if value is not None and not ok(value):
-            raise ConfigError(f"{key}={value}: must be {allowed}" + (f" ({why})" if why else ""))
-    if cfg.model.arch == "hf" and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path={cfg.model.path}: not a Hugging Face checkpoint directory (no config.json)")
-    from gspo import adapters, rewards
-    from gspo.tasks import data
-
-    adapters.check(cfg)  # model.lora.*
-    data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
-    rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
-    if cfg.rollout.tis != "none" and cfg.rollout.old_logprobs != "recompute" and (
-            cfg.rollout.old_logprobs == "sampler" or cfg.hardware.dtype == "float32"):
-        raise ConfigError(f"rollout.tis={cfg.rollout.tis} corrects the sampler/trainer mismatch, which exists only when the "
-                          "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
-    problem = _cross_checks(cfg)
-    if problem:
-        raise ConfigError(problem)
-    if cfg.resume and not (Path(cfg.resume) / "config.yaml").is_file():
-        raise ConfigError(f"resume={cfg.resume}: not a gspo run directory (no config.yaml there)")
-
-
-def check_machine(cfg: Any) -> None:
-    """Refuse a config this machine cannot run (before `gspo train` starts work here)."""
-    import torch
-
-    hw = cfg.hardware
-    if hw.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"hardware.device=cuda (hardware={hw.name}): no CUDA device is visible on this machine; "
-                          "use hardware=cpu, or hardware=cpu-ddp for several processes")
 
 
 # --------------------------------------------------------------------------- resume

@@ -23,13 +23,13 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from gspo.config import TINY_MAX_POSITIONS
 from gspo.errors import ConfigError
 from gspo.moe import is_moe
 
 transformers.utils.logging.disable_progress_bar()  # no per-load progress bars between our own lines
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+TINY_MAX_POSITIONS = 256  # positions of the models built from config (checked by gspo.checks)
 CACHE_VERSION = 3  # bump when warm-start code changes, so stale bases are rebuilt (3: canonical split, warm-start pool)
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from gspo.compare import ACC, CLIP, CLIP_HIGH, CLIP_LOW, ENTROPY, KL_OLD, KL_REF, LENGTH, REWARD, ROUTING, Group
+from gspo.runs import ACC, CLIP, CLIP_HIGH, CLIP_LOW, ENTROPY, KL_OLD, KL_REF, LENGTH, REWARD, ROUTING
+
+if TYPE_CHECKING:  # compare imports this module (for the figure), not the other way round
+    from gspo.compare import Group
 
 
 PANELS = [  # title, [(metric, line style)], y scale
@@ -23,7 +26,7 @@ PANELS = [  # title, [(metric, line style)], y scale
 ]
 
 
-def plot_groups(groups: Sequence[Group], out_dir: Path, stem: str = "compare") -> list[Path]:
+def plot_groups(groups: Sequence["Group"], out_dir: Path, stem: str = "compare") -> list[Path]:
     """One panel per metric present; mean ± std band per group, each seed faint."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 

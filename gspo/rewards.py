@@ -159,7 +159,7 @@ def user_fns(cfg) -> tuple[list[UserFn], list[float]]:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.config.check`): reward=python's files import and its functions exist."""
+    """Before any work (`gspo.checks.check`): reward=python's files import and its functions exist."""
     if cfg.reward.name == PYTHON:
         user_fns(cfg.reward)
     elif cfg.reward.name not in REWARDS:

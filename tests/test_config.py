@@ -215,7 +215,7 @@ def test_a_saved_run_config_refuses_unknown_keys(tmp_path):
 def test_cuda_is_checked_against_the_machine(monkeypatch):
     import torch
 
-    from gspo.config import check_machine
+    from gspo.checks import check_machine
 
     cfg = compose(["hardware=gpu"])  # composing for another machine is fine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

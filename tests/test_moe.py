@@ -331,3 +331,29 @@ def test_metrics_on_real_capture_after_update():
                     torch.ones(B, T), num_experts=E)
     assert 0 < m["moe/routing_volatility"] <= 1 and 0 < m["moe/router_shift"] < 1
     assert 0 < m["moe/expert_load_entropy"] <= 1
+
+
+def test_the_loops_moe_component_is_a_no_op_on_a_dense_model():
+    """The loop calls MoEStep at fixed points whatever the model; for a dense one nothing happens."""
+    from omegaconf import OmegaConf
+
+    from gspo.config import ModelConfig, compose
+    from gspo.models import build_model, char_tokenizer
+    from gspo.moe_step import MoEStep
+    from gspo.rollout import generate, token_logprobs
+
+    TOK = char_tokenizer("0123456789+=")
+    model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "d", "arch": "qwen3"}),
+                        len(TOK), TOK, 0)
+    step = MoEStep.for_model(model, compose(["model=qwen3-tiny"]), dist=None, old_pass=True)
+    assert type(step) is MoEStep and step.sample_kwargs() == {}
+    r = generate(model, TOK, ["1+2="], 2, 4, generator=[torch.Generator().manual_seed(0)])
+    hooks = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())  # noqa: E731
+    with step.old_pass(model, r):
+        assert hooks() == 0
+        old = token_logprobs(model, r)[0]
+    with step.minibatch(model, r, torch.arange(2)) as mb:
+        assert hooks() == 0
+        assert mb.router_shift(r) is None and mb.aux_loss(r) == 0.0 and mb.stats() == {}
+    assert step.end_step(model, r, 1) == {} and hooks() == 0
+    torch.testing.assert_close(token_logprobs(model, r)[0], old)

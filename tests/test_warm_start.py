@@ -1,6 +1,5 @@
 """The warm start: its data (fresh problems or a fixed pool) and its stop at a target accuracy."""
 
-import random
 
 from omegaconf import OmegaConf
 

@@ -247,7 +247,7 @@ def _has_chat_template(model_dir: str) -> bool:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.config.check`): the file reads, has rows and the columns, and the model can render it."""
+    """Before any work (`gspo.checks.check`): the file reads, has rows and the columns, and the model can render it."""
     if cfg.task.name not in ("data", "jsonl"):
         return
     task = DataTask(cfg.task)

@@ -1,0 +1,197 @@
+"""Reading run directories: what `gspo compare` (and any script) needs from a run on disk.
+
+A run directory holds config.yaml, metrics.jsonl (one JSON object per step) and, once it
+has taken a step, summary.json. `load_runs(paths)` finds them at or under each path (a
+sweep directory, outputs/) and reads each into a `Run`; what cannot be read becomes a
+`BrokenRun` with the reason. The metric names the comparison looks at are here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from gspo.errors import ConfigError
+
+REWARD, LOSS, ACC = "reward/mean", "train/loss", "eval/accuracy"
+CLIP, CLIP_LOW, CLIP_HIGH = "clip/frac", "clip/frac_low", "clip/frac_high"
+KL_REF, KL_OLD, ENTROPY = "kl/ref", "kl/old", "policy/entropy"
+LENGTH, ROUTING, STEP_S = "response/len_mean", "moe/routing_volatility", "time/step_s"
+RATIO_MAX = "policy/ratio_max"
+SKIP_DIRS = {"wandb", "checkpoints", "__pycache__"}
+_MISSING = "<missing>"
+
+
+class CompareError(ConfigError):
+    """Nothing to compare (bad path, no readable run): the CLI exits with code 2."""
+
+
+class _Broken(Exception):
+    pass
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    metrics: dict[str, tuple[np.ndarray, np.ndarray]]  # key -> (steps, values), by step
+    summary: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    collapse: str | None = None  # why the run counts as collapsed; None = it did not
+    collapse_step: int | None = None
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        empty = np.zeros(0)
+        return self.metrics.get(key, (empty, empty))
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get("seed")
+
+    @property
+    def last_step(self) -> int:
+        return max((int(s[-1]) for s, _ in self.metrics.values() if len(s)), default=0)
+
+    @property
+    def partial(self) -> bool:
+        planned = lookup(self.config, "train.steps")
+        finished = (self.summary or {}).get("status") == "finished"
+        return not finished and isinstance(planned, int) and self.last_step < planned
+
+
+@dataclass
+class BrokenRun:
+    path: Path
+    reason: str
+
+
+def lookup(config: dict, dotted: str) -> Any:
+    """config["a"]["b"] for "a.b"; a group node stands for its `name`; _MISSING if absent."""
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node.get("name", _MISSING) if isinstance(node, dict) else node
+
+
+def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = tuple(value) if isinstance(value, list) else value
+    return flat
+
+
+def _read_metrics(path: Path) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], list[str]]:
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
+        raise _Broken("metrics.jsonl is empty (no step logged yet)")
+    records: dict[int, dict] = {}
+    notes = []
+    for idx, (lineno, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            if idx == len(lines) - 1 and idx > 0:  # cut short by a crash mid-write
+                notes.append(f"{path}: ignored unreadable last line {lineno}")
+                continue
+            raise _Broken(f"metrics.jsonl line {lineno} is not a JSON object with a step ({e})") from None
+        records.setdefault(step, {}).update(record)  # duplicate steps: the later line wins
+    series: dict[str, tuple[list, list]] = {}
+    for step in sorted(records):
+        for key, value in records[step].items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                series.setdefault(key, ([], []))
+                series[key][0].append(step)
+                series[key][1].append(float(value))
+    return {k: (np.asarray(s), np.asarray(v, dtype=float)) for k, (s, v) in series.items()}, notes
+
+
+class _HydraOnly(Exception):
+    """Only Hydra's own files (`.hydra/`, `*.log`): a resume's or a refused job's directory, not a run."""
+
+
+def _load_run(path: Path) -> Run:
+    has_cfg, has_metrics = (path / "config.yaml").exists(), (path / "metrics.jsonl").exists()
+    if not has_cfg and not has_metrics:
+        ours = [p.name for p in path.iterdir() if p.name != ".hydra" and p.suffix != ".log"]
+        if not ours:
+            raise _HydraOnly
+        raise _Broken("no config.yaml or metrics.jsonl (not started, or crashed before its first step)")
+    if not has_cfg:
+        raise _Broken("no config.yaml")
+    if not has_metrics:
+        raise _Broken("no metrics.jsonl (not started, or crashed before its first step)")
+    from omegaconf import OmegaConf
+
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
+    except Exception as e:
+        raise _Broken(f"config.yaml is unreadable ({e})") from None
+    if not isinstance(config, dict):
+        raise _Broken("config.yaml is not a mapping")
+    metrics, notes = _read_metrics(path / "metrics.jsonl")
+    summary = None
+    if (path / "summary.json").exists():
+        try:
+            summary = json.loads((path / "summary.json").read_text())
+        except ValueError:
+            notes.append(f"{path}: summary.json is unreadable; ignored")
+    return Run(path, config, metrics, summary, notes)
+
+
+def _looks_like_run(path: Path) -> bool:
+    return any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", ".hydra"))
+
+
+def _natural(name: str) -> tuple:
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
+def find_run_dirs(paths: Sequence[Path | str]) -> list[Path]:
+    """Run directories at or under each path, in order, each once."""
+    found: dict[Path, None] = {}
+    for p in map(Path, paths):
+        if not p.exists():
+            raise CompareError(f"{p} does not exist (expected a run directory or a sweep directory)")
+        if p.is_file():
+            p = p.parent
+        if _looks_like_run(p):
+            found[p] = None
+            continue
+        for root, dirs, _ in os.walk(p):
+            here = Path(root)
+            if here != p and _looks_like_run(here):
+                found[here] = None
+                dirs[:] = []
+                continue
+            dirs[:] = sorted((d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS), key=_natural)
+    return list(found)
+
+
+def load_runs(paths: Sequence[Path | str]) -> tuple[list[Run], list[BrokenRun]]:
+    """Readable runs and the run-like dirs that could not be read (with the reason).
+
+    A directory holding only Hydra's own files (`.hydra/`, `*.log`) is skipped quietly: every
+    `gspo train resume=...` leaves one beside the run it continues.
+    """
+    runs, broken = [], []
+    for path in find_run_dirs(paths):
+        try:
+            runs.append(_load_run(path))
+        except _HydraOnly:
+            continue
+        except _Broken as e:
+            broken.append(BrokenRun(path, str(e)))
+    return runs, broken
+
+
