@@ -182,6 +182,14 @@ def _destroy() -> None:
         tdist.destroy_process_group()
 
 
+def shutdown() -> None:
+    """Leave the process group together: a rank that tears gloo down while its peer is still
+    writing the checkpoint can abort at exit ("terminate called without an active exception")."""
+    if tdist.is_initialized():
+        tdist.barrier()
+        tdist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- the trainer's view
 
 

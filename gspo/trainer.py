@@ -410,6 +410,7 @@ def _worker(argv: list[str]) -> int:
         if distributed.is_main_process():  # every rank refuses the same config: one line, not one per rank
             print(f"gspo: error: {e}", file=sys.stderr)
         return 2
+    distributed.shutdown()  # only on success: after a failure the peers may be stuck in another collective
     return 0
 
 

@@ -42,7 +42,7 @@ def cli(*args, cwd, torchrun: int = 0, timeout: int = 300) -> subprocess.Complet
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else []
     res = subprocess.run([sys.executable, *launcher, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True,
                          text=True, timeout=timeout)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[:3000] + "\n...\n" + res.stderr[-2000:]  # a rank's own error comes first
     return res
 
 
