@@ -212,7 +212,10 @@ def prepare_model(a) -> Path:
                 c.bos_token_id = c.eos_token_id = None
             return model, tok
 
-        key = {"kind": "long", "v": 3, "model": dict(base_cfg.model), "alphabet": task.alphabet, "seed": a.seed}
+        from omegaconf import OmegaConf
+
+        model_key = OmegaConf.to_container(base_cfg.model, resolve=True)  # nested groups (lora) too
+        key = {"kind": "long", "v": 3, "model": model_key, "alphabet": task.alphabet, "seed": a.seed}
         key["model"].pop("warm_start", None)
         return cached_model_dir("long", key, build_long)
     shape = dict(vocab=a.vocab_size, hidden=a.hidden, layers=a.layers, heads=4, kv_heads=2, head_dim=a.hidden // 4,
@@ -329,6 +332,25 @@ def work_dir(keep: Optional[Path], prefix: str) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         yield Path(tmp)
+
+
+def run_benchmark(description: str, sides: Callable, table: Callable, prefix: str) -> None:
+    """The command line every CPU benchmark shares: parse the work, build the model, alternate
+    `sides(a, model_dir)` for the rounds asked, print `table(results, a)`."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    add_work_args(p)
+    a = p.parse_args()
+    resolve_work(a)
+    model_dir = prepare_model(a)
+    print(f"model: {model_dir}", flush=True)
+    load0 = os.getloadavg()[0]
+    with work_dir(a.keep, prefix) as tmp:
+        results = alternate(sides(a, model_dir), a.rounds, a.retries, tmp)
+    print(f"\nLoad average (1 min) before/after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs. "
+          "Other processes slow every side; runs they disturbed are redone (--retries).\n")
+    print(table(results, a))
 
 
 # --------------------------------------------------------------------------- statistics and tables

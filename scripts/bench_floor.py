@@ -19,9 +19,7 @@ Usage (repository root, in the venv):
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -32,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import (
-    VARIANTS, Run, add_work_args, alternate, fmt, gspo_overrides, markdown_table, pooled, prepare_model, ratio,
-    resolve_work, run_worker, versions, work_dir,
+    VARIANTS, Run, fmt, gspo_overrides, markdown_table, pooled, ratio,
+    run_benchmark, run_worker, versions,
 )
 from bench_workers import gspo_run
 
@@ -182,22 +180,8 @@ def table(results: dict[str, list[Run]], a) -> str:
                       note, f"Versions: {versions(a.threads)}."])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_work_args(p)
-    a = p.parse_args()
-    resolve_work(a)
-    model_dir = prepare_model(a)
-    print(f"model: {model_dir}", flush=True)
-    load0 = os.getloadavg()[0]
-    with work_dir(a.keep, "bench-floor-") as tmp:
-        results = alternate(sides(a, model_dir), a.rounds, a.retries, tmp)
-    print(f"\nLoad average (1 min) before/after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs.\n")
-    print(table(results, a))
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "floor":
         floor_worker(json.loads(Path(sys.argv[2]).read_text()))
     else:
-        main()
+        run_benchmark(__doc__.split("\n\n")[0], sides, table, "bench-floor-")

@@ -99,3 +99,19 @@ def test_sampler_logprobs_equal_recomputed_ones_in_float32():
     sel = r.completion_mask.bool()
     assert (r.sampler_logp[~sel] == 0).all()
     torch.testing.assert_close(r.sampler_logp[sel], recomputed[sel], rtol=0, atol=2e-5)
+
+
+@pytest.mark.slow  # torch.compile builds C++ kernels: about a minute on 2 cores
+def test_compiled_static_cache_decoding_samples_what_the_eager_loop_samples():
+    """`hardware.compile`: the static-cache, compiled decode draws the same tokens with the same log-probs."""
+    model = _tiny()
+    prompts = ["1+2=", "33+4=", "5+66="]
+
+    def sample(compile: bool):
+        gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+        return generate(model, TOK, prompts, 4, max_new_tokens=8, temperature=0.9, generator=gens, compile=compile)
+
+    eager, compiled = sample(False), sample(True)
+    assert torch.equal(compiled.completion_ids, eager.completion_ids)
+    assert torch.equal(compiled.completion_mask, eager.completion_mask)
+    torch.testing.assert_close(compiled.sampler_logp, eager.sampler_logp, rtol=0, atol=1e-5)
