@@ -334,6 +334,17 @@ def work_dir(keep: Optional[Path], prefix: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def describe_work(a, sides: str) -> str:
+    """One sentence for a table's caption: the variant, its work per step, the runs and `sides` alternated."""
+    v = VARIANTS[a.variant]
+    work = (f"variant `{a.variant}` ({v.about}); {a.prompts} prompts x G={a.group}, max {a.max_new_tokens} new tokens, "
+            f"{a.minibatches} minibatches, {a.steps} RL steps per run (first = warm-up, not counted), "
+            f"{a.rounds} rounds alternating {sides}")
+    if a.variant == "vocab":
+        work += f"; model: vocab {a.vocab_size:,}, {a.layers} layers, hidden {a.hidden}"
+    return work
+
+
 def run_benchmark(description: str, sides: Callable, table: Callable, prefix: str) -> None:
     """The command line every CPU benchmark shares: parse the work, build the model, alternate
     `sides(a, model_dir)` for the rounds asked, print `table(results, a)`."""

@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import (
-    VARIANTS, Run, fmt, gspo_overrides, markdown_table, pooled, ratio,
-    run_benchmark, run_worker, versions,
+    Run, describe_work, fmt, gspo_overrides, markdown_table, pooled, ratio, run_benchmark, run_worker, versions,
 )
 from bench_workers import gspo_run
 
@@ -167,12 +166,7 @@ def table(results: dict[str, list[Run]], a) -> str:
     rows.append(["**gspo / floor**", *(ratio(g, f) for g, f in zip(med["gspo"], med["floor"])), "",
                  ratio(rss["gspo"], rss["floor"])])
     header = ["", "median s/step", "median sampling s", "median update s", "mean completion length", "peak RSS (MiB)"]
-    v = VARIANTS[a.variant]
-    work = (f"variant `{a.variant}` ({v.about}); {a.prompts} prompts x G={a.group}, max {a.max_new_tokens} new tokens, "
-            f"{a.minibatches} minibatches, {a.steps} RL steps per run (first = warm-up, not counted), "
-            f"{a.rounds} rounds alternating floor, gspo")
-    if a.variant == "vocab":
-        work += f"; model: vocab {a.vocab_size:,}, {a.layers} layers, hidden {a.hidden}"
+    work = describe_work(a, "floor, gspo")
     note = ("gspo's sampling column is `time/rollout_s` (sampling, decoding, rewards); its update column is "
             "`time/update_s` (old-policy log-probs if recomputed, the minibatch updates, MoE statistics).")
     added = " ".join(a.override) or "none"

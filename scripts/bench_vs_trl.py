@@ -28,8 +28,7 @@ import statistics
 from pathlib import Path
 
 from bench_common import (
-    VARIANTS, Run, fmt, gspo_overrides, markdown_table, pooled, ratio,
-    run_benchmark, run_worker, versions,
+    Run, describe_work, fmt, gspo_overrides, markdown_table, pooled, ratio, run_benchmark, run_worker, versions,
 )
 from bench_workers import gspo_run
 
@@ -67,12 +66,7 @@ def table(results: dict[str, list[Run]], a) -> str:
     rows.append(["**gspo / TRL**", ratio(gm, tm), ratio(gmean, tmean), "", "", "", ratio(grss, trss)])
     header = ["trainer", "median s/step", "mean s/step", "per-round medians (s)", "mean completion length",
               "mean reward", "peak RSS (MiB)"]
-    v = VARIANTS[a.variant]
-    work = (f"variant `{a.variant}` ({v.about}); {a.prompts} prompts x G={a.group}, max {a.max_new_tokens} new tokens, "
-            f"{a.minibatches} minibatches, {a.steps} RL steps per run (first = warm-up, not counted), "
-            f"{a.rounds} rounds alternating TRL, gspo")
-    if a.variant == "vocab":
-        work += f"; model: vocab {a.vocab_size:,}, {a.layers} layers, hidden {a.hidden}"
+    work = describe_work(a, "TRL, gspo")
     extra = f"gspo overrides added: {' '.join(a.override)}" if a.override else "gspo overrides added: none"
     return "\n".join([f"Work: {work}.", extra + ".", "", markdown_table(header, rows, right={1, 2, 4, 5, 6}), "",
                       f"Versions: {versions(a.threads)}."])

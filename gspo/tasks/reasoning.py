@@ -18,7 +18,7 @@ import random
 import re
 
 from gspo.tasks import Problem, Verdict, register_task
-from gspo.tasks.arithmetic import DIGITS, _HeldOutSplit
+from gspo.tasks.arithmetic import DIGITS, Addition, _HeldOutSplit
 
 MARK = "#"  # separates the derivation from the final answer
 _INT = re.compile(r"(0|[1-9][0-9]*)")  # a non-negative integer as the references write it
@@ -46,34 +46,29 @@ def _verdict(completion: str, expected: int) -> Verdict:
 
 
 @register_task("long_addition")
-class LongAddition(_HeldOutSplit):
+class LongAddition(Addition):
     """`0482+0397=` -> a per-digit scratchpad, right to left, then `#` and the sum.
 
     Each operand is written with exactly `digits` digits (leading zeros), so the i-th
     column sits at the same prompt position in every problem; each scratchpad step is
-    `a+b+carry=s`. With 4 digits the reference is 34-39 characters.
+    `a+b+carry=s`. With 4 digits the reference is 34-39 characters. The operands, and so
+    the held-out split (a+b and b+a are one problem), are `addition`'s.
     """
 
     name = "long_addition"
     alphabet = DIGITS + "+=,#"
 
-    def __init__(self, cfg) -> None:
-        self.digits = int(cfg.digits)
-        self.eval_fraction = float(cfg.eval_fraction)
-
     def _draw(self, rng: random.Random) -> Problem:
-        hi = 10**self.digits - 1
-        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        a, b = _operands(super()._draw(rng))
         return Problem(f"{a:0{self.digits}d}+{b:0{self.digits}d}=", scratchpad_sum(a, b, self.digits))
 
-    def canonical(self, problem: Problem) -> str:
-        """a+b and b+a are one problem: the operands as numbers, sorted."""
-        a, b = sorted(int(x) for x in problem.prompt.rstrip("=").split("+"))
-        return f"{a}+{b}"
-
     def verify(self, completion: str, problem: Problem) -> Verdict:
-        a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
-        return _verdict(completion, a + b)
+        return _verdict(completion, sum(_operands(problem)))
+
+
+def _operands(problem: Problem) -> tuple[int, int]:
+    a, b = (int(x) for x in problem.prompt.rstrip("=").split("+"))
+    return a, b
 
 
 def scratchpad_sum(a: int, b: int, digits: int) -> str:
