@@ -125,7 +125,7 @@ class HardwareConfig:
     backend: str = "gloo"  # gloo | nccl
     strategy: str = "none"  # none | ddp | fsdp
     threads: int = 0  # torch intra-op threads; 0 = torch's default
-    compile: bool = False  # sample with a static KV cache through torch.compile (CUDA graphs on a GPU)
+    compile: bool = False  # sample with a static KV cache through torch.compile (CUDA graphs on a GPU; slower on a CPU, docs/benchmarks.md)
 
 
 @dataclass
