@@ -65,6 +65,7 @@ def _train_job(cfg: DictConfig, hc) -> float:
     else:  # one process, or a worker of a torchrun started by hand (every rank takes rank 0's directory)
         run_dir = distributed.shared_run_dir(run_dir, cfg.hardware)
         summary = train(cfg, run_dir)
+        distributed.shutdown()  # ranks leave the process group together (no-op in one process)
     if not distributed.is_main_process():
         return float("nan")
     base, final = summary.get("base_accuracy"), summary.get("final_accuracy")
