@@ -176,9 +176,10 @@ def generate(
             else:
                 res = model(attention_mask=full_mask[:, : p + t], **kwargs)
             cache, logits = res.past_key_values, res.logits[:, -1].float()
-            nxt = _sample(logits, temperature, top_p, greedy, None if greedy else u[:, t])
-            if not greedy:  # the sampled token's log-prob under the temperature-scaled policy (top-p aside)
-                sampler_logp[:, t] = torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1)
+            if greedy:
+                nxt = _sample(logits, temperature, top_p, greedy, None)
+            else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
+                nxt, sampler_logp[:, t] = _sample(logits, temperature, top_p, greedy, u[:, t], with_logp=True)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             out[:, t] = nxt
             done |= nxt == eos
@@ -255,11 +256,17 @@ def _uniforms(n: int, steps: int, generator, device) -> torch.Tensor:
     return torch.rand((n, steps), generator=generator, device=gen_device).to(device)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, u: Optional[torch.Tensor]) -> torch.Tensor:
-    """The next token of each row: argmax, or an inverse-CDF draw with the row's uniform u (N,)."""
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, u: Optional[torch.Tensor],
+            with_logp: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row: argmax, or an inverse-CDF draw with the row's uniform u (N,).
+
+    `with_logp`: also the drawn token's log-prob under softmax(logits / temperature) (before the
+    top-p cut, as peers record it), read off the probabilities the draw used: no second pass over V.
+    """
     if greedy:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
+    full = probs
     if top_p < 1.0:
         sorted_p, idx = probs.sort(-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
@@ -267,7 +274,8 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool
     cdf = probs.cumsum(-1)
     # the first token whose cumulative probability exceeds u x total: never a zero-probability token
     nxt = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    return nxt.clamp_max(probs.shape[-1] - 1)
+    nxt = nxt.clamp_max(probs.shape[-1] - 1)
+    return (nxt, full.gather(-1, nxt[:, None]).squeeze(-1).log()) if with_logp else nxt
 
 
 def token_logprobs(
