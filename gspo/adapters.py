@@ -195,7 +195,7 @@ def load_weights(model, adapter_dir: str | Path) -> None:
                           f"(missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})")
 
 
-def load(adapter_dir: str | Path, dtype: torch.dtype = torch.float32, attn: str = "sdpa", base_dir=None):
+def load(adapter_dir: str | Path, dtype: torch.dtype = torch.float32, attn: str = "auto", base_dir=None):
     """(PeftModel, tokenizer) from an adapter checkpoint; `base_dir` overrides the recorded base."""
     from peft import PeftModel
 
