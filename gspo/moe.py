@@ -2,7 +2,10 @@
 
 Works on any Hugging Face MoE whose router is a module with ``top_k``, ``num_experts``
 and ``weight`` that returns ``(router_logits (N, E), scores (N, k), indices (N, k))``
-(transformers >= 5: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, Granite-MoE ...).
+(transformers >= 5: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, Granite-MoE, DeepSeek-V3,
+GLM-4 MoE ...). How a router turns logits into the weights of its experts (its `Scoring`:
+softmax or sigmoid, renormalised over the top-k or not, times a constant) is read off its
+own output on its first call; replay and the router's distribution use that rule.
 
 We wrap routers with forward hooks rather than re-implementing their forward: the
 router computes exactly what it always does and the hook only reads (capture) or
@@ -17,7 +20,9 @@ Conventions (shared by every tensor below):
     layer; dense layers such as Qwen3-MoE's ``mlp_only_layers`` are skipped);
   * routing indices are ``(B, T, L, k)`` long, ``-1`` meaning "no routing recorded"
     (e.g. the last sampled token, which never went through the model);
-  * router log-probs are ``(B, T, L, E)`` float32 ``log_softmax(router_logits)``.
+  * router log-probs are ``(B, T, L, E)`` float32 log-probs of the router's distribution
+    over experts (`Scoring.log_probs`): ``log_softmax(logits)`` for a softmax router; for a
+    sigmoid router its sigmoid affinities normalised to sum 1 (DeepSeek-V3's s'_i).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "RoutingTrace", "capture_routing", "expert_load", "find_routers", "is_moe", "load_balancing_loss",
+    "RoutingTrace", "Scoring", "capture_routing", "check_routers", "expert_load", "find_routers", "is_moe", "load_balancing_loss",
     "moe_metrics", "replay_routing", "router_shift", "routing_volatility",
 ]
 
@@ -75,6 +81,133 @@ def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tens
     return output[0], output[1], output[2]
 
 
+# ----------------------------------------------------------------------------- scoring
+@dataclass(frozen=True)
+class Scoring:
+    """A router's rule from logits (N, E) to the gating weights of the experts it picked.
+
+    ``kind``: ``softmax`` (Mixtral, Qwen, OLMoE, GPT-OSS's softmax over the top-k logits =
+    the renormalised softmax) or ``sigmoid`` (DeepSeek-V3, GLM-4 MoE: the bias-corrected,
+    group-limited choice decides *which* experts; the weights are the plain sigmoids);
+    ``normalise``: weights renormalised to sum 1 over the k experts; ``scale``: then times
+    this (DeepSeek-V3's ``routed_scaling_factor``).
+    """
+
+    kind: str
+    normalise: bool
+    scale: float = 1.0
+
+    def affinities(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) float32 per-expert scores the weights are gathered from."""
+        z = logits.float()
+        return F.softmax(z, dim=-1) if self.kind == "softmax" else torch.sigmoid(z)
+
+    def weights(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """(N, k) float32 gating weights of `indices` (any experts, e.g. replayed ones), differentiable in logits."""
+        w = self.affinities(logits).gather(-1, indices.long())
+        if self.normalise:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scale
+
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) float32 log of the router's distribution over experts (rows sum to 1 in prob).
+
+        Softmax: log_softmax(logits). Sigmoid: log(sigmoid(z_e) / sum_j sigmoid(z_j)), the
+        normalised affinities DeepSeek-V3's balance loss uses; the selection bias is not in it.
+        """
+        z = logits.float()
+        if self.kind == "softmax":
+            return F.log_softmax(z, dim=-1)
+        ls = F.logsigmoid(z)
+        return ls - ls.logsumexp(-1, keepdim=True)
+
+
+# Router classes whose routing is not a scoring rule of their logits: named, refused for replay.
+UNREPLAYABLE = {
+    "PhimoeTopKRouter": "sparsemixer routing (a thresholded softmax per slot, a sampled second expert and a "
+                        "straight-through gradient estimator in training)",
+}
+
+_SCORING: "weakref.WeakKeyDictionary[nn.Module, Optional[Scoring]]" = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()  # a check only: saving tensors here would break checkpoint recomputation
+def _detect(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> Optional[Scoring]:
+    """The `Scoring` that reproduces the router's own weights at its own experts, or None.
+
+    Tried in the order the router's attributes suggest (``e_score_correction_bias``: sigmoid
+    first; ``norm_topk_prob``: the declared normalisation first), so that an output both
+    rules explain (k=1 renormalised: all weights 1) is read as the router declares.
+    """
+    if type(router).__name__ in UNREPLAYABLE:
+        return None
+    scale = float(getattr(router, "routed_scaling_factor", None) or 1.0)
+    kinds = ("sigmoid", "softmax") if hasattr(router, "e_score_correction_bias") else ("softmax", "sigmoid")
+    declared = getattr(router, "norm_topk_prob", None)
+    norms = (declared, not declared) if isinstance(declared, bool) else (True, False)
+    tol = 1e-4 if scores.dtype in (torch.float32, torch.float64) else 2e-2
+    for kind in kinds:
+        for norm in norms:
+            rule = Scoring(kind, norm, scale)
+            if torch.allclose(rule.weights(logits, indices), scores.float(), atol=tol * scale):
+                return rule
+    return None
+
+
+def _scoring(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> Optional[Scoring]:
+    """The router's rule, detected on its first non-empty call and then remembered."""
+    if router not in _SCORING and indices.numel():
+        k = indices.shape[-1]
+        _SCORING[router] = _detect(router, logits.reshape(-1, logits.shape[-1]), scores.reshape(-1, k),
+                                   indices.reshape(-1, k))
+    return _SCORING.get(router)
+
+
+SOFTMAX = Scoring("softmax", False)  # how an unrecognised router's logits are read for log-probs and the aux loss
+
+
+def _unsupported(router: nn.Module) -> str:
+    name = type(router).__name__
+    what = UNREPLAYABLE.get(name, "its weights are neither a softmax nor a sigmoid of its logits at its experts")
+    return (f"moe.routing_replay: {name} cannot be replayed: {what}; "
+            "use moe.routing_replay=none for this model")
+
+
+def check_routers(model: nn.Module, replay: bool) -> None:
+    """Refuse, in one line (ConfigError), a model whose routing gspo cannot handle as asked.
+
+    A model with expert modules but no router `find_routers` can wrap is refused (never
+    trained as if it were dense); with `replay`, so is a router whose scoring rule
+    replay cannot reproduce. Runs one tiny forward (eval mode, no grad) to read each
+    router's rule off its output.
+    """
+    from gspo.errors import ConfigError
+
+    routers = find_routers(model)
+    if not routers:
+        experts = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().endswith("experts")})
+        if experts:
+            raise ConfigError(f"model.path: {type(model).__name__} has experts ({', '.join(experts)}) but no router gspo "
+                              "can wrap (a module with top_k, num_experts and weight returning (logits, scores, indices)); "
+                              "routing capture, replay and the aux loss would silently not run")
+        return
+    if not replay:
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), capture_routing(model, logprobs=False):
+            vocab = model.get_input_embeddings().weight.shape[0]
+            model(input_ids=torch.arange(8, device=routers[0].weight.device)[None] % vocab, use_cache=False)
+    except TypeError as e:  # _unpack: not a (logits, scores, indices) router
+        raise ConfigError(f"moe.routing_replay: {e}") from None
+    finally:
+        model.train(was_training)
+    for r in routers:
+        if _SCORING.get(r) is None:
+            raise ConfigError(_unsupported(r))
+
+
 # ----------------------------------------------------------------------------- capture
 class RoutingTrace:
     """Routing recorded by :func:`capture_routing`, one entry per router per forward call.
@@ -86,18 +219,24 @@ class RoutingTrace:
     def __init__(self, num_layers: int, record_logprobs: bool, device: torch.device | str | None,
                  keep_logits: bool = False, max_calls: int | None = None):
         self._idx: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._live: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._lp: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._logits: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.scorings: list[Scoring] = [SOFTMAX] * num_layers  # per layer, the router's rule once it has run
         self.record_logprobs, self.keep_logits, self.max_calls = record_logprobs, keep_logits, max_calls
         self.device = device
 
-    def _record(self, layer: int, indices: torch.Tensor, logits: torch.Tensor) -> None:
+    def _record(self, layer: int, indices: torch.Tensor, logits: torch.Tensor,
+                live: Optional[torch.Tensor] = None, scoring: Optional[Scoring] = None) -> None:
         if self.max_calls is not None and len(self._idx[layer]) >= self.max_calls:
             return  # e.g. gradient checkpointing re-running the forward inside backward
         k = indices.shape[-1]
+        self.scorings[layer] = scoring or SOFTMAX
         self._idx[layer].append(indices.detach().reshape(-1, k).to(self.device, torch.long))
+        self._live[layer].append(self._idx[layer][-1] if live is None else
+                                 live.detach().reshape(-1, k).to(self.device, torch.long))
         if self.record_logprobs:
-            lp = F.log_softmax(logits.detach().float().reshape(-1, logits.shape[-1]), dim=-1)
+            lp = self.scorings[layer].log_probs(logits.detach().reshape(-1, logits.shape[-1]))
             self._lp[layer].append(lp.to(self.device))
         if self.keep_logits:  # with their graph: the load-balancing loss backpropagates into the routers
             self._logits[layer].append(logits.reshape(-1, logits.shape[-1]))
@@ -107,6 +246,10 @@ class RoutingTrace:
         if not self.keep_logits:
             raise RuntimeError("trace was captured with keep_logits=False")
         return [calls[call] for calls in self._logits]
+
+    def live(self, call: int = 0) -> list[torch.Tensor]:
+        """Per layer, the experts (N, k) the router itself picked in forward call `call` (under replay too)."""
+        return [calls[call] for calls in self._live]
 
     @property
     def num_layers(self) -> int:
@@ -121,7 +264,7 @@ class RoutingTrace:
         return counts.pop() if counts else 0
 
     def clear(self) -> None:
-        for calls in (*self._idx, *self._lp, *self._logits):
+        for calls in (*self._idx, *self._live, *self._lp, *self._logits):
             calls.clear()
 
     def _assemble(self, per_layer: list[list[torch.Tensor]], batch_size: int,
@@ -146,22 +289,18 @@ class RoutingTrace:
         return self._assemble(self._idx, batch_size, length, -1)
 
     def logprobs(self, batch_size: int, length: int | None = None) -> torch.Tensor:
-        """(B, T, L, E) float32 log-softmax of the live router logits; padding is 0."""
+        """(B, T, L, E) float32 log-probs of the live routers' distributions (`Scoring.log_probs`); padding is 0."""
         if not self.record_logprobs:
             raise RuntimeError("trace was captured with logprobs=False")
         return self._assemble(self._lp, batch_size, length, 0.0)
 
     def live_indices(self, batch_size: int, length: int | None = None) -> torch.Tensor:
-        """(B, T, L, k) top-k of the recorded log-probs: what the router itself would pick.
+        """(B, T, L, k) the experts each router itself picked (its own rule: group limits, biases ...).
 
-        Equals :meth:`indices` without replay (for softmax-top-k routers); under replay it
-        gives the live routing needed for ``moe/routing_volatility``.
+        Equals :meth:`indices` without replay; under replay it is the live routing needed
+        for ``moe/routing_volatility``, while :meth:`indices` is the replayed one.
         """
-        k = self.indices(batch_size).shape[-1]
-        live = self.logprobs(batch_size).topk(k, dim=-1).indices
-        if length is not None:
-            live = F.pad(live.movedim(1, -1), (0, length - live.shape[1]), value=-1).movedim(-1, 1)
-        return live
+        return self._assemble(self._live, batch_size, length, -1)
 
     def batch(self, batch_size: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices (B, T, L, k), logprobs (B, T, L, E))."""
@@ -184,8 +323,9 @@ def capture_routing(model: nn.Module, logprobs: bool = True, device: torch.devic
 
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            logits, _, indices = _unpack(output, module)
-            trace._record(layer, indices, logits)
+            logits, scores, indices = _unpack(output, module)
+            live = _LIVE.pop(module, None)  # set by a replay hook that ran before this one (and read the rule)
+            trace._record(layer, indices, logits, live, _scoring(module, logits, scores, indices))
         return hook
 
     handles = [r.register_forward_hook(make_hook(l)) for l, r in enumerate(routers)]
@@ -197,26 +337,8 @@ def capture_routing(model: nn.Module, logprobs: bool = True, device: torch.devic
 
 
 # ----------------------------------------------------------------------------- replay
-@torch.no_grad()  # a check only: saving tensors here would break checkpoint recomputation
-def _renormalises(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor,
-                  indices: torch.Tensor) -> bool:
-    """Whether the router's scores are softmax(logits) at the top-k renormalised to sum 1.
-
-    Checked against the router's own output so that we never silently replay a router
-    with another scoring rule (e.g. DeepSeek-V3's sigmoid + bias): softmax-at-top-k,
-    top-k softmax (GPT-OSS, Granite) and renormalised softmax are the same thing.
-    """
-    p = F.softmax(logits.float(), dim=-1).gather(-1, indices.long())
-    tol = 1e-4 if scores.dtype in (torch.float32, torch.float64) else 2e-2
-    raw_ok = torch.allclose(scores.float(), p, atol=tol)
-    norm_ok = torch.allclose(scores.float(), p / p.sum(-1, keepdim=True), atol=tol)
-    declared = getattr(router, "norm_topk_prob", None)
-    if isinstance(declared, bool) and (norm_ok if declared else raw_ok):
-        return declared
-    if norm_ok or raw_ok:
-        return norm_ok
-    raise RuntimeError(f"{type(router).__name__}: scores are not a softmax of the logits at the top-k; "
-                       "routing replay does not support this router")
+# router -> the experts it picked itself in the call a replay hook just rewrote (read by capture)
+_LIVE: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -227,10 +349,11 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
     ``indices``); it may run several times. With gradient checkpointing, run backward
     inside the context too: the recomputed forward must see the same forced experts.
     Rows whose k entries contain a -1 keep the live routing. Forced experts get live
-    weights, softmax(live logits) gathered at the forced experts (renormalised when the
-    router renormalises), so the router weight still gets gradient; the live logits are
-    returned unchanged, so ``output_router_logits`` and the aux loss still work (the aux
-    loss re-derives top-k from those logits: it balances the live, not the forced routing).
+    weights, the router's own `Scoring` of its live logits at the forced experts (softmax
+    or sigmoid, renormalised and scaled as the router does), so the router weight still
+    gets gradient; the live logits are returned unchanged, so ``output_router_logits`` and
+    the aux loss still work (the aux loss balances the live, not the forced routing). A
+    router whose rule is not recognised is refused (a ConfigError naming its class).
     """
     routers = find_routers(model)
     if indices.dim() != 4 or indices.shape[2] != len(routers):
@@ -245,7 +368,6 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
         raise ValueError("indices contain an expert id >= num_experts")
     # (B, T, L, k) -> per layer (B*T, k), row-major like the MoE block's view(-1, H).
     forced = [indices[:, :, l, :].reshape(B * T, k) for l in range(len(routers))]
-    normalise: dict[int, bool] = {}  # resolved once per layer, on the first non-empty call
 
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, output: object) -> tuple:
@@ -255,16 +377,19 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
             if live.shape[0] != B * T:
                 raise ValueError(f"replay_routing got {live.shape[0]} rows at router {layer}, "
                                  f"expected B*T = {B}*{T} from the replayed indices")
-            if layer not in normalise and live.shape[0]:
-                normalise[layer] = _renormalises(module, logits.reshape(-1, logits.shape[-1]),
-                                                 scores.reshape(-1, k), live)
+            if not live.shape[0]:
+                return output
+            scoring = _scoring(module, logits, scores, live)
+            if scoring is None:
+                from gspo.errors import ConfigError
+
+                raise ConfigError(_unsupported(module))
+            _LIVE[module] = live.reshape(shape)
             want = forced[layer].to(live.device)
             keep_live = (want < 0).any(-1, keepdim=True)
             idx = torch.where(keep_live, live, want.to(live.dtype))
-            # Live router probabilities at the forced experts: the gradient path to the router.
-            w = F.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1).gather(-1, idx.long())
-            if normalise.get(layer, True):
-                w = w / w.sum(-1, keepdim=True)
+            # The router's own weights of the forced experts: the gradient path to the router.
+            w = scoring.weights(logits.reshape(-1, logits.shape[-1]), idx)
             w = torch.where(keep_live, scores.reshape(-1, k), w.to(scores.dtype))
             return type(output)((logits, w.reshape(scores.shape), idx.reshape(shape)))
         return hook
@@ -276,6 +401,8 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+        for r in routers:
+            _LIVE.pop(r, None)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -358,12 +485,19 @@ def moe_metrics(old_idx: torch.Tensor, new_idx: torch.Tensor, old_logprobs: Opti
 
 
 def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor,
-                        all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> torch.Tensor:
+                        all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                        scorings: Optional[list[Scoring]] = None,
+                        chosen: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
     """Switch-Transformer load-balancing loss (arXiv 2101.03961 eqs. 4-6), as Hugging Face computes it.
 
     logits: per MoE layer the live router logits (N, E), N = B*T rows; mask (B, T) 1 on real
     tokens. With f_e the share of (token, layer, slot) assignments to expert e and P_e the mean
     router probability of e over (token, layer): loss = E * sum_e f_e P_e.
+
+    The probabilities are each router's distribution (`scorings`, default softmax: for a
+    sigmoid router its normalised affinities, as in DeepSeek-V3's sequence-wise balance
+    loss), and the assignments `chosen` (N, k) per layer are the experts each router picked
+    itself (default: the top-k of those probabilities, which is the pick of a softmax router).
 
     f_e and P_e are means over the whole batch, so a rank cannot compute its part of them
     alone. `all_sum` sums a tensor over ranks (identity in one process): the counts (no
@@ -374,10 +508,10 @@ def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tens
     m = mask.reshape(-1).to(torch.float32)
     counts = torch.zeros(E, dtype=torch.float32, device=logits[0].device)
     prob_sum = torch.zeros(E, dtype=torch.float32, device=logits[0].device)
-    for layer in logits:
-        p = F.softmax(layer.float(), dim=-1)
-        chosen = p.topk(top_k, dim=-1).indices
-        counts = counts.scatter_add(0, chosen.reshape(-1), m.repeat_interleave(top_k))
+    for l, layer in enumerate(logits):
+        p = (scorings[l] if scorings else SOFTMAX).log_probs(layer).exp()
+        picked = chosen[l] if chosen is not None else p.topk(top_k, dim=-1).indices
+        counts = counts.scatter_add(0, picked.reshape(-1).to(counts.device), m.repeat_interleave(top_k))
         prob_sum = prob_sum + (p * m[:, None]).sum(0)
     totals = all_sum(torch.cat([counts, (m.sum() * len(logits))[None]]).detach())
     rows = totals[-1].clamp_min(1.0)

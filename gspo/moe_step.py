@@ -49,7 +49,12 @@ class MoEStep:
 
     @staticmethod
     def for_model(model: torch.nn.Module, cfg, dist, old_pass: bool) -> "MoEStep":
-        """The component for this run: `_MoE` for a model with top-k routers, else this inert base."""
+        """The component for this run: `_MoE` for a model with top-k routers, else this inert base.
+
+        Refuses (ConfigError, one line) experts without a router gspo can wrap, and routers
+        that `moe.routing_replay` cannot replay.
+        """
+        moe.check_routers(model, replay=cfg.moe.routing_replay != "none")
         return _MoE(model, cfg, dist, old_pass) if moe.is_moe(model) else MoEStep()
 
     def sample_kwargs(self) -> dict:
@@ -85,7 +90,9 @@ class _Minibatch(_NoMinibatch):
         o = self.owner
         if o.aux_coef <= 0:
             return 0.0
-        self._aux = moe.load_balancing_loss(self.trace.logits(), o.top_k, sub.attention_mask, o.dist.all_sum)
+        # each router's own distribution and its own pick (not the replayed one): it balances the live routing
+        self._aux = moe.load_balancing_loss(self.trace.logits(), o.top_k, sub.attention_mask, o.dist.all_sum,
+                                            self.trace.scorings, self.trace.live())
         self._aux = self._aux * o.dist.world  # DDP averages gradients over ranks: x world undoes it
         return o.aux_coef * self._aux
 

@@ -10,6 +10,7 @@ from transformers import (
     MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 )
 
+from gspo.errors import ConfigError
 from gspo.moe import (
     capture_routing, expert_load, find_routers, is_moe, moe_metrics, replay_routing, router_shift,
     routing_volatility,
@@ -225,8 +226,8 @@ def test_replay_generic_router_without_norm_attribute():
         assert torch.allclose(model(x).logits, ref, atol=1e-6)
 
 
-class SigmoidRouter(torch.nn.Module):
-    """A router with the right signature but sigmoid scores (DeepSeek-V3 style): not replayable."""
+class ReluRouter(torch.nn.Module):
+    """A router with the right signature but weights that are no scoring rule gspo knows: not replayable."""
 
     def __init__(self):
         super().__init__()
@@ -235,14 +236,14 @@ class SigmoidRouter(torch.nn.Module):
 
     def forward(self, h):
         logits = h @ self.weight.T
-        scores, idx = logits.sigmoid().topk(self.top_k, dim=-1)
+        scores, idx = logits.relu().topk(self.top_k, dim=-1)
         return logits, scores, idx
 
 
-def test_replay_rejects_non_softmax_router():
-    model = torch.nn.Sequential(SigmoidRouter())
+def test_replay_rejects_an_unknown_scoring_rule_in_one_line():
+    model = torch.nn.Sequential(ReluRouter())
     assert is_moe(model)
-    with pytest.raises(RuntimeError, match="not a softmax"), torch.no_grad():
+    with pytest.raises(ConfigError, match="ReluRouter cannot be replayed: its weights are neither"), torch.no_grad():
         with replay_routing(model, torch.zeros(1, 3, 1, K, dtype=torch.long)):
             model(torch.randn(3, 4))
 
