@@ -24,6 +24,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gspo.errors import ConfigError
+from gspo.logprobs import check_head
 from gspo.moe import is_moe
 
 transformers.utils.logging.disable_progress_bar()  # no per-load progress bars between our own lines
@@ -157,6 +158,9 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
         log(f"gspo: {model_class.__name__}: attention {impl}" + (" (auto)" if attn == "auto" else "")
             + "".join(f"; {n}" for n in notes))
     model = model_class.from_pretrained(path, config=config, dtype=dtype, attn_implementation=impl, use_safetensors=True)
+    if not check_head(model) and log is not None:
+        log(f"gspo: {model_class.__name__} transforms its LM head's logits (soft-cap, scale ...): "
+            "log-probs are read off its own logits, not computed chunk by chunk")
     return model, tokenizer
 
 

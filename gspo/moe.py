@@ -75,10 +75,29 @@ def is_moe(model: nn.Module) -> bool:
 
 
 def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not (isinstance(output, (tuple, list)) and len(output) == 3):
-        raise TypeError(f"{type(router).__name__} looks like a router but does not return "
-                        "(logits, scores, indices); routing capture/replay cannot wrap it")
-    return output[0], output[1], output[2]
+    """(logits (N, E), weights (N, k), indices (N, k)) from a router's output, in either format:
+
+    ``(logits, weights, indices)`` (most routers), or ``(dense weights (N, E), logits (N, E))``
+    with zeros off the chosen experts (Llama 4, whose MoE block weights every expert by it).
+    """
+    if isinstance(output, (tuple, list)) and len(output) == 3:
+        return output[0], output[1], output[2]
+    if (isinstance(output, (tuple, list)) and len(output) == 2 and all(isinstance(t, torch.Tensor) for t in output)
+            and output[0].shape == output[1].shape and output[0].shape[-1] == router.num_experts):
+        dense, logits = output
+        indices = dense.topk(router.top_k, dim=-1).indices
+        return logits, dense.gather(-1, indices), indices
+    raise TypeError(f"{type(router).__name__} looks like a router but returns neither (logits, scores, indices) "
+                    "nor (dense scores, logits); routing capture/replay cannot wrap it")
+
+
+def _pack(output: object, logits: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> object:
+    """The router's output with `weights` at `indices` instead of its own, in its own format."""
+    if len(output) == 3:
+        return type(output)((logits, weights, indices))
+    dense = torch.zeros_like(output[0]).scatter(-1, indices.reshape(-1, indices.shape[-1]).long(),
+                                                weights.reshape(-1, weights.shape[-1]).to(output[0].dtype))
+    return type(output)((dense.view_as(output[0]), output[1]))
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -137,21 +156,32 @@ def _detect(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indic
 
     Tried in the order the router's attributes suggest (``e_score_correction_bias``: sigmoid
     first; ``norm_topk_prob``: the declared normalisation first), so that an output both
-    rules explain (k=1 renormalised: all weights 1) is read as the router declares.
+    rules explain (k=1 renormalised: all weights 1) is read as the router declares. The
+    constant factor (DeepSeek-V3's ``routed_scaling_factor``, HY-V3's ``router_scaling_factor``
+    ...) is fitted by least squares, then the fit must hold on every weight.
     """
     if type(router).__name__ in UNREPLAYABLE:
         return None
-    scale = float(getattr(router, "routed_scaling_factor", None) or 1.0)
     kinds = ("sigmoid", "softmax") if hasattr(router, "e_score_correction_bias") else ("softmax", "sigmoid")
     declared = getattr(router, "norm_topk_prob", None)
     norms = (declared, not declared) if isinstance(declared, bool) else (True, False)
     tol = 1e-4 if scores.dtype in (torch.float32, torch.float64) else 2e-2
+    target = scores.float()
     for kind in kinds:
         for norm in norms:
-            rule = Scoring(kind, norm, scale)
-            if torch.allclose(rule.weights(logits, indices), scores.float(), atol=tol * scale):
-                return rule
+            w = Scoring(kind, norm).weights(logits, indices)
+            scale = float((w * target).sum() / (w * w).sum().clamp_min(1e-30))
+            if scale > 0 and torch.allclose(w * scale, target, atol=tol * max(1.0, scale)):
+                return Scoring(kind, norm, _snap(router, scale))
     return None
+
+
+def _snap(router: nn.Module, scale: float) -> float:
+    """The fitted factor, or the router's declared one (or 1) where the fit is that up to rounding."""
+    for declared in (getattr(router, "routed_scaling_factor", None), getattr(router, "router_scaling_factor", None), 1.0):
+        if isinstance(declared, (int, float)) and declared > 0 and abs(scale / declared - 1) < 1e-4:
+            return float(declared)
+    return scale
 
 
 def _scoring(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> Optional[Scoring]:
@@ -173,39 +203,46 @@ def _unsupported(router: nn.Module) -> str:
             "use moe.routing_replay=none for this model")
 
 
-def check_routers(model: nn.Module, replay: bool) -> None:
+def check_routers(model: nn.Module, replay: bool) -> Optional[str]:
     """Refuse, in one line (ConfigError), a model whose routing gspo cannot handle as asked.
 
-    A model with expert modules but no router `find_routers` can wrap is refused (never
-    trained as if it were dense); with `replay`, so is a router whose scoring rule
-    replay cannot reproduce. Runs one tiny forward (eval mode, no grad) to read each
-    router's rule off its output.
+    A model with expert modules but no router `find_routers` can wrap is never taken for a
+    dense one: with `replay` it is refused, else the returned note (to log) says that it
+    trains without routing statistics or aux loss. With `replay`, a router whose scoring
+    rule replay cannot reproduce, or that returns something else than (logits, scores,
+    indices), is refused: one tiny forward (eval mode, no grad) reads each router's rule.
     """
     from gspo.errors import ConfigError
 
     routers = find_routers(model)
     if not routers:
-        experts = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().endswith("experts")})
-        if experts:
-            raise ConfigError(f"model.path: {type(model).__name__} has experts ({', '.join(experts)}) but no router gspo "
-                              "can wrap (a module with top_k, num_experts and weight returning (logits, scores, indices)); "
-                              "routing capture, replay and the aux loss would silently not run")
-        return
+        blocks = {n.rpartition(".")[0] for n, m in model.named_modules() if type(m).__name__.lower().endswith("experts")}
+        if not blocks:
+            return None
+        block = model.get_submodule(sorted(blocks)[0])
+        gates = sorted({type(c).__name__ for c in block.children()
+                        if any(w in type(c).__name__.lower() for w in ("router", "gate"))})
+        what = (f"{type(model).__name__}'s experts are routed by {', '.join(gates) or 'no router module'}, which gspo "
+                "cannot wrap (it needs a module with top_k, num_experts and weight that returns (logits, scores, indices))")
+        if replay:
+            raise ConfigError(f"moe.routing_replay: {what}; use moe.routing_replay=none")
+        return f"gspo: note: {what}: it trains without routing statistics, replay or load-balancing loss"
     if not replay:
-        return
+        return None
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), capture_routing(model, logprobs=False):
             vocab = model.get_input_embeddings().weight.shape[0]
             model(input_ids=torch.arange(8, device=routers[0].weight.device)[None] % vocab, use_cache=False)
-    except TypeError as e:  # _unpack: not a (logits, scores, indices) router
+    except TypeError as e:  # _unpack: not a router output format gspo reads
         raise ConfigError(f"moe.routing_replay: {e}") from None
     finally:
         model.train(was_training)
     for r in routers:
         if _SCORING.get(r) is None:
             raise ConfigError(_unsupported(r))
+    return None
 
 
 # ----------------------------------------------------------------------------- capture
@@ -391,7 +428,7 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
             # The router's own weights of the forced experts: the gradient path to the router.
             w = scoring.weights(logits.reshape(-1, logits.shape[-1]), idx)
             w = torch.where(keep_live, scores.reshape(-1, k), w.to(scores.dtype))
-            return type(output)((logits, w.reshape(scores.shape), idx.reshape(shape)))
+            return _pack(output, logits, w.reshape(scores.shape), idx.reshape(shape))
         return hook
 
     # prepend: run before capture hooks (and HF's own output recorders) on the same router.

@@ -51,10 +51,12 @@ class MoEStep:
     def for_model(model: torch.nn.Module, cfg, dist, old_pass: bool) -> "MoEStep":
         """The component for this run: `_MoE` for a model with top-k routers, else this inert base.
 
-        Refuses (ConfigError, one line) experts without a router gspo can wrap, and routers
-        that `moe.routing_replay` cannot replay.
+        Refuses (ConfigError, one line) a router that `moe.routing_replay` cannot replay;
+        experts without a router gspo can wrap are refused for replay, else noted.
         """
-        moe.check_routers(model, replay=cfg.moe.routing_replay != "none")
+        note = moe.check_routers(model, replay=cfg.moe.routing_replay != "none")
+        if note and dist.is_main:
+            print(note)
         return _MoE(model, cfg, dist, old_pass) if moe.is_moe(model) else MoEStep()
 
     def sample_kwargs(self) -> dict:
