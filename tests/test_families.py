@@ -1,0 +1,244 @@
+"""`model=hf` on every model family: tiny checkpoints built from transformers' own config classes here.
+
+Fast (default suite): the log-probs gspo computes equal a plain forward's on each dense family; on
+each MoE family, routing replay pins the experts (the replayed pass routes exactly as forced), the
+live routing is still recorded, and replaying a model's own routing changes nothing; the two
+failures of issue 15 (DeepSeek-V3 in the sampler, GPT-OSS's attention) train; every family trains
+2 RL steps, MoE ones under R2 and R3 (Qwen3-Next's: slow, its gated DeltaNet runs torch's fallback).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from gspo import moe
+from gspo.config import compose
+from gspo.errors import ConfigError
+from gspo.logprobs import check_head
+from gspo.models import _normalise_config, char_tokenizer, choose_attention, load_pretrained
+from gspo.rollout import generate, left_pad, position_ids, token_logprobs
+from gspo.trainer import train
+
+ALPHABET = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz:,.?\n#<>"
+# Set where a config class has the key: 2 layers, width 32, 4 experts top-2 in 2 groups (one picked).
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+             intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+             max_position_embeddings=256, num_experts=4, num_local_experts=4, n_routed_experts=4,
+             num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0,
+             decoder_sparse_step=1, mlp_only_layers=[], q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+             qk_nope_head_dim=8, v_head_dim=16, n_embd=32, n_layer=2, n_head=2, n_positions=256, sliding_window=64,
+             tie_word_embeddings=True)
+EXTRA = {
+    "deepseek_v3": dict(head_dim=8, num_attention_heads=4, num_key_value_heads=2),  # MLA; kv heads < heads: the sampler bug
+    "gemma2": dict(final_logit_softcapping=30.0),  # the LM head's logits soft-capped
+    "granite": dict(logits_scaling=4.0),  # ... and scaled
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),  # gated DeltaNet + attention
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # Mamba
+}
+DENSE = ["llama", "gpt2", "mistral", "gemma3_text", "phi3", "qwen2", "qwen3", "gemma2", "granite", "cohere"]
+MOE = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3",
+       "glm4_moe", "llama4_text", "qwen3_next", "jamba"]
+NOT_REPLAYABLE = {"phimoe": "PhimoeTopKRouter cannot be replayed: sparsemixer"}
+
+
+def tiny_config(model_type: str, tok):
+    base = AutoConfig.for_model(model_type).to_dict()
+    kw = {k: v for k, v in SMALL.items() if k in base}
+    kw.update(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+              bos_token_id=tok.eos_token_id, **EXTRA.get(model_type, {}))
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def tiny_model(model_type: str, seed: int = 0):
+    """A random tiny model of the family, with routers spread (std 1) so that routing is not a tie."""
+    tok = char_tokenizer(ALPHABET)
+    config = tiny_config(model_type, tok)
+    _normalise_config(config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for r in moe.find_routers(model):
+        torch.nn.init.normal_(r.weight, std=1.0)
+    return model, tok
+
+
+def tiny_checkpoint(model_type: str, path: Path) -> Path:
+    tok = char_tokenizer(ALPHABET)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(model_type, tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def batch(tok, seed: int = 0):
+    """4 left-padded rows of different lengths: every family must handle padding."""
+    rng = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, len(tok), (n,), generator=rng).tolist() for n in (7, 5, 6, 3)]
+    return left_pad(seqs, tok.pad_token_id)
+
+
+# --------------------------------------------------------------------------- dense: log-probs
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_logprobs_equal_a_plain_forward(family, tmp_path):
+    """gspo's token log-probs (chunked head, or the model's own logits where it transforms them) = a plain forward."""
+    model, tok = load_pretrained(tiny_checkpoint(family, tmp_path / family))
+    model.eval()
+    with torch.no_grad():
+        ro = generate(model, tok, ["12+3=", "7*8=", "1="], 2, 5, generator=torch.Generator().manual_seed(0))
+        got = token_logprobs(model, ro, temperature=0.7)[0]
+        ids, mask = ro.input_ids, ro.attention_mask
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.float() / 0.7
+        want = torch.log_softmax(logits[:, ro.prompt_len - 1 : -1], -1).gather(-1, ro.completion_ids[..., None])[..., 0]
+    want = want * ro.completion_mask
+    assert ro.completion_mask.sum() > 0
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # the sampler's own log-probs are those of the same distribution
+    assert torch.allclose(ro.sampler_logp, token_logprobs(model, ro)[0], atol=1e-4)
+
+
+def test_check_head_finds_logit_transforms():
+    for family, plain in (("llama", True), ("gemma2", False), ("granite", False), ("cohere", False)):
+        model, _ = tiny_model(family)
+        assert check_head(model) is plain, family
+
+
+# --------------------------------------------------------------------------- MoE: routing on every router
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_replay_pins_the_experts_on_every_router_family(family):
+    model, tok = tiny_model(family)
+    moe.check_routers(model, replay=True)  # refuses nothing here
+    routers = moe.find_routers(model)
+    assert routers, family
+    ids, mask = batch(tok)
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
+    with torch.no_grad(), moe.capture_routing(model) as own:
+        ref = model(**kw).logits
+    B = ids.shape[0]
+    own_idx = own.indices(B)
+    # the router's distribution: rows of probabilities summing to 1
+    assert torch.allclose(own.logprobs(B).exp().sum(-1), torch.ones(own_idx.shape[:3]), atol=1e-5)
+    with torch.no_grad(), moe.replay_routing(model, own_idx):
+        assert torch.allclose(model(**kw).logits, ref, atol=1e-5), "replaying its own routing changed the output"
+    E, k = routers[0].num_experts, own_idx.shape[-1]
+    gen = torch.Generator().manual_seed(1)
+    other = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(own_idx[..., 0].numel())]).view_as(own_idx)
+    with moe.replay_routing(model, other), moe.capture_routing(model, keep_logits=True) as got:
+        out = model(**kw).logits
+        out.square().mean().backward()
+    assert torch.equal(got.indices(B).sort(-1).values, other.sort(-1).values), "replay did not pin the experts"
+    # the live routing is still recorded: the first MoE layer sees the same input, so its own pick
+    assert torch.equal(got.live_indices(B)[:, :, 0].sort(-1).values, own_idx[:, :, 0].sort(-1).values)
+    assert not torch.allclose(out, ref, atol=1e-4)
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers), "no gradient to a router"
+    mask_f = mask.float()
+    metrics = moe.moe_metrics(own_idx, got.live_indices(B), own.logprobs(B), own.logprobs(B), mask_f, E)
+    assert 0.0 <= metrics["moe/routing_volatility"] <= 1.0 and metrics["moe/router_shift"] == pytest.approx(1.0)
+    aux = moe.load_balancing_loss(got.logits(), k, mask, scorings=got.scorings, chosen=got.live())
+    assert torch.isfinite(aux) and aux > 0
+
+
+@pytest.mark.parametrize("family,message", sorted(NOT_REPLAYABLE.items()))
+def test_unreplayable_router_is_refused_in_one_line(family, message):
+    model, _ = tiny_model(family)
+    assert moe.check_routers(model, replay=False) is None  # capture and statistics work
+    with pytest.raises(ConfigError, match=message):
+        moe.check_routers(model, replay=True)
+
+
+def test_experts_without_a_wrappable_router_are_never_taken_for_dense():
+    model, _ = tiny_model("hunyuan_v1_moe")
+    assert not moe.find_routers(model)
+    assert "HunYuanMoEV1Gate" in moe.check_routers(model, replay=False)
+    with pytest.raises(ConfigError, match="HunYuanMoEV1Gate, which gspo cannot wrap"):
+        moe.check_routers(model, replay=True)
+
+
+# --------------------------------------------------------------------------- attention and the two regressions
+
+
+def test_attention_auto_picks_what_the_class_supports_and_refuses_the_rest():
+    from transformers import GptOssForCausalLM, LlamaForCausalLM
+
+    assert choose_attention(LlamaForCausalLM, "auto") == "sdpa"
+    assert choose_attention(GptOssForCausalLM, "auto") == "eager"  # no SDPA: sinks
+    assert choose_attention(GptOssForCausalLM, "eager") == "eager"
+    with pytest.raises(ConfigError, match="attn_implementation=sdpa: GptOssForCausalLM does not support it"):
+        choose_attention(GptOssForCausalLM, "sdpa")
+
+
+def test_mla_with_fewer_kv_heads_samples_padded_batches():
+    """Issue 15: DeepSeek-V3 (MLA, num_key_value_heads < heads) failed in the sampler on left-padded prompts."""
+    tok = char_tokenizer(ALPHABET)
+    config = tiny_config("deepseek_v3", tok)
+    assert config.num_key_value_heads < config.num_attention_heads
+    notes = _normalise_config(config)
+    assert config.num_key_value_heads == config.num_attention_heads and "latent attention" in notes[0]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ro = generate(model, tok, ["12+3=", "1+2=", "123+45="], 4, 4, generator=torch.Generator().manual_seed(0))
+    assert ro.input_ids.shape[0] == 12 and ro.attention_mask[:, 0].sum() < 12  # padded rows were sampled
+
+
+def run_config(path: Path, cache_dir, **extra) -> list[str]:
+    base = {"model": "hf", "model.path": str(path), "train.steps": 2, "hardware.threads": 1,
+            "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 4, "task.eval_size": 8,
+            "logger.progress": False, "algo": "grpo", "cache_dir": str(cache_dir)}
+    return [f"{k}={v}" for k, v in {**base, **extra}.items()]
+
+
+def trains(family: str, tmp_path: Path, cache_dir, **extra) -> dict:
+    path = tiny_checkpoint(family, tmp_path / family)
+    run_dir = tmp_path / "run"
+    summary = train(compose(run_config(path, cache_dir, **extra)), run_dir)
+    assert summary["status"] == "finished" and summary["steps"] == 2
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_issue_15_failures_train_under_r3(family, tmp_path, cache_dir, capsys):
+    last = trains(family, tmp_path, cache_dir, **{"moe.routing_replay": "R3", "rollout.old_logprobs": "recompute"})
+    assert last["moe/update_mismatch"] == 0.0 and "moe/routing_volatility" in last
+    assert "attention eager (auto)" in capsys.readouterr().out or family != "gpt_oss"
+
+
+def test_an_explicit_attention_the_class_refuses_is_one_line(tmp_path, cache_dir):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from test_cli import one_line_exit_2
+
+    path = tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss")
+    res = CliRunner().invoke(app, ["train", *run_config(path, cache_dir, **{"model.attn_implementation": "sdpa"}),
+                                   f"hydra.run.dir={tmp_path / 'run'}"])
+    one_line_exit_2(res, "model.attn_implementation=sdpa", "GptOssForCausalLM")
+
+
+# --------------------------------------------------------------------------- the whole matrix trains
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_dense_family_trains(family, tmp_path, cache_dir):
+    trains(family, tmp_path, cache_dir)
+
+
+@pytest.mark.parametrize("replay", ["R2", "R3"])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "qwen3_next" else f for f in MOE])
+def test_moe_family_trains_under_replay(family, replay, tmp_path, cache_dir):
+    last = trains(family, tmp_path, cache_dir, **{"moe.routing_replay": replay, "rollout.old_logprobs": "recompute"})
+    assert last["moe/update_mismatch"] == 0.0  # the update pass routed exactly as replayed
+    assert "moe/routing_volatility" in last and "moe/router_shift" in last
+
+
+def test_unreplayable_family_trains_without_replay_and_is_refused_with_it(tmp_path, cache_dir):
+    last = trains("phimoe", tmp_path, cache_dir)
+    assert "moe/routing_volatility" in last
+    with pytest.raises(ConfigError, match="PhimoeTopKRouter cannot be replayed"):
+        trains("phimoe", tmp_path / "again", cache_dir, **{"moe.routing_replay": "R3"})
