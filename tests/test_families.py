@@ -242,3 +242,16 @@ def test_unreplayable_family_trains_without_replay_and_is_refused_with_it(tmp_pa
     assert "moe/routing_volatility" in last
     with pytest.raises(ConfigError, match="PhimoeTopKRouter cannot be replayed"):
         trains("phimoe", tmp_path / "again", cache_dir, **{"moe.routing_replay": "R3"})
+
+
+@pytest.mark.parametrize("family,replay", [("deepseek_v3", "R3"), ("llama4_text", "R2"), ("gemma2", "none")])
+def test_lora_on_other_families(family, replay, tmp_path, cache_dir):
+    last = trains(family, tmp_path, cache_dir, **{"model.lora.r": 4, "model.lora.dropout": 0,
+                                                  "moe.routing_replay": replay, "rollout.old_logprobs": "recompute"})
+    assert last.get("moe/update_mismatch", 0.0) == 0.0
+
+
+def test_lora_on_gpt2_names_its_conv1d_layers(tmp_path, cache_dir):
+    with pytest.raises(ConfigError, match="its Linear modules: c_attn, c_fc, c_proj, lm_head"):
+        trains("gpt2", tmp_path, cache_dir, **{"model.lora.r": 4})
+    trains("gpt2", tmp_path / "again", cache_dir, **{"model.lora.r": 4, "model.lora.target_modules": "[c_attn,c_fc,c_proj]"})
