@@ -255,3 +255,23 @@ def test_lora_on_gpt2_names_its_conv1d_layers(tmp_path, cache_dir):
     with pytest.raises(ConfigError, match="its Linear modules: c_attn, c_fc, c_proj, lm_head"):
         trains("gpt2", tmp_path, cache_dir, **{"model.lora.r": 4})
     trains("gpt2", tmp_path / "again", cache_dir, **{"model.lora.r": 4, "model.lora.target_modules": "[c_attn,c_fc,c_proj]"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,extra", [
+    ("deepseek_v3", {"moe.routing_replay": "R3", "model.router_aux_loss_coef": 0.1}),  # sigmoid router, aux loss
+    ("gpt_oss", {"moe.routing_replay": "R2"}),
+    ("gemma2", {}),  # log-probs off the model's own (soft-capped) logits, through the FSDP2 wrapper
+])
+def test_fsdp2_on_other_families_computes_what_one_process_computes(family, extra, tmp_path, cache_dir):
+    from test_distributed import assert_same_run, cli
+
+    path = tiny_checkpoint(family, tmp_path / family)
+    # lr 3e-4: Adam moves an element whose gradient is near its eps by a rounding-dependent ~lr x 1e-2
+    opts = [*run_config(path, cache_dir, **{"train.steps": 1, "train.lr": 3e-4, "train.warmup_steps": 0,
+                                            "logger.wandb_cfg.samples_every": 1,
+                                            "rollout.old_logprobs": "recompute", **extra})]
+    train(compose(opts), tmp_path / "one")
+    cli("train", *opts, "hardware=cpu-ddp", "hardware.strategy=fsdp", "hardware.threads=1",
+        f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
+    assert_same_run(tmp_path / "one", tmp_path / "two")
