@@ -40,7 +40,7 @@ EXTRA = {
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),  # gated DeltaNet + attention
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # Mamba
 }
-DENSE = ["llama", "gpt2", "mistral", "gemma3_text", "phi3", "qwen2", "qwen3", "gemma2", "granite", "cohere"]
+DENSE = ["llama", "gpt2", "mistral", "gemma3_text", "phi3", "qwen2", "qwen3", "gemma2", "granite", "cohere", "mamba"]
 MOE = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3",
        "glm4_moe", "llama4_text", "qwen3_next", "jamba"]
 NOT_REPLAYABLE = {"phimoe": "PhimoeTopKRouter cannot be replayed: sparsemixer"}
@@ -159,6 +159,29 @@ def test_experts_without_a_wrappable_router_are_never_taken_for_dense():
     assert "HunYuanMoEV1Gate" in moe.check_routers(model, replay=False)
     with pytest.raises(ConfigError, match="HunYuanMoEV1Gate, which gspo cannot wrap"):
         moe.check_routers(model, replay=True)
+
+
+# --------------------------------------------------------------------------- the sampler = model.generate
+
+# caches of every kind: MLA latent (DeepSeek-V3), sinks (GPT-OSS), sliding window (Gemma 3, Mistral), hybrid
+# linear-attention / convolution / Mamba layers (Qwen3-Next, Jamba, LFM2, Falcon-H1), and no KV cache (GPT-1, Mamba)
+GENERATE = ["llama", "gpt2", "mistral", "gemma3_text", "gemma2", "phi3", "deepseek_v3", "gpt_oss", "glm4_moe",
+            "llama4_text", "qwen3_next", "jamba", "lfm2", "falcon_h1", "openai-gpt", "mamba"]
+
+
+@pytest.mark.parametrize("family", GENERATE)
+def test_greedy_sampler_equals_model_generate_on_padded_prompts(family):
+    model, tok = tiny_model(family)
+    model.config._attn_implementation = choose_attention(type(model), "auto")
+    prompts = ["12+3=", "7*8=", "123+45="]
+    with torch.no_grad():
+        ro = generate(model, tok, prompts, 1, 6, greedy=True)
+        ids, mask = left_pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id)
+        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
+    for ours, theirs, m in zip(ro.completion_ids, hf, ro.completion_mask):
+        n = int(m.sum())
+        assert torch.equal(ours[:n], theirs[:n]), (ours, theirs)
 
 
 # --------------------------------------------------------------------------- attention and the two regressions
