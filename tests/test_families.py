@@ -43,6 +43,12 @@ EXTRA = {
 DENSE = ["llama", "gpt2", "mistral", "gemma3_text", "phi3", "qwen2", "qwen3", "gemma2", "granite", "cohere", "mamba"]
 MOE = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3",
        "glm4_moe", "llama4_text", "qwen3_next", "jamba"]
+SCORING = {  # (kind, renormalised over the top-k, factor) each family's router is read as (docs/contracts.md section 6)
+    "mixtral": ("softmax", True, 1.0), "olmoe": ("softmax", False, 1.0), "qwen2_moe": ("softmax", False, 1.0),
+    "qwen3_moe": ("softmax", False, 1.0), "granitemoe": ("softmax", True, 1.0), "ernie4_5_moe": ("softmax", True, 1.0),
+    "gpt_oss": ("softmax", True, 1.0), "deepseek_v3": ("sigmoid", True, 2.5), "glm4_moe": ("sigmoid", True, 1.0),
+    "llama4_text": ("sigmoid", False, 1.0), "qwen3_next": ("softmax", True, 1.0), "jamba": ("softmax", False, 1.0),
+}
 NOT_REPLAYABLE = {"phimoe": "PhimoeTopKRouter cannot be replayed: sparsemixer"}
 
 
@@ -123,6 +129,7 @@ def test_replay_pins_the_experts_on_every_router_family(family):
         ref = model(**kw).logits
     B = ids.shape[0]
     own_idx = own.indices(B)
+    assert {(r.kind, r.normalise, r.scale) for r in own.scorings} == {SCORING[family]}
     # the router's distribution: rows of probabilities summing to 1
     assert torch.allclose(own.logprobs(B).exp().sum(-1), torch.ones(own_idx.shape[:3]), atol=1e-5)
     with torch.no_grad(), moe.replay_routing(model, own_idx):
