@@ -128,6 +128,11 @@ class Scoring:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * self.scale
 
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) float32 the router's distribution over experts: `log_probs`, exponentiated."""
+        a = self.affinities(logits)
+        return a if self.kind == "softmax" else a / a.sum(-1, keepdim=True)
+
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(N, E) float32 log of the router's distribution over experts (rows sum to 1 in prob).
 
@@ -546,7 +551,7 @@ def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tens
     counts = torch.zeros(E, dtype=torch.float32, device=logits[0].device)
     prob_sum = torch.zeros(E, dtype=torch.float32, device=logits[0].device)
     for l, layer in enumerate(logits):
-        p = (scorings[l] if scorings else SOFTMAX).log_probs(layer).exp()
+        p = (scorings[l] if scorings else SOFTMAX).probs(layer)
         picked = chosen[l] if chosen is not None else p.topk(top_k, dim=-1).indices
         counts = counts.scatter_add(0, picked.reshape(-1).to(counts.device), m.repeat_interleave(top_k))
         prob_sum = prob_sum + (p * m[:, None]).sum(0)

@@ -371,6 +371,7 @@ def test_scoring_weights_and_distribution_hand_computed():
     assert torch.allclose(Scoring("sigmoid", False).weights(logits, idx), torch.tensor([[0.75, 0.5]]))
     # the distribution: affinities normalised over all experts, 1/2 : 3/4 : 1/4 = 1/3 : 1/2 : 1/6
     assert torch.allclose(sig.log_probs(logits).exp(), torch.tensor([[1 / 3, 1 / 2, 1 / 6]]))
+    assert torch.allclose(sig.probs(logits), torch.tensor([[1 / 3, 1 / 2, 1 / 6]]))
     soft = Scoring("softmax", normalise=False)  # softmax of (0, ln 3, -ln 3) = (3, 9, 1) / 13
     assert torch.allclose(soft.weights(logits, idx), torch.tensor([[9 / 13, 3 / 13]]))
     assert torch.allclose(Scoring("softmax", True).weights(logits, idx), torch.tensor([[0.75, 0.25]]))
