@@ -1,7 +1,7 @@
 """Mixture-of-Experts routing: capture, Routing Replay (R2/R3) and routing statistics.
 
 Works on any Hugging Face MoE whose router is a module with ``top_k``, ``num_experts``
-and ``weight`` that returns ``(router_logits (N, E), scores (N, k), indices (N, k))``
+and ``weight`` (its own, or its only child's, a Linear) that returns ``(router_logits (N, E), scores (N, k), indices (N, k))``
 (transformers >= 5: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, Granite-MoE, DeepSeek-V3,
 GLM-4 MoE ...). How a router turns logits into the weights of its experts (its `Scoring`:
 softmax or sigmoid, renormalised over the top-k or not, times a constant) is read off its
@@ -45,13 +45,23 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- discovery
+def router_weight(module: nn.Module) -> Optional[torch.Tensor]:
+    """A router's (E, H) weight: its own ``weight``, or that of its only child, a Linear (HunYuan's ``wg``, AFMoE's
+    ``gate``, LongCat's ``classifier``)."""
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w
+    children = list(module.children())
+    return children[0].weight if len(children) == 1 and isinstance(children[0], nn.Linear) else None
+
+
 def _is_router(module: nn.Module) -> bool:
     """A top-k router by duck typing: the attributes every HF (>= 5) MoE router carries."""
     top_k, num_experts = getattr(module, "top_k", None), getattr(module, "num_experts", None)
-    # The sparse MoE block of some models also has top_k/num_experts, but no `weight`;
-    # the experts module has num_experts but no top_k.
+    # The sparse MoE block of some models also has top_k/num_experts, but no weight of its own and
+    # several children; the experts module has num_experts but no top_k.
     return (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts
-            and isinstance(getattr(module, "weight", None), torch.Tensor))
+            and router_weight(module) is not None)
 
 
 _ROUTERS: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
@@ -209,44 +219,47 @@ def _unsupported(router: nn.Module) -> str:
 
 
 def check_routers(model: nn.Module, replay: bool) -> Optional[str]:
-    """Refuse, in one line (ConfigError), a model whose routing gspo cannot handle as asked.
+    """Whether gspo can handle the model's routing as asked: refuse (ConfigError, one line), or a note.
 
-    A model with expert modules but no router `find_routers` can wrap is never taken for a
-    dense one: with `replay` it is refused, else the returned note (to log) says that it
-    trains without routing statistics or aux loss. With `replay`, a router whose scoring
-    rule replay cannot reproduce, or that returns something else than (logits, scores,
-    indices), is refused: one tiny forward (eval mode, no grad) reads each router's rule.
+    A model with expert modules but no router `find_routers` finds, or whose routers return
+    a format gspo cannot read, is never taken for a dense one in silence: with `replay` it is
+    refused; without, the returned note (to log) says it trains without routing statistics
+    or aux loss (None: the routers are usable). With `replay`, a router whose scoring rule
+    replay cannot reproduce is refused too. One tiny forward (eval mode, no grad) reads each
+    router's output and rule.
     """
     from gspo.errors import ConfigError
 
     routers = find_routers(model)
+    what = None
     if not routers:
         blocks = {n.rpartition(".")[0] for n, m in model.named_modules() if type(m).__name__.lower().endswith("experts")}
         if not blocks:
-            return None
+            return None  # a dense model
         block = model.get_submodule(sorted(blocks)[0])
         gates = sorted({type(c).__name__ for c in block.children()
                         if any(w in type(c).__name__.lower() for w in ("router", "gate"))})
         what = (f"{type(model).__name__}'s experts are routed by {', '.join(gates) or 'no router module'}, which gspo "
                 "cannot wrap (it needs a module with top_k, num_experts and weight that returns (logits, scores, indices))")
+    else:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), capture_routing(model, logprobs=False):
+                vocab = model.get_input_embeddings().weight.shape[0]
+                model(input_ids=torch.arange(8, device=router_weight(routers[0]).device)[None] % vocab, use_cache=False)
+        except TypeError as e:  # _unpack: not a router output format gspo reads
+            what = str(e)
+        finally:
+            model.train(was_training)
+    if what is not None:
         if replay:
             raise ConfigError(f"moe.routing_replay: {what}; use moe.routing_replay=none")
         return f"gspo: note: {what}: it trains without routing statistics, replay or load-balancing loss"
-    if not replay:
-        return None
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), capture_routing(model, logprobs=False):
-            vocab = model.get_input_embeddings().weight.shape[0]
-            model(input_ids=torch.arange(8, device=routers[0].weight.device)[None] % vocab, use_cache=False)
-    except TypeError as e:  # _unpack: not a router output format gspo reads
-        raise ConfigError(f"moe.routing_replay: {e}") from None
-    finally:
-        model.train(was_training)
-    for r in routers:
-        if _SCORING.get(r) is None:
-            raise ConfigError(_unsupported(r))
+    if replay:
+        for r in routers:
+            if _SCORING.get(r) is None:
+                raise ConfigError(_unsupported(r))
     return None
 
 

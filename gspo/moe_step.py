@@ -52,11 +52,14 @@ class MoEStep:
         """The component for this run: `_MoE` for a model with top-k routers, else this inert base.
 
         Refuses (ConfigError, one line) a router that `moe.routing_replay` cannot replay;
-        experts without a router gspo can wrap are refused for replay, else noted.
+        experts whose routing gspo cannot read are refused for replay, else noted (and
+        trained with this inert base).
         """
         note = moe.check_routers(model, replay=cfg.moe.routing_replay != "none")
-        if note and dist.is_main:
-            print(note)
+        if note:  # experts whose routing gspo cannot read: they train, without the MoE component
+            if dist.is_main:
+                print(note)
+            return MoEStep()
         return _MoE(model, cfg, dist, old_pass) if moe.is_moe(model) else MoEStep()
 
     def sample_kwargs(self) -> dict:

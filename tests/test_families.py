@@ -42,12 +42,13 @@ EXTRA = {
 }
 DENSE = ["llama", "gpt2", "mistral", "gemma3_text", "phi3", "qwen2", "qwen3", "gemma2", "granite", "cohere", "mamba"]
 MOE = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3",
-       "glm4_moe", "llama4_text", "qwen3_next", "jamba"]
+       "glm4_moe", "llama4_text", "qwen3_next", "jamba", "hunyuan_v1_moe", "afmoe"]
 SCORING = {  # (kind, renormalised over the top-k, factor) each family's router is read as (docs/contracts.md section 6)
     "mixtral": ("softmax", True, 1.0), "olmoe": ("softmax", False, 1.0), "qwen2_moe": ("softmax", False, 1.0),
     "qwen3_moe": ("softmax", False, 1.0), "granitemoe": ("softmax", True, 1.0), "ernie4_5_moe": ("softmax", True, 1.0),
     "gpt_oss": ("softmax", True, 1.0), "deepseek_v3": ("sigmoid", True, 2.5), "glm4_moe": ("sigmoid", True, 1.0),
     "llama4_text": ("sigmoid", False, 1.0), "qwen3_next": ("softmax", True, 1.0), "jamba": ("softmax", False, 1.0),
+    "hunyuan_v1_moe": ("softmax", True, 1.0), "afmoe": ("sigmoid", True, 1.0),  # routers whose weight is a child Linear's
 }
 NOT_REPLAYABLE = {"phimoe": "PhimoeTopKRouter cannot be replayed: sparsemixer"}
 
@@ -68,7 +69,7 @@ def tiny_model(model_type: str, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     for r in moe.find_routers(model):
-        torch.nn.init.normal_(r.weight, std=1.0)
+        torch.nn.init.normal_(moe.router_weight(r), std=1.0)
     return model, tok
 
 
@@ -144,7 +145,8 @@ def test_replay_pins_the_experts_on_every_router_family(family):
     # the live routing is still recorded: the first MoE layer sees the same input, so its own pick
     assert torch.equal(got.live_indices(B)[:, :, 0].sort(-1).values, own_idx[:, :, 0].sort(-1).values)
     assert not torch.allclose(out, ref, atol=1e-4)
-    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers), "no gradient to a router"
+    grads = [moe.router_weight(r).grad for r in routers]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads), "no gradient to a router"
     mask_f = mask.float()
     metrics = moe.moe_metrics(own_idx, got.live_indices(B), own.logprobs(B), own.logprobs(B), mask_f, E)
     assert 0.0 <= metrics["moe/routing_volatility"] <= 1.0 and metrics["moe/router_shift"] == pytest.approx(1.0)
@@ -160,12 +162,14 @@ def test_unreplayable_router_is_refused_in_one_line(family, message):
         moe.check_routers(model, replay=True)
 
 
-def test_experts_without_a_wrappable_router_are_never_taken_for_dense():
-    model, _ = tiny_model("hunyuan_v1_moe")
-    assert not moe.find_routers(model)
-    assert "HunYuanMoEV1Gate" in moe.check_routers(model, replay=False)
-    with pytest.raises(ConfigError, match="HunYuanMoEV1Gate, which gspo cannot wrap"):
+def test_a_router_gspo_cannot_read_is_never_taken_for_dense(tmp_path, cache_dir, capsys):
+    """JetMoE's gating returns its own tuple: refused for replay; without, it trains with a note and no MoE stats."""
+    model, _ = tiny_model("jetmoe")
+    assert "JetMoeTopKGating looks like a router but returns neither" in moe.check_routers(model, replay=False)
+    with pytest.raises(ConfigError, match="moe.routing_replay: JetMoeTopKGating"):
         moe.check_routers(model, replay=True)
+    last = trains("jetmoe", tmp_path, cache_dir)
+    assert "gspo: note: JetMoeTopKGating" in capsys.readouterr().out and "moe/routing_volatility" not in last
 
 
 # --------------------------------------------------------------------------- the sampler = model.generate
