@@ -35,7 +35,9 @@ SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key
              tie_word_embeddings=True)
 EXTRA = {
     "deepseek_v3": dict(head_dim=8, num_attention_heads=4, num_key_value_heads=2),  # MLA; kv heads < heads: the sampler bug
-    "gemma2": dict(final_logit_softcapping=30.0),  # the LM head's logits soft-capped
+    "gemma2": dict(final_logit_softcapping=30.0, sliding_window=4),  # the LM head's logits soft-capped
+    "mistral": dict(sliding_window=4),  # a window shorter than prompt + completion: the cache must roll
+    "gemma3_text": dict(sliding_window=4),
     "granite": dict(logits_scaling=4.0),  # ... and scaled
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),  # gated DeltaNet + attention
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # Mamba
