@@ -1,11 +1,14 @@
 """Mixture-of-Experts routing: capture, Routing Replay (R2/R3) and routing statistics.
 
 Works on any Hugging Face MoE whose router is a module with ``top_k``, ``num_experts``
-and ``weight`` (its own, or its only child's, a Linear) that returns ``(router_logits (N, E), scores (N, k), indices (N, k))``
+and a weight (its own, or its only child's, a Linear) that returns ``(router_logits (N, E),
+scores (N, k), indices (N, k))`` or, like Llama 4's, ``(dense scores (N, E), router_logits)``
 (transformers >= 5: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, Granite-MoE, DeepSeek-V3,
-GLM-4 MoE ...). How a router turns logits into the weights of its experts (its `Scoring`:
-softmax or sigmoid, renormalised over the top-k or not, times a constant) is read off its
-own output on its first call; replay and the router's distribution use that rule.
+GLM-4 MoE, Llama 4, HunYuan-MoE ...; docs/contracts.md section 6 lists those tested). How a
+router turns logits into the weights of its experts (its `Scoring`: softmax or sigmoid,
+renormalised over the top-k or not, times a constant) is read off its own output on its
+first call; replay and the router's distribution use that rule. `check_routers` refuses,
+in one line, what cannot be read or replayed.
 
 We wrap routers with forward hooks rather than re-implementing their forward: the
 router computes exactly what it always does and the hook only reads (capture) or

@@ -311,3 +311,11 @@ def test_fsdp2_on_other_families_computes_what_one_process_computes(family, extr
     cli("train", *opts, "hardware=cpu-ddp", "hardware.strategy=fsdp", "hardware.threads=1",
         f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
     assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_checkpoint_without_a_causal_lm_class_is_one_line(tmp_path):
+    tok = char_tokenizer(ALPHABET)
+    AutoConfig.for_model("t5", vocab_size=len(tok), d_model=32).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="T5Config has no causal-LM class"):
+        load_pretrained(tmp_path)
