@@ -111,7 +111,7 @@ def choose_attention(model_class: type, requested: str, device: torch.device | s
     return "sdpa" if supports("sdpa") else "eager"
 
 
-def _normalise_config(config) -> list[str]:
+def normalise_config(config) -> list[str]:
     """Fix, in place, config values that break a class's forward without changing its weights; notes on what changed.
 
     Multi-head latent attention (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, ...: `kv_lora_rank` set)
@@ -136,7 +136,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
 
     `attn`: a `model.attn_implementation` value (see `choose_attention`); `device` and `dtype`
     decide what `auto` may pick. `log` (e.g. print) gets one line on the choice and on any
-    config value `_normalise_config` corrected.
+    config value `normalise_config` corrected.
     """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -153,7 +153,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
                           f"{transformers.__version__}; gspo trains causal (decoder) language models")
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     impl = choose_attention(model_class, attn, device, dtype)
-    notes = _normalise_config(config)
+    notes = normalise_config(config)
     if log is not None:
         log(f"gspo: {model_class.__name__}: attention {impl}" + (" (auto)" if attn == "auto" else "")
             + "".join(f"; {n}" for n in notes))

@@ -32,14 +32,14 @@ def check(model_type: str) -> tuple[str, str]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from gspo.logprobs import check_head
-    from gspo.models import _normalise_config, char_tokenizer, choose_attention
+    from gspo.models import char_tokenizer, choose_attention, normalise_config
     from gspo.rollout import encode_prompts, generate, left_pad, position_ids, token_logprobs
 
     tok = char_tokenizer(tf.ALPHABET)
     try:
         base = AutoConfig.for_model(model_type).to_dict()
         kw = {k: v for k, v in tf.SMALL.items() if k in base}
-        if "num_hidden_layers" in kw:
+        if "num_hidden_layers" in kw and "layer_types" not in tf.EXTRA.get(model_type, {}):
             kw["num_hidden_layers"] = 4  # hybrids place their attention layers every few layers
         kw.update(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                   bos_token_id=tok.eos_token_id, **tf.EXTRA.get(model_type, {}))
@@ -47,7 +47,7 @@ def check(model_type: str) -> tuple[str, str]:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if getattr(text, "hidden_size", None) not in (None, 32):
             return "SKIP", f"{model_type}: SKIP (its config has no width the tiny builder sets)"
-        _normalise_config(config)
+        normalise_config(config)
         cls = AutoModelForCausalLM._model_mapping[type(config)]
         config._attn_implementation = choose_attention(cls, "auto")
         with torch.device("meta"):  # count first: some families keep sub-models the tiny builder does not shrink

@@ -20,7 +20,7 @@ from gspo import moe
 from gspo.config import compose
 from gspo.errors import ConfigError
 from gspo.logprobs import check_head
-from gspo.models import _normalise_config, char_tokenizer, choose_attention, load_pretrained
+from gspo.models import char_tokenizer, choose_attention, load_pretrained, normalise_config
 from gspo.rollout import generate, left_pad, position_ids, token_logprobs
 from gspo.trainer import train
 
@@ -67,7 +67,7 @@ def tiny_model(model_type: str, seed: int = 0):
     """A random tiny model of the family, with routers spread (std 1) so that routing is not a tie."""
     tok = char_tokenizer(ALPHABET)
     config = tiny_config(model_type, tok)
-    _normalise_config(config)
+    normalise_config(config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     for r in moe.find_routers(model):
@@ -215,7 +215,7 @@ def test_mla_with_fewer_kv_heads_samples_padded_batches():
     tok = char_tokenizer(ALPHABET)
     config = tiny_config("deepseek_v3", tok)
     assert config.num_key_value_heads < config.num_attention_heads
-    notes = _normalise_config(config)
+    notes = normalise_config(config)
     assert config.num_key_value_heads == config.num_attention_heads and "latent attention" in notes[0]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
