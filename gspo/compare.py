@@ -43,7 +43,7 @@ COMPARABILITY_KEYS = ("model.", "task.", "reward.", "rollout.", "train.steps", "
 # Keys that never matter for a comparison (bookkeeping, hardware, logging).
 IGNORED_KEYS = (
     "seed", "name", "resume", "cache_dir", "run_dir", "output_dir", "logger.", "hardware.", "eval.",
-    "model.name", "model.attn_implementation", "model.gradient_checkpointing",
+    "model.name", "model.attn_implementation", "model.experts_implementation", "model.gradient_checkpointing",
 )
 @dataclass
 class Stat:
