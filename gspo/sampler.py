@@ -75,9 +75,9 @@ class Sampler:
 
     @contextlib.contextmanager
     def serve(self, model: torch.nn.Module, dist) -> Iterator[torch.nn.Module]:
-        """The module to sample with, for the block (FSDP: the trainer's weights gathered)."""
+        """The module to sample with, for the block (FSDP: the trainer's weights gathered; `dist` None: one process)."""
         model.eval()
-        with dist.gathered(model):
+        with dist.gathered(model) if dist is not None else contextlib.nullcontext():
             yield model
 
 

@@ -82,6 +82,8 @@ def test_the_copy_is_cast_and_synced_from_the_trainer():
         assert m is copy
     plain = Sampler.for_run(model, compose(["model=qwen3-tiny"]))
     assert plain.sync(model) == {}
+    with plain.serve(model, dist=None) as m:
+        assert m is model
 
 
 def test_a_lora_copy_carries_the_merged_adapters():
