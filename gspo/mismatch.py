@@ -47,7 +47,6 @@ import torch
 from torch import Tensor
 
 TIS_LEVELS = ("none", "token", "sequence")
-MASK_MODES = ("none", "token", "geometric")
 MASK_DEFAULTS = {"token": (0.5, 5.0), "geometric": (0.99, 1.01)}  # the peers' defaults (IcePop; verl's geometric RS)
 
 

@@ -26,9 +26,6 @@ import torch
 from gspo import adapters
 from gspo.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def sampler_dtype(cfg) -> str:
     """The sampler's precision: `rollout.dtype`, or the trainer's (`hardware.dtype`) when unset."""
     return cfg.rollout.dtype or cfg.hardware.dtype
@@ -67,7 +64,7 @@ class Sampler:
     @staticmethod
     def for_run(model: torch.nn.Module, cfg) -> "Sampler":
         """`model` itself, or a `_Copy` in `rollout.dtype` when that differs from the trainer's."""
-        return _Copy(model, DTYPES[sampler_dtype(cfg)]) if separate(cfg) else Sampler()
+        return _Copy(model, getattr(torch, sampler_dtype(cfg))) if separate(cfg) else Sampler()
 
     def sync(self, model: torch.nn.Module) -> dict[str, float]:
         """Refresh the sampler from the trainer's weights; its metrics (`time/sync_s`)."""
@@ -85,7 +82,6 @@ class _Copy(Sampler):
     """A copy of the policy in another precision (LoRA: adapters merged), synced before each rollout."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
-        self.dtype = dtype
         self.module = _plain(model)
         for p in self.module.parameters():
             p.requires_grad_(False)

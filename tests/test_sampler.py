@@ -86,8 +86,9 @@ def test_the_copy_is_cast_and_synced_from_the_trainer():
         assert m is model
 
 
-def test_a_lora_copy_carries_the_merged_adapters():
-    cfg = compose(["model=qwen3-tiny", "model.lora.r=4"])
+@pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3-moe"])  # the MoE: adapters on the fused 3-D expert weights too
+def test_a_lora_copy_carries_the_merged_adapters(model):
+    cfg = compose([f"model={model}", "model.lora.r=4"])
     model = adapters.apply(model_of(cfg), cfg.model.lora, "/tmp/base", seed=0)
     with torch.no_grad():
         for n, p in model.named_parameters():
