@@ -17,6 +17,8 @@
 #   Before the runs, scripts/probe_mismatch.py measures the mismatch of the starting policy (bf16 and fp16
 #   samplers): OUT/probe_bfloat16.json, OUT/probe_float16.json.
 #
+# Budget: 50 runs of the preset's 200 steps each on the wide MoE are more than 3 hours on 2 cores; size
+# the study from a 1-seed pilot's s/step (the compare table shows it) with EXTRA="train.steps=N" or CELLS.
 # JOBS single-thread runs at a time (default 2). Each run has a fixed directory OUT/<cell>/seed<k>; a
 # rerun skips finished runs, resumes the others from their last checkpoint (or restarts them), so the
 # study can be done in several sittings (Ctrl-C, then the same command again). CELLS picks a subset.
