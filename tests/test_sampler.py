@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from gspo import adapters
-from gspo.config import ModelConfig, compose
+from gspo.config import compose
 from gspo.errors import ConfigError
 from gspo.mismatch import mismatch_metrics, routing_mismatch
 from gspo.models import build_model, char_tokenizer
@@ -178,6 +178,13 @@ def test_a_bf16_sampler_run_on_a_moe_shows_the_mismatch(tmp_path, cache_dir):
         assert 0 <= m["rollout/mask_token_frac"] < 1 and m["rollout/tis_weight_mean"] > 0
         assert m["policy/ratio_min"] == pytest.approx(1.0, abs=1e-5)  # one minibatch: the old policy's own pass
     assert OmegaConf.load(tmp_path / "config.yaml").rollout.dtype == "bfloat16"
+
+
+def test_a_lora_run_samples_with_a_merged_bf16_copy(tmp_path, cache_dir):
+    opts = tiny(cache_dir, **{"model": "qwen3-tiny", "model.lora.r": 4, "rollout.dtype": "bfloat16", "train.steps": 1})
+    assert train(compose(opts), tmp_path)["status"] == "finished"
+    [step] = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    assert step["time/sync_s"] >= 0 and step["rollout/logprob_abs_diff_mean"] > 0
 
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
