@@ -17,6 +17,8 @@ CHOICES = {
     "moe.routing_replay": ("none", "R2", "R3"),
     "rollout.old_logprobs": ("auto", "sampler", "recompute"),
     "rollout.tis": ("none", "token", "sequence"),
+    "rollout.mask": ("none", "token", "geometric"),
+    "rollout.dtype": (None, "float32", "bfloat16", "float16"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "hardware.strategy": ("none", "ddp", "fsdp"),
@@ -49,6 +51,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "rollout.max_new_tokens": (*_at_least(1), ""),
     "rollout.temperature": (*_above(0), "greedy training is not defined: the log-probs are those of logits / temperature"),
     "rollout.top_p": (*_within(0, 1, lo_open=True), "1 = no nucleus truncation"),
+    "rollout.tis_cap": (*_above(0), "the largest weight min(pi_old / mu, C) may take"),
+    "rollout.mask_low": (*_at_least(0), "a bound on rho = pi_old / mu"),
+    "rollout.mask_high": (*_above(0), "a bound on rho = pi_old / mu"),
     "train.steps": (*_at_least(1), "0 steps is nothing to do"),
     "train.minibatches": (*_at_least(1), ""),
     "train.lr": (*_at_least(0), ""),
@@ -164,10 +169,16 @@ def check(cfg: Any) -> None:
     adapters.check(cfg)  # model.lora.*
     data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
     rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
-    if cfg.rollout.tis != "none" and cfg.rollout.old_logprobs != "recompute" and (
-            cfg.rollout.old_logprobs == "sampler" or cfg.hardware.dtype == "float32"):
-        raise ConfigError(f"rollout.tis={cfg.rollout.tis} corrects the sampler/trainer mismatch, which exists only when the "
-                          "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
+    from gspo.sampler import check as check_sampler, old_logprobs_mode
+
+    check_sampler(cfg)  # rollout.dtype
+    r = cfg.rollout
+    for key, value in (("rollout.tis", r.tis), ("rollout.mask", r.mask)):
+        if value != "none" and old_logprobs_mode(cfg) != "recompute":
+            raise ConfigError(f"{key}={value} corrects the sampler/trainer mismatch, which exists only when the "
+                              "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
+    if r.mask != "none" and r.mask_low is not None and r.mask_high is not None and r.mask_low >= r.mask_high:
+        raise ConfigError(f"rollout.mask_low={r.mask_low}: must be below rollout.mask_high={r.mask_high}")
     problem = _cross_checks(cfg)
     if problem:
         raise ConfigError(problem)

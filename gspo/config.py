@@ -86,6 +86,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001  # load-balancing loss coefficient in RL updates; 0 = off
     norm_topk_prob: bool = True
     attn_implementation: str = "sdpa"  # sdpa | eager
+    experts_implementation: Optional[str] = None  # MoE experts kernel: eager | grouped_mm | batched_mm; None = transformers' default
     gradient_checkpointing: bool = False
     use_chat_template: bool = False  # wrap prompts in the tokenizer's chat template (real checkpoints)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -154,12 +155,21 @@ class RolloutConfig:
     max_new_tokens: int = 8  # completion length cap
     temperature: float = 1.0  # > 0; also the temperature of pass@k (eval.pass_k)
     top_p: float = 1.0  # nucleus sampling: in (0, 1]; 1 = off
+    # float32 | bfloat16 | float16: the sampler's precision; None = the trainer's (hardware.dtype). When it
+    # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step
+    dtype: Optional[str] = None
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
-    # forward pass of the trainer; auto = sampler in float32, recompute in bf16/fp16
+    # forward pass of the trainer; auto = sampler when sampler and trainer are the same float32 model, else recompute
     old_logprobs: str = "auto"
     mismatch_every: int = 10  # with sampler log-probs, recompute them every N steps to log the mismatch (0 = never)
     tis: str = "none"  # none | token | sequence: truncated IS correction of the sampler/trainer mismatch (recompute only)
     tis_cap: float = 2.0  # TIS truncation C: weights min(pi_old / mu, C)
+    # none | token | geometric: mask tokens whose rho = pi_old/mu is outside [mask_low, mask_high] (masked IS /
+    # IcePop), or sequences whose exp(mean_t log rho) is (geometric); combines with rollout.tis (recompute only)
+    mask: str = "none"
+    mask_low: Optional[float] = None  # None = the peers' default: 0.5 (token), 0.99 (geometric)
+    mask_high: Optional[float] = None  # None = 5 (token), 1.01 (geometric)
+    offpolicy_mask_delta: Optional[float] = None  # DeepSeek-V3.2: drop A < 0 sequences with mean log(mu/pi_theta) > delta; None = off
 
 
 @dataclass

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import transformers
@@ -74,20 +75,26 @@ def build_model(mcfg, vocab_size: int, tokenizer: PreTrainedTokenizerFast, seed:
             router_aux_loss_coef=mcfg.router_aux_loss_coef,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+            **({"experts_implementation": mcfg.experts_implementation} if mcfg.get("experts_implementation") else {}),
         )
         return Qwen3MoeForCausalLM(config)
     raise ConfigError(f"model.arch={mcfg.arch}: valid values are qwen3, qwen3_moe, hf")
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
-    """A local causal-LM checkpoint and its tokenizer, loaded with safetensors."""
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: str = "sdpa",
+                    experts: Optional[str] = None):
+    """A local causal-LM checkpoint and its tokenizer, loaded with safetensors.
+
+    `experts`: the MoE experts kernel (transformers' `experts_implementation`); None = its default."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={path}: not a Hugging Face checkpoint directory (no config.json there)")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, use_safetensors=True)
+    kernels = {"experts_implementation": experts} if experts else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, use_safetensors=True,
+                                                 **kernels)
     return model, tokenizer
 
 
@@ -95,7 +102,7 @@ def _base_key(cfg) -> str:
     from omegaconf import OmegaConf
 
     m = OmegaConf.to_container(cfg.model, resolve=True)
-    for k in ("name", "gradient_checkpointing", "attn_implementation", "lora"):
+    for k in ("name", "gradient_checkpointing", "attn_implementation", "experts_implementation", "lora"):
         m.pop(k, None)  # do not change the weights the warm start produces (LoRA and full runs share a base)
     t = OmegaConf.to_container(cfg.task, resolve=True)
     t.pop("eval_size", None)

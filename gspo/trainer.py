@@ -7,7 +7,6 @@ Read `train` first; everything else in this file is a helper it calls.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -27,11 +26,12 @@ from gspo.errors import ConfigError
 from gspo.evaluate import evaluate, heldout_problems
 from gspo.logging import MetricsLogger
 from gspo.losses import aggregate_denominator, get_loss, policy_loss
-from gspo.mismatch import mismatch_metrics, tis_weights
+from gspo.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
 from gspo.models import base_model, load_pretrained
 from gspo.moe_step import MoEStep
 from gspo.rewards import score
 from gspo.rollout import Rollout, cat_rollouts, generate, token_logprobs
+from gspo.sampler import Sampler, old_logprobs_mode
 from gspo.shaping import dynamic_sampling, overlong_penalty
 from gspo.tasks import Problem, build_task
 
@@ -113,6 +113,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         sched.load_state_dict(state["scheduler"])
     recompute = old_logprobs_mode(cfg) == "recompute"
     moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
+    sampler = Sampler.for_run(model, cfg)  # the trainer's model, or a copy in rollout.dtype (gspo/sampler.py)
     # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
     kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
     logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
@@ -129,7 +130,9 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
         for step in range(start + 1, cfg.train.steps + 1):
             t0 = time.time()
-            batch, metrics = _collect(cfg, model, tokenizer, task, step, moe_step, dist)  # seeded by (seed, step): resumable
+            synced = sampler.sync(model)  # a separate sampler takes the trainer's weights, as an engine's weight sync
+            batch, metrics = _collect(cfg, sampler, model, tokenizer, task, step, moe_step, dist)  # seeded by (seed, step)
+            metrics |= synced
             t_roll = time.time() - t0
             metrics |= _update(cfg, policy, ref, opt, batch, step, moe_step, dist, recompute)
             sched.step()
@@ -164,24 +167,10 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     return summary.data
 
 
-def old_logprobs_mode(cfg) -> str:
-    """Where the old policy's log-probs come from: `sampler` (recorded while sampling) or `recompute`.
-
-    `auto`: the sampler's in float32, where they equal a recomputed forward to ~1e-6 per token
-    (tests/test_logprobs.py), so the old-policy pass is wasted work; a recomputed pass in
-    bf16/fp16, where sampling and training kernels disagree by more than GSPO's clip range
-    (docs/benchmarks.md).
-    """
-    mode = cfg.rollout.old_logprobs
-    if mode != "auto":
-        return mode
-    return "sampler" if cfg.hardware.dtype == "float32" else "recompute"
-
-
 # --------------------------------------------------------------------------- rollout
 
 
-def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) -> tuple[Batch, dict]:
+def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step: MoEStep, dist) -> tuple[Batch, dict]:
     """One scored rollout batch (refilled by dynamic sampling when the algorithm asks for it).
 
     Every rank draws the same prompt list and samples its own share; each group samples
@@ -195,9 +184,8 @@ def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) ->
         lo, hi = dist.share(cfg.rollout.prompts_per_step)
         problems = task.sample_train(rng, cfg.rollout.prompts_per_step)[lo:hi]  # this rank's share of the prompts
         gens = [distributed.group_generator(cfg.seed, step, d, i, dist.device) for i in range(lo, hi)]
-        model.eval()
-        with dist.gathered(model):
-            r = generate(model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
+        with sampler.serve(model, dist) as sampling_model:
+            r = generate(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
                          cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
                          chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
                          **moe_step.sample_kwargs())
@@ -256,16 +244,13 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
     model.eval()  # no dropout in these models, but keep the no-grad passes deterministic anyway
     with torch.no_grad():
         if recompute or (every and step % every == 0):
-            with moe_step.old_pass(bare, ro) if recompute else contextlib.nullcontext():
+            with moe_step.old_pass(bare, ro, record=recompute):  # MoE: also the sampler/trainer routing mismatch
                 trainer_logp = token_logprobs(bare, ro, temp)[0]
-            metrics |= mismatch_metrics(trainer_logp, ro.sampler_logp, ro.completion_mask)
+            metrics |= mismatch_metrics(trainer_logp, ro.sampler_logp, ro.completion_mask, ro.kept_mass)
             if recompute:
                 old_logp = trainer_logp  # ... or as the trainer's forward computes them
         ref_logp = token_logprobs(ref, ro, temp)[0] if ref is not None else None
-    is_weight = None
-    if cfg.rollout.tis != "none":
-        is_weight = tis_weights(old_logp, ro.sampler_logp, mask, cfg.rollout.tis, cfg.rollout.tis_cap)
-        metrics["rollout/tis_weight_mean"] = float(is_weight[mask.bool()].mean()) if mask.any() else 1.0
+    corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/mismatch.py), each off by default
     agg = algo.agg or get_loss(algo.loss).agg
     hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, agg=algo.agg,
                  max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg, beta=algo.beta,
@@ -279,15 +264,17 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
         sub, m = ro.select(rows), mask[rows]
         with moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
             logp, entropy, _ = token_logprobs(model, sub, temp, with_entropy=True)
+            is_weight, corr = correction_weights(corrections, MismatchBatch(
+                old_logp[rows], ro.sampler_logp[rows], m, adv[rows], logp.detach()), cfg.rollout)
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
                 ref_logp=None if ref_logp is None else ref_logp[rows],
-                is_weight=None if is_weight is None else is_weight[rows], **hyper)
+                is_weight=is_weight, **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             loss = loss * dist.loss_scale(aggregate_denominator(m, agg, cfg.rollout.max_new_tokens)) + mb.aux_loss(sub)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            stats |= mb.stats()
+            stats |= mb.stats() | corr
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         stats |= {
