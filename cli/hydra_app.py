@@ -10,6 +10,7 @@ back to `cli.main` (which sets HYDRA_FULL_ERROR so Hydra re-raises it).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -47,13 +48,16 @@ def hydra_train(cfg: DictConfig) -> float:
 def _train_job(cfg: DictConfig, hc) -> float:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from gspo import distributed
+    from gspo import distributed, preemption
     from gspo.trainer import train
 
     run_dir = Path(hc.runtime.output_dir)
     if cfg.resume:  # continue the stopped run in its own directory, with its own config
         run_dir = Path(cfg.resume)
         cfg = load_run_config(run_dir, resume_overrides(list(hc.overrides.task)))
+        cfg.resume = str(run_dir)
+    elif preemption.resume_requeued(run_dir):  # SLURM requeued this job (preempted): continue its run
+        print(f"gspo: requeued job: resuming {run_dir} (SLURM_RESTART_COUNT={os.environ['SLURM_RESTART_COUNT']})")
         cfg.resume = str(run_dir)
     if distributed.needs_launch(cfg.hardware):  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
         try:
@@ -66,6 +70,8 @@ def _train_job(cfg: DictConfig, hc) -> float:
         run_dir = distributed.shared_run_dir(run_dir, cfg.hardware)
         summary = train(cfg, run_dir)
         distributed.shutdown()  # ranks leave the process group together (no-op in one process)
+    if summary.get("status") in preemption.EXIT_CODES:  # stopped by a signal: the line saying how to resume is out
+        raise SystemExit(preemption.EXIT_CODES[summary["status"]])
     if not distributed.is_main_process():
         return float("nan")
     base, final = summary.get("base_accuracy"), summary.get("final_accuracy")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gspo import adapters, checkpoint, distributed
+from gspo import adapters, checkpoint, distributed, preemption
 from gspo.advantages import compute_advantages
 from gspo.errors import ConfigError
 from gspo.evaluate import evaluate, heldout_problems
@@ -122,12 +122,22 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
+    stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step, checkpoint it, leave
+    saved = start  # the step of the newest checkpoint
     try:
         if start == 0:
             base = ev()
             logger.log(base, step=0)
             summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
         for step in range(start + 1, cfg.train.steps + 1):
+            if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
+                if step - 1 > saved:
+                    dist.save_checkpoint(run_dir, step - 1, policy, tokenizer, opt, sched)
+                    summary.write(steps=step - 1)
+                if dist.is_main:
+                    print(f"gspo: {stop.status} after step {step - 1} of {cfg.train.steps} (checkpoint saved); "
+                          f"resume with: {preemption.resume_command(run_dir)}", flush=True)
+                break
             t0 = time.time()
             batch, metrics = _collect(cfg, model, tokenizer, task, step, moe_step, dist)  # seeded by (seed, step): resumable
             t_roll = time.time() - t0
@@ -147,13 +157,14 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
                 logger.log_samples(step, _samples(batch))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched)  # rank 0 writes
+                saved = step
                 summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
                 if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
                     adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(dtype))
             progress.update(step, metrics)
             if not math.isfinite(metrics["train/loss"]):
                 raise FloatingPointError(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
-        status = "finished"
+        status = stop.status or "finished"
     except KeyboardInterrupt:
         status = "stopped"
         raise
@@ -161,6 +172,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         progress.close()
         logger.close(exit_code=0 if status == "finished" else 1)
         summary.write(status=status)
+        stop.close()  # in a submitit job, after a stop: submitit's own handler requeues the job
     return summary.data
 
 
