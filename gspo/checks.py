@@ -56,6 +56,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "train.grad_clip": (*_above(0), "it is the largest gradient norm an update may have"),
     "train.warmup_steps": (*_at_least(0), ""),
     "train.checkpoint_every": (*_at_least(1), "a checkpoint every N steps; one is always saved at the end"),
+    "train.keep_checkpoints": (*_at_least(1), "the newest N checkpoints are kept"),
     "eval.every": (*_at_least(0), "0 = only at the start and the end"),
     "eval.pass_k": (*_at_least(0), "0 = off"),
     "task.eval_fraction": (*_within(0, 1, lo_open=True, hi_open=True), "the share of problems held out of training"),

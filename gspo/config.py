@@ -171,6 +171,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0  # linear learning-rate warmup over this many RL steps (rollout batches)
     checkpoint_every: int = 50  # save a checkpoint every N steps (and always at the end)
+    keep_checkpoints: int = 1  # the newest N checkpoints are kept; older ones are deleted
 
 
 @dataclass

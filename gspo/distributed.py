@@ -420,7 +420,7 @@ class Dist:
         return {k: (x[i] / x[-1].clamp(min=1)).item() for i, k in enumerate(keys)}
 
     # -- checkpoints -----------------------------------------------------------
-    def save_checkpoint(self, run_dir: Path, step: int, model, tokenizer, opt, sched) -> None:
+    def save_checkpoint(self, run_dir: Path, step: int, model, tokenizer, opt, sched, keep: int = 1) -> None:
         """Rank 0 writes the checkpoint (FSDP: full tensors gathered from every rank first)."""
         model_state = optim_state = None
         if self.strategy == "fsdp":
@@ -433,7 +433,7 @@ class Dist:
             tied = _tied_aliases(model)  # e.g. lm_head.weight = embed_tokens.weight: saved once, as HF does
             model_state = {k: v for k, v in model_state.items() if k not in tied}
         if self.is_main:
-            checkpoint.save(run_dir, step, model, tokenizer, opt, sched, model_state=model_state,
+            checkpoint.save(run_dir, step, model, tokenizer, opt, sched, keep=keep, model_state=model_state,
                             optimizer_state=optim_state)
         self.barrier()
 

@@ -79,7 +79,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/distributed.py)
     device = dist.device
     start, resume_ckpt = _resume_point(cfg, run_dir, dist)
-    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None)
+    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None, restarted=bool(cfg.resume))
     if start >= cfg.train.steps:  # a finished run: leave everything as it is
         if dist.is_main:
             print(f"gspo: {run_dir} already finished its {start} steps (train.steps={cfg.train.steps}); nothing to do")
@@ -132,7 +132,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         for step in range(start + 1, cfg.train.steps + 1):
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 if step - 1 > saved:
-                    dist.save_checkpoint(run_dir, step - 1, policy, tokenizer, opt, sched)
+                    dist.save_checkpoint(run_dir, step - 1, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)
                     summary.write(steps=step - 1)
                 if dist.is_main:
                     print(f"gspo: {stop.status} after step {step - 1} of {cfg.train.steps} (checkpoint saved); "
@@ -156,7 +156,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             if logger.should_log_samples(step):
                 logger.log_samples(step, _samples(batch))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched)  # rank 0 writes
+                dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)  # rank 0 writes
                 saved = step
                 summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
                 if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
@@ -340,7 +340,7 @@ def _resume_point(cfg, run_dir: Path, dist) -> tuple[int, Optional[Path]]:
     """(step to continue after, its checkpoint): (0, None) for a new run or one killed before its first checkpoint."""
     if not cfg.resume:
         return 0, None
-    ckpt = checkpoint.latest(run_dir)
+    ckpt = checkpoint.resumable(run_dir, log=print if dist.is_main else lambda msg: None)
     if ckpt is None:
         if dist.is_main:
             print(f"gspo: {run_dir} has no checkpoint yet: restarting it from step 0 (its metrics so far are dropped)")
@@ -355,18 +355,22 @@ class _Summary:
     stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of a resumed run.
     """
 
-    def __init__(self, run_dir: Path, is_main: bool, resumed: bool):
+    def __init__(self, run_dir: Path, is_main: bool, resumed: bool, restarted: bool = False):
         self.path, self.is_main, self.t0 = run_dir / "summary.json", is_main, time.time()
-        self.data: dict = json.loads(self.path.read_text()) if resumed and self.path.is_file() else {}
-        self.wall0 = float(self.data.get("wall_s", 0.0))
+        old: dict = json.loads(self.path.read_text()) if (resumed or restarted) and self.path.is_file() else {}
+        self.data = old if resumed else {}
+        self.wall0 = float(old.get("wall_s", 0.0))  # a restart from step 0 still counts the sessions before it
 
     def write(self, **values) -> None:
         self.data |= values
         self.data["wall_s"] = self.wall0 + time.time() - self.t0
         if self.is_main:
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(self.data, indent=2))
-            tmp.replace(self.path)
+            try:
+                tmp.write_text(json.dumps(self.data, indent=2))
+                tmp.replace(self.path)
+            except OSError as e:  # a full disk: keep the previous summary, do not hide the error that stopped the run
+                print(f"gspo: warning: cannot write {self.path}: {e}", file=sys.stderr)
 
 
 def _samples(batch: Batch, n: int = 8) -> list[dict]:
