@@ -10,6 +10,7 @@ back to `cli.main` (which sets HYDRA_FULL_ERROR so Hydra re-raises it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Optional
@@ -48,7 +49,7 @@ def hydra_train(cfg: DictConfig) -> float:
 def _train_job(cfg: DictConfig, hc) -> float:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from gspo import distributed, preemption
+    from gspo import distributed, preemption, rundir
     from gspo.trainer import train
 
     run_dir = Path(hc.runtime.output_dir)
@@ -59,16 +60,20 @@ def _train_job(cfg: DictConfig, hc) -> float:
     elif preemption.resume_requeued(run_dir):  # SLURM requeued this job (preempted): continue its run
         print(f"gspo: requeued job: resuming {run_dir} (SLURM_RESTART_COUNT={os.environ['SLURM_RESTART_COUNT']})")
         cfg.resume = str(run_dir)
+    elif distributed.is_main_process():  # a new run: never into a directory that holds one
+        rundir.check_new(run_dir, "hydra.run.dir" if hc.mode == RunMode.RUN else "hydra.sweep.dir")
     if distributed.needs_launch(cfg.hardware):  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
         try:
-            summary = distributed.launch(cfg, run_dir)
+            with rundir.lock(run_dir):
+                summary = distributed.launch(cfg, run_dir)
         except ChildFailedError as e:
             if any(f.exitcode == 2 for f in e.failures.values()):  # a worker refused the config and said why
                 raise ReportedError("a worker stopped on a config error (its message is above)") from None
             raise
     else:  # one process, or a worker of a torchrun started by hand (every rank takes rank 0's directory)
         run_dir = distributed.shared_run_dir(run_dir, cfg.hardware)
-        summary = train(cfg, run_dir)
+        with rundir.lock(run_dir) if distributed.is_main_process() else contextlib.nullcontext():
+            summary = train(cfg, run_dir)
         distributed.shutdown()  # ranks leave the process group together (no-op in one process)
     if summary.get("status") in preemption.EXIT_CODES:  # stopped by a signal: the line saying how to resume is out
         raise SystemExit(preemption.EXIT_CODES[summary["status"]])
