@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from hydra.errors import HydraException
 
 from gspo import rundir
+from gspo.resume import check as check_resume
 from gspo.checks import check_machine
 from gspo.config import (GROUPS, _explain, compose, group_options, load_run_config, resume_overrides, resume_target,
                          sweep_combinations)
@@ -116,6 +117,7 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
         rundir.check_free(resume)  # not while the run is alive
     if resume:  # the run's own config, with the KEY=VALUE overrides it accepts
         cfgs = [load_run_config(resume, resume_overrides(overrides))]
+        check_resume(load_run_config(resume), cfgs[0])  # nothing that makes it another experiment
         cfgs[0].resume = resume
     else:
         cfgs = [compose(combo) for combo in (sweep_combinations(overrides) if multirun else [overrides])]

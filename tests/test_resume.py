@@ -219,3 +219,41 @@ def test_wall_s_counts_a_restart_from_step_0(tmp_path, cache_dir):
     (tmp_path / "summary.json").write_text(json.dumps({**summary, "status": "running", "wall_s": 828.0}))
     cfg.resume = str(tmp_path)
     assert train(cfg, tmp_path)["wall_s"] > 828.0
+
+
+# --------------------------------------------------------------------------- what a resume may change
+
+
+def test_resume_refuses_keys_that_change_the_experiment(tmp_path, cache_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from test_cli import one_line_exit_2
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run)
+    before = (run / "config.yaml").read_text()
+    for change in ("algo.eps_high=0.3", "seed=5", "train.lr=0.5", "reward.correct=2.0", "rollout.group_size=8",
+                   "hardware.dtype=bfloat16", "model.warm_start.steps=3"):
+        res = CliRunner().invoke(app, ["train", f"resume={run}", change, "train.steps=2"])
+        one_line_exit_2(res, change, "changes what the run is")
+    assert (run / "config.yaml").read_text() == before and not (run / "resumes.jsonl").exists()
+
+
+def test_resume_records_what_it_changes_and_from_which_step(tmp_path, cache_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run)
+    res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=3", "eval.every=2", "seed=0",
+                                   "hardware.threads=1"])
+    assert res.exit_code == 0, res.output
+    (entry,) = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert entry["from_step"] == 2
+    assert entry["changes"] == {"train.steps": {"was": 1, "now": 3}, "eval.every": {"was": 0, "now": 2},
+                                "hardware.threads": {"was": 0, "now": 1}}  # seed=0: the same value, no change
+    assert [m["step"] for m in metrics(run)] == [0, 1, 2, 3] and "eval/accuracy" in metrics(run)[2]
