@@ -143,7 +143,9 @@ def run_dir_overrides(overrides: list[str], multirun: bool) -> list[str]:
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = [o.partition("=")[2] for o in overrides if o.partition("=")[0] == key]
     if given:
-        if not multirun:  # a sweep's job directories are checked by each job
+        from gspo.preemption import resume_requeued
+
+        if not multirun and not resume_requeued(given[-1]):  # a sweep's job directories are checked by each job
             check_new(given[-1], key)
         return []
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun by hand: the ranks take rank 0's directory
