@@ -87,6 +87,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.warm_start.steps": (*_at_least(0), "0 = no warm start"),
     "model.warm_start.lr": (*_above(0), ""),
     "model.warm_start.batch_size": (*_at_least(1), ""),
+    "reward.timeout_s": (*_at_least(0), "0 = no limit"),
     "hardware.nproc": (*_at_least(1), ""),
     "hardware.threads": (*_at_least(0), "0 = torch's default"),
     "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),

@@ -114,6 +114,7 @@ class RewardConfig:
     fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; fn(prompts, completions, **row_fields) -> list[float]
     weights: Optional[list[float]] = None  # python: one weight per function (None = all 1); reward = weighted sum
     ill_formed: float = 0.0  # python: reward of a completion with a special token before its EOS (functions not called)
+    timeout_s: float = 600.0  # scoring a batch (the task's verifier and the reward functions) may take this long (0 = no limit)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gspo import adapters, checkpoint, distributed, preemption
+from gspo import adapters, checkpoint, distributed, preemption, timeouts
 from gspo.advantages import compute_advantages
 from gspo.errors import ConfigError
 from gspo.evaluate import evaluate, heldout_problems
@@ -215,7 +215,8 @@ def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) ->
                          **moe_step.sample_kwargs())
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
-        rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed)
+        rewards, parts = timeouts.call(lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed), cfg.reward.timeout_s,
+                                       f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
