@@ -8,6 +8,7 @@ call `check`; `gspo train` calls both for every job of a sweep before Hydra runs
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -93,6 +94,42 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
 }
 
+def _finite() -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: math.isfinite(v)), "a finite number"
+
+
+RULES |= {
+    "rollout.mismatch_every": (*_at_least(0), "0 = never"),
+    "rollout.tis_cap": (*_above(0), "the largest importance weight"),
+    "moe.stats_every": (*_at_least(0), "0 = never"),
+    "moe.stats_rows_per_group": (*_at_least(0), "0 = all"),
+    "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
+    "model.warm_start.target_accuracy": (*_within(0, 1), "0 = run every step"),
+    "model.warm_start.check_every": (*_at_least(1), ""),
+    "reward.correct": (*_finite(), ""),
+    "reward.format_score": (*_finite(), ""),
+    "reward.ill_formed": (*_finite(), ""),
+}
+
+# a Hugging Face model directory: config.json, one of these tokenizer files, safetensors weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def model_dir_problem(path: str | Path) -> Optional[str]:
+    """What keeps `path` from loading as a Hugging Face model directory, or None."""
+    p = Path(path)
+    if not p.is_dir():
+        return "no such directory"
+    if not (p / "config.json").is_file():
+        return "not a Hugging Face checkpoint directory (no config.json)"
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        return (f"no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
+                "save one into it with tokenizer.save_pretrained(DIR)")
+    if not any(p.glob("*.safetensors")):
+        return "no *.safetensors weights there (gspo loads safetensors only: model.save_pretrained(DIR))"
+    return None
+
+
 def _max_positions(cfg: Any) -> Optional[int]:
     """The positions the model has room for: prompt and completion must fit."""
     if cfg.model.arch != "hf":
@@ -159,8 +196,8 @@ def check(cfg: Any) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value}: must be {allowed}" + (f" ({why})" if why else ""))
-    if cfg.model.arch == "hf" and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path={cfg.model.path}: not a Hugging Face checkpoint directory (no config.json)")
+    if cfg.model.arch == "hf" and model_dir_problem(cfg.model.path):
+        raise ConfigError(f"model.path={cfg.model.path}: {model_dir_problem(cfg.model.path)}")
     from gspo import adapters, rewards
 
     adapters.check(cfg)  # model.lora.*

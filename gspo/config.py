@@ -265,12 +265,17 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     config or an override names that the schema does not have is an error, except the keys
     gspo itself removed (REMOVED_KEYS), which an older run's config.yaml may still hold.
     """
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: not a gspo run directory (no config.yaml there)")
-    saved = OmegaConf.load(path)
+    try:
+        saved = OmegaConf.load(path)
+    except Exception as e:  # not YAML, or not a mapping
+        raise ConfigError(f"{path}: unreadable ({_explain(e)})") from None
+    if not isinstance(saved, DictConfig):
+        raise ConfigError(f"{path}: not a gspo config (a YAML mapping of keys)")
     _drop_removed_keys(saved, path)
     swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
     fresh = compose(swaps) if swaps else None

@@ -123,6 +123,11 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
             if model_dir is None:
                 raise ConfigError(f"{path}: this run has no checkpoint yet")
         elif checkpoint.is_checkpoint(path):  # full weights, or a LoRA adapter
+            from gspo.adapters import is_adapter_dir
+            from gspo.checks import model_dir_problem
+
+            if not is_adapter_dir(path) and model_dir_problem(path):
+                raise ConfigError(f"{target}: {model_dir_problem(path)}")
             model_dir = path
             run_dir = path.parent.parent if (path.parent.parent / "config.yaml").is_file() else None
         else:

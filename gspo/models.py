@@ -85,7 +85,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={path}: not a Hugging Face checkpoint directory (no config.json there)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:  # gspo.checks.model_dir_problem catches the usual cases before work
+        raise ConfigError(f"model.path={path}: the tokenizer does not load ({str(e).splitlines()[0]})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, use_safetensors=True)
