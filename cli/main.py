@@ -113,9 +113,8 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
                           "Resume each run with its own `gspo train resume=DIR`")
     if resume and not (Path(resume) / "config.yaml").is_file():
         raise ConfigError(f"resume={resume}: not a gspo run directory (no config.yaml there)")
-    if resume:
-        rundir.check_free(resume)  # not while the run is alive
     if resume:  # the run's own config, with the KEY=VALUE overrides it accepts
+        rundir.check_free(resume)  # not while the run is alive
         cfgs = [load_run_config(resume, resume_overrides(overrides))]
         check_resume(load_run_config(resume), cfgs[0])  # nothing that makes it another experiment
         cfgs[0].resume = resume

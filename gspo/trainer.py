@@ -135,7 +135,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
                     dist.save_checkpoint(run_dir, step - 1, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)
                     summary.write(steps=step - 1)
                 if dist.is_main:
-                    print(f"gspo: {stop.status} after step {step - 1} of {cfg.train.steps} (checkpoint saved); "
+                    kept = "checkpoint saved" if step > 1 else "no step finished yet"
+                    print(f"gspo: {stop.status} after step {step - 1} of {cfg.train.steps} ({kept}); "
                           f"resume with: {preemption.resume_command(run_dir)}", flush=True)
                 break
             t0 = time.time()
@@ -353,7 +354,8 @@ class _Summary:
     """RUN_DIR/summary.json, true after any stop: written at step 0, at every checkpoint and at the end.
 
     `status` is running (also after a kill -9: then `steps` is the last checkpoint), finished,
-    stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of a resumed run.
+    preempted (SIGTERM), stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of
+    a resumed run, a restart from step 0 included.
     """
 
     def __init__(self, run_dir: Path, is_main: bool, resumed: bool, restarted: bool = False):
