@@ -7,6 +7,8 @@ half-done update cannot be checkpointed), then a checkpoint of it is written, su
 `preempted` (SIGTERM, SIGUSR2) or `stopped` (SIGINT), one line says how to resume, and the
 process exits with PREEMPTED_EXIT or STOPPED_EXIT. A second signal ends the process at once
 with the signal's default action: as after kill -9, a resume continues from the last checkpoint.
+The same signal again within SAME_SIGNAL_S is the first one delivered twice (Ctrl-C and SLURM
+signal every process, and torchrun passes on what it got to its workers), not a second one.
 
 Under several processes every rank stops after the same step: each rank's request is
 all-reduced once per step (`StopSignals.agreed`). The process that launched the workers
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +33,7 @@ PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later", i.e. resume
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
 EXIT_CODES = {"preempted": PREEMPTED_EXIT, "stopped": STOPPED_EXIT}
 STOP_FILE_ENV = "GSPO_STOP_FILE"
+SAME_SIGNAL_S = 1.0
 _STATUS = {signal.SIGINT: "stopped"}  # any other handled signal: preempted
 _RANK = {None: 0, "stopped": 1, "preempted": 2}  # all-reduced with MAX: preempted wins
 
@@ -58,6 +62,7 @@ class StopSignals:
 
     def __init__(self, pass_to: Optional[Path] = None) -> None:
         self.signum: Optional[int] = None
+        self._at = 0.0  # when the first signal came
         self.status: Optional[str] = None  # set by `agreed` once the ranks agree to stop
         self._previous: dict[int, object] = {}
         self._file = os.environ.get(STOP_FILE_ENV) if pass_to is None else None
@@ -72,13 +77,15 @@ class StopSignals:
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:  # the second signal: no more waiting
+            if signum == self.signum and time.monotonic() - self._at < SAME_SIGNAL_S:
+                return  # the first one, delivered twice
             if self._pass_to is not None:
                 from torch.distributed.elastic.multiprocessing.api import SignalException
 
                 raise SignalException(f"second {name}: stopping at once", sigval=signal.SIGKILL)
             self.kill(signum)
             return
-        self.signum = signum
+        self.signum, self._at = signum, time.monotonic()
         # os.write, not print: the handler may interrupt a print to the same stream
         os.write(2, f"gspo: {name}: finishing the step in progress, then saving a checkpoint "
                     f"(send {name} again to stop at once and lose that step)\n".encode())

@@ -118,15 +118,46 @@ def test_ctrl_c_stops_after_the_step_with_exit_130_and_the_resume_line(tmp_path,
 
 
 def test_a_second_signal_exits_at_once(tmp_path, cache_dir):
+    """Step 2's reward function takes 4 s: the first SIGTERM waits for it, the second (2 s later) does not."""
+    (tmp_path / "slow.py").write_text(f"""
+import time
+from pathlib import Path
+def slow_later(prompts, completions, **kw):
+    p = Path({str(tmp_path / 'calls')!r})
+    n = int(p.read_text()) if p.exists() else 0
+    p.write_text(str(n + 1))
+    if n >= 1:
+        time.sleep(4)
+    return [0.0] * len(completions)
+""")
     run = tmp_path / "run"
-    proc = start(*opts(cache_dir, **{"train.steps": 200}), f"hydra.run.dir={run}", cwd=tmp_path)
+    proc = start(*opts(cache_dir, reward="python", **{"reward.fn": f"{tmp_path}/slow.py:slow_later"}),
+                 f"hydra.run.dir={run}", cwd=tmp_path)
     after_first_step(proc, run)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.01)
+    for line in proc.stdout:  # the first is seen; a repeat within a second would count as the same one
+        if line.startswith("gspo: SIGTERM: finishing the step"):
+            break
+    time.sleep(2 * preemption.SAME_SIGNAL_S)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == -signal.SIGTERM, out[-3000:]
+    assert [m["step"] for m in metrics(run)] == [0, 1]  # step 2 never finished
     assert json.loads((run / "summary.json").read_text())["status"] == "running"  # as after kill -9
+
+
+def test_the_same_signal_twice_at_once_is_one_signal(monkeypatch):
+    """Ctrl-C reaches every process and torchrun passes it on too: a worker gets it twice within a moment."""
+    killed = []
+    monkeypatch.setattr(preemption.os, "kill", lambda pid, sig: killed.append(sig))
+    monkeypatch.setattr(preemption.signal, "signal", lambda sig, handler: None)
+    stop = preemption.StopSignals()
+    stop._handle(signal.SIGINT, None)
+    stop._handle(signal.SIGINT, None)
+    assert stop.requested() == "stopped" and killed == []
+    stop._at -= 2 * preemption.SAME_SIGNAL_S
+    stop._handle(signal.SIGINT, None)
+    assert killed == [signal.SIGINT]
 
 
 def test_submitit_handler_runs_after_the_checkpoint(tmp_path, cache_dir, monkeypatch):
