@@ -11,7 +11,6 @@ back to `cli.main` (which sets HYDRA_FULL_ERROR so Hydra re-raises it).
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -60,7 +59,7 @@ def _train_job(cfg: DictConfig, hc) -> float:
         resume.check(before, cfg)  # (`gspo train` checked it already)
         cfg.resume = str(run_dir)
     elif preemption.resume_requeued(run_dir):  # SLURM requeued this job (preempted): continue its run
-        print(f"gspo: requeued job: resuming {run_dir} (SLURM_RESTART_COUNT={os.environ['SLURM_RESTART_COUNT']})")
+        print(f"gspo: requeued job: resuming {run_dir}", flush=True)
         cfg.resume = str(run_dir)
     elif distributed.is_main_process():  # a new run: never into a directory that holds one
         rundir.check_new(run_dir, "hydra.run.dir" if hc.mode == RunMode.RUN else "hydra.sweep.dir")

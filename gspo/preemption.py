@@ -22,6 +22,7 @@ the requeued job resumes the run (`resume_requeued`).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -135,7 +136,18 @@ class StopSignals:
             old(self.signum, None)
 
 
-def resume_requeued(run_dir: Path) -> bool:
-    """Whether this job is a requeued SLURM job whose run directory already holds its run: then it
-    resumes that run instead of starting over (submitit requeues a job with the same directory)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0 and (Path(run_dir) / "config.yaml").is_file()
+def resume_requeued(run_dir: Path | str) -> bool:
+    """Whether this job is a requeued one whose run directory already holds its run: then it resumes that
+    run instead of starting over. A SLURM job says so (SLURM_RESTART_COUNT > 0); a job submitit requeued
+    after gspo stopped it (its local executor too) finds its run `preempted`."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        return False
+    if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+        return True
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        try:
+            return json.loads((run_dir / "summary.json").read_text()).get("status") == "preempted"
+        except (OSError, ValueError):
+            return False
+    return False

@@ -216,3 +216,42 @@ def test_sigterm_under_cpu_ddp_stops_every_rank_after_the_same_step(tmp_path, ca
     assert res.returncode == 0, out[-3000:]
     assert steady(metrics(run)) == steady(metrics(whole))
     assert same_weights(run, whole)
+
+
+def descendants(pid: int) -> list[int]:
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+@pytest.mark.slow
+def test_submitit_requeues_a_preempted_job_and_the_requeued_job_resumes(tmp_path, cache_dir):
+    """hydra/launcher=local-submitit (the SLURM launcher's code path): SIGUSR2, submitit's preemption signal,
+    to the job; gspo checkpoints, submitit requeues, the requeued job resumes; the run equals one never stopped."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    whole = tmp_path / "whole"
+    train(compose(opts(cache_dir)), whole)
+    sweep = tmp_path / "sweep"
+    proc = start("-m", "hydra/launcher=local-submitit", *opts(cache_dir), f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    run = sweep / "0"
+    after_first_step(proc, run)
+    tasks = [p for p in descendants(proc.pid) if "submitit.core._submit" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(tasks) == 1, tasks
+    os.kill(tasks[0], signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    log = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
+    assert "gspo: preempted after step" in log and f"gspo: requeued job: resuming {run}" in log, log[-3000:]
+    assert steady(metrics(run)) == steady(metrics(whole))
+    assert same_weights(run, whole)
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
