@@ -42,6 +42,10 @@ def _within(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) 
     return ok, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
 
 
+def _finite() -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: math.isfinite(v)), "a finite number"
+
+
 # key -> (accepts the value, what is allowed, why). None values (optional keys) are not checked.
 # Comparisons refuse NaN by themselves.
 RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
@@ -92,13 +96,6 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "hardware.nproc": (*_at_least(1), ""),
     "hardware.threads": (*_at_least(0), "0 = torch's default"),
     "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
-}
-
-def _finite() -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: math.isfinite(v)), "a finite number"
-
-
-RULES |= {
     "rollout.mismatch_every": (*_at_least(0), "0 = never"),
     "rollout.tis_cap": (*_above(0), "the largest importance weight"),
     "moe.stats_every": (*_at_least(0), "0 = never"),
@@ -196,8 +193,9 @@ def check(cfg: Any) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value}: must be {allowed}" + (f" ({why})" if why else ""))
-    if cfg.model.arch == "hf" and model_dir_problem(cfg.model.path):
-        raise ConfigError(f"model.path={cfg.model.path}: {model_dir_problem(cfg.model.path)}")
+    problem = model_dir_problem(cfg.model.path) if cfg.model.arch == "hf" else None
+    if problem:
+        raise ConfigError(f"model.path={cfg.model.path}: {problem}")
     from gspo import adapters, rewards
 
     adapters.check(cfg)  # model.lora.*

@@ -126,8 +126,9 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
             from gspo.adapters import is_adapter_dir
             from gspo.checks import model_dir_problem
 
-            if not is_adapter_dir(path) and model_dir_problem(path):
-                raise ConfigError(f"{target}: {model_dir_problem(path)}")
+            problem = None if is_adapter_dir(path) else model_dir_problem(path)
+            if problem:
+                raise ConfigError(f"{target}: {problem}")
             model_dir = path
             run_dir = path.parent.parent if (path.parent.parent / "config.yaml").is_file() else None
         else:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import socket
 import subprocess
 import sys
