@@ -252,3 +252,19 @@ def test_the_time_limit_covers_the_tasks_verifier(monkeypatch):
     assert timeouts.call(lambda: 7, 0.2, "x") == 7 and timeouts.call(lambda: 8, 0, "x") == 8
     with pytest.raises(ZeroDivisionError):  # the function's own errors pass through
         timeouts.call(lambda: 1 / 0, 5, "x")
+
+
+def test_a_verifier_that_hangs_in_the_base_evaluation_ends_the_run(tmp_path, cache_dir, monkeypatch):
+    """The held-out evaluation (step 0, before any RL step) verifies under the same limit."""
+    import time
+
+    import gspo.evaluate
+    from gspo.timeouts import ScoringTimeout
+    from gspo.trainer import train
+
+    def verifier_that_hangs(task, text, problem, bad):
+        time.sleep(30)
+
+    monkeypatch.setattr(gspo.evaluate, "judge", verifier_that_hangs)
+    with pytest.raises(ScoringTimeout, match=r"reward.timeout_s=0.5: the task's verifier on \d+ held-out completions"):
+        train(compose(tiny(cache_dir, **{"reward.timeout_s": 0.5})), tmp_path)
