@@ -117,3 +117,19 @@ def test_compare_flags_a_run_whose_metrics_repeat_steps(tmp_path):
     assert "repeats steps 0 (2x), 1 (2x)" in broken[0].reason and "two runs" in broken[0].reason
     res = runner.invoke(app, ["compare", str(tmp_path)])
     assert res.exit_code == 2 and "repeats steps" in res.output
+
+
+def test_two_sweeps_started_in_the_same_second_get_their_own_sweep_directories(tmp_path, monkeypatch):
+    import hydra.core.utils
+
+    class Frozen(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 1, 12, 0, 0)
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", Frozen)
+    monkeypatch.chdir(tmp_path)
+    first, second = (rundir.run_dir_overrides(["seed=0,1"], multirun=True) for _ in range(2))
+    assert first == ["hydra.sweep.dir=outputs/multirun/2026-01-01/12-00-00"]
+    assert second == ["hydra.sweep.dir=outputs/multirun/2026-01-01/12-00-00-2"]
+    assert rundir.run_dir_overrides(["hydra.sweep.dir=mine", "seed=0,1"], multirun=True) == []  # the user's own
