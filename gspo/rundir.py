@@ -55,10 +55,17 @@ def _alive(pid: int) -> bool:
 
 def holder(run_dir: Path | str) -> Optional[dict]:
     """Who holds the run directory's lock, if a live process does (None: free, or a stale lock)."""
+    path = Path(run_dir) / LOCK
     try:
-        owner = json.loads((Path(run_dir) / LOCK).read_text())
-    except (OSError, ValueError):
+        owner = json.loads(path.read_text())
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError):  # being written this moment (created, not yet filled), or garbage
+        try:
+            fresh = time.time() - path.stat().st_mtime < 5
+        except OSError:
+            return None
+        return {"pid": "?", "host": "?", "since": "a moment ago"} if fresh else None
     requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
     if requeued and owner.get("slurm_job") and owner["slurm_job"] == os.environ.get("SLURM_JOB_ID"):
         return None  # this SLURM job, requeued (perhaps on another node): its earlier run is gone

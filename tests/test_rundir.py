@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -133,3 +134,10 @@ def test_two_sweeps_started_in_the_same_second_get_their_own_sweep_directories(t
     assert first == ["hydra.sweep.dir=outputs/multirun/2026-01-01/12-00-00"]
     assert second == ["hydra.sweep.dir=outputs/multirun/2026-01-01/12-00-00-2"]
     assert rundir.run_dir_overrides(["hydra.sweep.dir=mine", "seed=0,1"], multirun=True) == []  # the user's own
+
+
+def test_a_lock_being_written_counts_as_held_and_an_old_unreadable_one_as_stale(tmp_path):
+    (tmp_path / rundir.LOCK).write_text("")  # created by O_EXCL, its owner not written yet
+    assert rundir.holder(tmp_path) is not None
+    os.utime(tmp_path / rundir.LOCK, (0, 0))
+    assert rundir.holder(tmp_path) is None
