@@ -366,6 +366,10 @@ def compare(
     if not paths:
         raise CompareError("give at least one run directory or sweep directory")
     key = ",".join("algo.name" if k.strip() == "algo" else k.strip() for k in by.split(","))
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise CompareError(f"--threshold {threshold}: must be in [0, 1] (a held-out accuracy)")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise CompareError(f"--out {out}: a file is there; --out names a directory")
     runs, broken = load_runs(paths)
     if not runs:
         detail = "".join(f"\n  {b.path}: {b.reason}" for b in broken)

@@ -115,6 +115,7 @@ class RewardConfig:
     fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; fn(prompts, completions, **row_fields) -> list[float]
     weights: Optional[list[float]] = None  # python: one weight per function (None = all 1); reward = weighted sum
     ill_formed: float = 0.0  # python: reward of a completion with a special token before its EOS (functions not called)
+    timeout_s: float = 600.0  # scoring a batch (the task's verifier and the reward functions) may take this long (0 = no limit)
 
 
 @dataclass
@@ -181,6 +182,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0  # linear learning-rate warmup over this many RL steps (rollout batches)
     checkpoint_every: int = 50  # save a checkpoint every N steps (and always at the end)
+    keep_checkpoints: int = 1  # the newest N checkpoints are kept; older ones are deleted
 
 
 @dataclass
@@ -273,12 +275,17 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     config or an override names that the schema does not have is an error, except the keys
     gspo itself removed (REMOVED_KEYS), which an older run's config.yaml may still hold.
     """
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: not a gspo run directory (no config.yaml there)")
-    saved = OmegaConf.load(path)
+    try:
+        saved = OmegaConf.load(path)
+    except Exception as e:  # not YAML, or not a mapping
+        raise ConfigError(f"{path}: unreadable ({_explain(e)})") from None
+    if not isinstance(saved, DictConfig):
+        raise ConfigError(f"{path}: not a gspo config (a YAML mapping of keys)")
     _drop_removed_keys(saved, path)
     swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
     fresh = compose(swaps) if swaps else None

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gspo import adapters, checkpoint, distributed
+from gspo import adapters, checkpoint, distributed, preemption, timeouts
 from gspo.advantages import compute_advantages
 from gspo.errors import ConfigError
 from gspo.evaluate import evaluate, heldout_problems
@@ -79,7 +79,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/distributed.py)
     device = dist.device
     start, resume_ckpt = _resume_point(cfg, run_dir, dist)
-    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None)
+    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None, restarted=bool(cfg.resume))
     if start >= cfg.train.steps:  # a finished run: leave everything as it is
         if dist.is_main:
             print(f"gspo: {run_dir} already finished its {start} steps (train.steps={cfg.train.steps}); nothing to do")
@@ -119,16 +119,27 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
     ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
-        cfg.model.use_chat_template), eval_problems, model)
+        cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
+    stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step, checkpoint it, leave
+    saved = start  # the step of the newest checkpoint
     try:
         if start == 0:
             base = ev()
             logger.log(base, step=0)
             summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
         for step in range(start + 1, cfg.train.steps + 1):
+            if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
+                if step - 1 > saved:
+                    dist.save_checkpoint(run_dir, step - 1, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)
+                    summary.write(steps=step - 1)
+                if dist.is_main:
+                    kept = "checkpoint saved" if step > 1 else "no step finished yet"
+                    print(f"gspo: {stop.status} after step {step - 1} of {cfg.train.steps} ({kept}); "
+                          f"resume with: {preemption.resume_command(run_dir)}", flush=True)
+                break
             t0 = time.time()
             synced = sampler.sync(model)  # a separate sampler takes the trainer's weights, as an engine's weight sync
             batch, metrics = _collect(cfg, sampler, model, tokenizer, task, step, moe_step, dist)  # seeded by (seed, step)
@@ -149,14 +160,15 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             if logger.should_log_samples(step):
                 logger.log_samples(step, _samples(batch))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched)  # rank 0 writes
+                dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)  # rank 0 writes
+                saved = step
                 summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
                 if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
                     adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(dtype))
             progress.update(step, metrics)
             if not math.isfinite(metrics["train/loss"]):
                 raise FloatingPointError(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
-        status = "finished"
+        status = stop.status or "finished"
     except KeyboardInterrupt:
         status = "stopped"
         raise
@@ -164,6 +176,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         progress.close()
         logger.close(exit_code=0 if status == "finished" else 1)
         summary.write(status=status)
+        stop.close()  # in a submitit job, after a stop: submitit's own handler requeues the job
     return summary.data
 
 
@@ -191,7 +204,8 @@ def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step:
                          **moe_step.sample_kwargs())
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
-        rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed)
+        rewards, parts = timeouts.call(lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed), cfg.reward.timeout_s,
+                                       f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
@@ -315,7 +329,7 @@ def _resume_point(cfg, run_dir: Path, dist) -> tuple[int, Optional[Path]]:
     """(step to continue after, its checkpoint): (0, None) for a new run or one killed before its first checkpoint."""
     if not cfg.resume:
         return 0, None
-    ckpt = checkpoint.latest(run_dir)
+    ckpt = checkpoint.resumable(run_dir, log=print if dist.is_main else lambda msg: None)
     if ckpt is None:
         if dist.is_main:
             print(f"gspo: {run_dir} has no checkpoint yet: restarting it from step 0 (its metrics so far are dropped)")
@@ -327,21 +341,26 @@ class _Summary:
     """RUN_DIR/summary.json, true after any stop: written at step 0, at every checkpoint and at the end.
 
     `status` is running (also after a kill -9: then `steps` is the last checkpoint), finished,
-    stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of a resumed run.
+    preempted (SIGTERM), stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of
+    a resumed run, a restart from step 0 included.
     """
 
-    def __init__(self, run_dir: Path, is_main: bool, resumed: bool):
+    def __init__(self, run_dir: Path, is_main: bool, resumed: bool, restarted: bool = False):
         self.path, self.is_main, self.t0 = run_dir / "summary.json", is_main, time.time()
-        self.data: dict = json.loads(self.path.read_text()) if resumed and self.path.is_file() else {}
-        self.wall0 = float(self.data.get("wall_s", 0.0))
+        old: dict = json.loads(self.path.read_text()) if (resumed or restarted) and self.path.is_file() else {}
+        self.data = old if resumed else {}
+        self.wall0 = float(old.get("wall_s", 0.0))  # a restart from step 0 still counts the sessions before it
 
     def write(self, **values) -> None:
         self.data |= values
         self.data["wall_s"] = self.wall0 + time.time() - self.t0
         if self.is_main:
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(self.data, indent=2))
-            tmp.replace(self.path)
+            try:
+                tmp.write_text(json.dumps(self.data, indent=2))
+                tmp.replace(self.path)
+            except OSError as e:  # a full disk: keep the previous summary, do not hide the error that stopped the run
+                print(f"gspo: warning: cannot write {self.path}: {e}", file=sys.stderr)
 
 
 def _samples(batch: Batch, n: int = 8) -> list[dict]:
