@@ -10,6 +10,7 @@ back to `cli.main` (which sets HYDRA_FULL_ERROR so Hydra re-raises it).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -47,25 +48,40 @@ def hydra_train(cfg: DictConfig) -> float:
 def _train_job(cfg: DictConfig, hc) -> float:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from gspo import distributed
+    from gspo import distributed, preemption, resume, rundir
     from gspo.trainer import train
 
-    run_dir = Path(hc.runtime.output_dir)
+    run_dir, before = Path(hc.runtime.output_dir), None
     if cfg.resume:  # continue the stopped run in its own directory, with its own config
         run_dir = Path(cfg.resume)
+        before = load_run_config(run_dir)
         cfg = load_run_config(run_dir, resume_overrides(list(hc.overrides.task)))
+        resume.check(before, cfg)  # (`gspo train` checked it already)
         cfg.resume = str(run_dir)
-    if distributed.needs_launch(cfg.hardware):  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
-        try:
-            summary = distributed.launch(cfg, run_dir)
-        except ChildFailedError as e:
-            if any(f.exitcode == 2 for f in e.failures.values()):  # a worker refused the config and said why
-                raise ReportedError("a worker stopped on a config error (its message is above)") from None
-            raise
-    else:  # one process, or a worker of a torchrun started by hand (every rank takes rank 0's directory)
+    elif preemption.resume_requeued(run_dir):  # SLURM requeued this job (preempted): continue its run
+        print(f"gspo: requeued job: resuming {run_dir}", flush=True)
+        cfg.resume = str(run_dir)
+    elif distributed.is_main_process():  # a new run: never into a directory that holds one
+        rundir.check_new(run_dir, "hydra.run.dir" if hc.mode == RunMode.RUN else "hydra.sweep.dir")
+    launch = distributed.needs_launch(cfg.hardware)  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
+    if not launch:  # one process, or a worker of a torchrun started by hand (every rank takes rank 0's directory)
         run_dir = distributed.shared_run_dir(run_dir, cfg.hardware)
-        summary = train(cfg, run_dir)
+    with rundir.lock(run_dir) if distributed.is_main_process() else contextlib.nullcontext():
+        if before is not None and distributed.is_main_process():
+            resume.record(run_dir, before, cfg, resume.next_step(run_dir))  # e.g. train.steps, from step N on
+        if launch:
+            try:
+                summary = distributed.launch(cfg, run_dir)
+            except ChildFailedError as e:
+                if any(f.exitcode == 2 for f in e.failures.values()):  # a worker refused the config and said why
+                    raise ReportedError("a worker stopped on a config error (its message is above)") from None
+                raise
+        else:
+            summary = train(cfg, run_dir)
+    if not launch:
         distributed.shutdown()  # ranks leave the process group together (no-op in one process)
+    if summary.get("status") in preemption.EXIT_CODES:  # stopped by a signal: the line saying how to resume is out
+        raise SystemExit(preemption.EXIT_CODES[summary["status"]])
     if not distributed.is_main_process():
         return float("nan")
     base, final = summary.get("base_accuracy"), summary.get("final_accuracy")

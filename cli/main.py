@@ -17,6 +17,8 @@ from omegaconf import OmegaConf
 
 from hydra.errors import HydraException
 
+from gspo import rundir
+from gspo.resume import check as check_resume
 from gspo.checks import check_machine
 from gspo.config import (GROUPS, _explain, compose, group_options, load_run_config, resume_overrides, resume_target,
                          sweep_combinations)
@@ -112,7 +114,9 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
     if resume and not (Path(resume) / "config.yaml").is_file():
         raise ConfigError(f"resume={resume}: not a gspo run directory (no config.yaml there)")
     if resume:  # the run's own config, with the KEY=VALUE overrides it accepts
+        rundir.check_free(resume)  # not while the run is alive
         cfgs = [load_run_config(resume, resume_overrides(overrides))]
+        check_resume(load_run_config(resume), cfgs[0])  # nothing that makes it another experiment
         cfgs[0].resume = resume
     else:
         cfgs = [compose(combo) for combo in (sweep_combinations(overrides) if multirun else [overrides])]
@@ -142,6 +146,11 @@ def train(
             return
         # Hydra's run directory is the resumed one, with no .hydra/ (it would record a default config there)
         extra = ["hydra.run.dir=${resume}", "hydra.output_subdir=null"]
+    elif not _PRINT_ONLY_FLAGS.intersection(hydra_flags):
+        try:
+            extra = rundir.run_dir_overrides(overrides, multirun)
+        except ConfigError as e:
+            _fail(str(e))
     from cli import hydra_app
 
     sys.argv = ["gspo train", *(["--multirun"] if multirun else []), *hydra_flags, *overrides, *extra]

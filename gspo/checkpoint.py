@@ -4,7 +4,9 @@
 files and `trainer_state.pt` (optimizer, scheduler, step); a LoRA run (`model.lora.r > 0`)
 holds adapter_config.json + adapter_model.safetensors instead of the full weights (see
 gspo/adapters.py). Each is written under a temporary name and renamed, so a crash mid-write
-never leaves a broken "latest".
+never leaves a broken "latest"; the newest `train.keep_checkpoints` are kept. A write that fails
+(no space, no permission) is a one-line CheckpointError naming the path, the older checkpoints
+untouched; a resume skips a checkpoint that cannot be read and says so (`resumable`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from typing import Optional
 import torch
 
 from gspo import adapters
+from gspo.errors import ConfigError
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint could not be written (the CLI prints one line, exit code 2)."""
 
 
 def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep: int = 1,
@@ -28,20 +35,26 @@ def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep:
     None = the model's and optimizer's own.
     """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    if adapters.is_adapted(model):
-        adapters.save(unwrap(model), tmp, state_dict=model_state)  # the adapter only: the base is not ours to copy
-    else:
-        unwrap(model).save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
-    tokenizer.save_pretrained(tmp)
-    optim = optimizer.state_dict() if optimizer_state is None else optimizer_state
-    state = {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict()}
-    torch.save(state, tmp / "trainer_state.pt")
-    final = root / f"step_{step:06d}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    final, tmp = root / f"step_{step:06d}", None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        if adapters.is_adapted(model):
+            adapters.save(unwrap(model), tmp, state_dict=model_state)  # the adapter only: the base is not ours to copy
+        else:
+            unwrap(model).save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+        tokenizer.save_pretrained(tmp)
+        optim = optimizer.state_dict() if optimizer_state is None else optimizer_state
+        state = {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict()}
+        torch.save(state, tmp / "trainer_state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except (OSError, RuntimeError) as e:  # no space, no permission (torch.save wraps them in RuntimeError)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write the checkpoint of step {step} to {final}: {e}; "
+                              "the checkpoints and metrics written before are intact") from None
     for old in sorted(root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -51,6 +64,28 @@ def latest(run_dir: Path) -> Optional[Path]:
     """The newest complete checkpoint of a run, or None."""
     done = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "trainer_state.pt").is_file())
     return done[-1] if done else None
+
+
+def resumable(run_dir: Path, log=print) -> Optional[Path]:
+    """The newest checkpoint a resume can load: one that cannot be read is skipped, with a line saying so."""
+    from safetensors import safe_open
+
+    done = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir())
+    for ckpt in reversed(done):
+        try:
+            load_state(ckpt)
+            weights = sorted(ckpt.glob("*.safetensors"))
+            if not weights:
+                raise OSError("no *.safetensors weights")
+            for w in weights:  # the header names every tensor's bytes: a cut-short file fails here
+                with safe_open(str(w), "pt") as f:
+                    f.keys()
+            return ckpt
+        except Exception as e:
+            older = [p.name for p in done if p < ckpt]
+            log(f"gspo: checkpoint {ckpt} is incomplete ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                + (f"falling back to {older[-1]}" if older else "no older checkpoint"))
+    return None
 
 
 def load_state(ckpt: Path) -> dict:

@@ -8,6 +8,7 @@ call `check`; `gspo train` calls both for every job of a sweep before Hydra runs
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -17,6 +18,8 @@ CHOICES = {
     "moe.routing_replay": ("none", "R2", "R3"),
     "rollout.old_logprobs": ("auto", "sampler", "recompute"),
     "rollout.tis": ("none", "token", "sequence"),
+    "rollout.mask": ("none", "token", "geometric"),
+    "rollout.dtype": (None, "float32", "bfloat16", "float16"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "hardware.strategy": ("none", "ddp", "fsdp"),
@@ -42,6 +45,10 @@ def _within(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) 
     return ok, f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
 
 
+def _finite() -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: math.isfinite(v)), "a finite number"
+
+
 # key -> (accepts the value, what is allowed, why). None values (optional keys) are not checked.
 # Comparisons refuse NaN by themselves.
 RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
@@ -50,6 +57,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "rollout.max_new_tokens": (*_at_least(1), ""),
     "rollout.temperature": (*_above(0), "greedy training is not defined: the log-probs are those of logits / temperature"),
     "rollout.top_p": (*_within(0, 1, lo_open=True), "1 = no nucleus truncation"),
+    "rollout.tis_cap": (*_above(0), "the largest weight min(pi_old / mu, C) may take"),
+    "rollout.mask_low": (*_at_least(0), "a bound on rho = pi_old / mu"),
+    "rollout.mask_high": (*_above(0), "a bound on rho = pi_old / mu"),
     "train.steps": (*_at_least(1), "0 steps is nothing to do"),
     "train.minibatches": (*_at_least(1), ""),
     "train.lr": (*_at_least(0), ""),
@@ -57,6 +67,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "train.grad_clip": (*_above(0), "it is the largest gradient norm an update may have"),
     "train.warmup_steps": (*_at_least(0), ""),
     "train.checkpoint_every": (*_at_least(1), "a checkpoint every N steps; one is always saved at the end"),
+    "train.keep_checkpoints": (*_at_least(1), "the newest N checkpoints are kept"),
     "eval.every": (*_at_least(0), "0 = only at the start and the end"),
     "eval.pass_k": (*_at_least(0), "0 = off"),
     "task.eval_fraction": (*_within(0, 1, lo_open=True, hi_open=True), "the share of problems held out of training"),
@@ -87,10 +98,40 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.warm_start.steps": (*_at_least(0), "0 = no warm start"),
     "model.warm_start.lr": (*_above(0), ""),
     "model.warm_start.batch_size": (*_at_least(1), ""),
+    "reward.timeout_s": (*_at_least(0), "0 = no limit"),
     "hardware.nproc": (*_at_least(1), ""),
     "hardware.threads": (*_at_least(0), "0 = torch's default"),
     "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
+    "rollout.mismatch_every": (*_at_least(0), "0 = never"),
+    "rollout.tis_cap": (*_above(0), "the largest importance weight"),
+    "moe.stats_every": (*_at_least(0), "0 = never"),
+    "moe.stats_rows_per_group": (*_at_least(0), "0 = all"),
+    "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
+    "model.warm_start.target_accuracy": (*_within(0, 1), "0 = run every step"),
+    "model.warm_start.check_every": (*_at_least(1), ""),
+    "reward.correct": (*_finite(), ""),
+    "reward.format_score": (*_finite(), ""),
+    "reward.ill_formed": (*_finite(), ""),
 }
+
+# a Hugging Face model directory: config.json, one of these tokenizer files, safetensors weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def model_dir_problem(path: str | Path) -> Optional[str]:
+    """What keeps `path` from loading as a Hugging Face model directory, or None."""
+    p = Path(path)
+    if not p.is_dir():
+        return "no such directory"
+    if not (p / "config.json").is_file():
+        return "not a Hugging Face checkpoint directory (no config.json)"
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        return (f"no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
+                "save one into it with tokenizer.save_pretrained(DIR)")
+    if not any(p.glob("*.safetensors")):
+        return "no *.safetensors weights there (gspo loads safetensors only: model.save_pretrained(DIR))"
+    return None
+
 
 def _max_positions(cfg: Any) -> Optional[int]:
     """The positions the model has room for: prompt and completion must fit."""
@@ -158,17 +199,24 @@ def check(cfg: Any) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and not ok(value):
             raise ConfigError(f"{key}={value}: must be {allowed}" + (f" ({why})" if why else ""))
-    if cfg.model.arch == "hf" and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path={cfg.model.path}: not a Hugging Face checkpoint directory (no config.json)")
+    problem = model_dir_problem(cfg.model.path) if cfg.model.arch == "hf" else None
+    if problem:
+        raise ConfigError(f"model.path={cfg.model.path}: {problem}")
     from gspo import adapters, rewards
 
     adapters.check(cfg)  # model.lora.*
     data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
     rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
-    if cfg.rollout.tis != "none" and cfg.rollout.old_logprobs != "recompute" and (
-            cfg.rollout.old_logprobs == "sampler" or cfg.hardware.dtype == "float32"):
-        raise ConfigError(f"rollout.tis={cfg.rollout.tis} corrects the sampler/trainer mismatch, which exists only when the "
-                          "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
+    from gspo.sampler import check as check_sampler, old_logprobs_mode
+
+    check_sampler(cfg)  # rollout.dtype
+    r = cfg.rollout
+    for key, value in (("rollout.tis", r.tis), ("rollout.mask", r.mask)):
+        if value != "none" and old_logprobs_mode(cfg) != "recompute":
+            raise ConfigError(f"{key}={value} corrects the sampler/trainer mismatch, which exists only when the "
+                              "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
+    if r.mask != "none" and r.mask_low is not None and r.mask_high is not None and r.mask_low >= r.mask_high:
+        raise ConfigError(f"rollout.mask_low={r.mask_low}: must be below rollout.mask_high={r.mask_high}")
     problem = _cross_checks(cfg)
     if problem:
         raise ConfigError(problem)

@@ -40,10 +40,14 @@ PAIRWISE_STATS = ("final_acc", "best_acc")  # compared against the baseline grou
 
 # Config keys whose differences make runs incomparable (unless it is the grouping key).
 COMPARABILITY_KEYS = ("model.", "task.", "reward.", "rollout.", "train.steps", "train.minibatches")
+# Rollout keys that are a treatment, not the rollout budget: a study compares runs that differ in them
+# (the sampler's precision, where the old log-probs come from, the mismatch corrections).
+TREATMENT_KEYS = ("rollout.dtype", "rollout.old_logprobs", "rollout.mismatch_every", "rollout.tis", "rollout.mask",
+                  "rollout.offpolicy_mask_delta")
 # Keys that never matter for a comparison (bookkeeping, hardware, logging).
 IGNORED_KEYS = (
     "seed", "name", "resume", "cache_dir", "run_dir", "output_dir", "logger.", "hardware.", "eval.",
-    "model.name", "model.attn_implementation", "model.gradient_checkpointing",
+    "model.name", "model.attn_implementation", "model.experts_implementation", "model.gradient_checkpointing",
 )
 @dataclass
 class Stat:
@@ -190,7 +194,7 @@ def detect_collapse(run: Run) -> tuple[str | None, int | None]:
 
 
 def _label(key: str, value: Any) -> str:
-    return str(value) if key.endswith(".name") else f"{key.rsplit('.', 1)[-1]}={value}"
+    return str(value) if key == "name" or key.endswith(".name") else f"{key.rsplit('.', 1)[-1]}={value}"
 
 
 def group_runs(runs: Sequence[Run], key: str) -> list[Group]:
@@ -226,15 +230,14 @@ def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
     flats = [_flatten(r.config) for r in runs]
     keys = sorted({k for f in flats for k in f})
     warnings = []
-    differ = [k for k in keys if relevant(k) and k.startswith(COMPARABILITY_KEYS)
-              and len({repr(f.get(k, _MISSING)) for f in flats}) > 1]
+    budget = lambda k: k.startswith(COMPARABILITY_KEYS) and not k.startswith(TREATMENT_KEYS)  # noqa: E731
+    differ = [k for k in keys if relevant(k) and budget(k) and len({repr(f.get(k, _MISSING)) for f in flats}) > 1]
     if differ:
         warnings.append("runs are NOT comparable (base model, task or rollout budget differ): "
                         + "; ".join(_diff_text(flats, k) for k in differ))
     for g in groups:
         gflats = [_flatten(r.config) for r in g.runs]
-        mixed = [k for k in keys if relevant(k) and not k.startswith(COMPARABILITY_KEYS)
-                 and len({repr(f.get(k, _MISSING)) for f in gflats}) > 1]
+        mixed = [k for k in keys if relevant(k) and not budget(k) and len({repr(f.get(k, _MISSING)) for f in gflats}) > 1]
         if mixed:
             warnings.append(f"group {g.label} mixes runs that differ in "
                             + "; ".join(_diff_text(gflats, k) for k in mixed)
@@ -363,6 +366,10 @@ def compare(
     if not paths:
         raise CompareError("give at least one run directory or sweep directory")
     key = ",".join("algo.name" if k.strip() == "algo" else k.strip() for k in by.split(","))
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise CompareError(f"--threshold {threshold}: must be in [0, 1] (a held-out accuracy)")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise CompareError(f"--out {out}: a file is there; --out names a directory")
     runs, broken = load_runs(paths)
     if not runs:
         detail = "".join(f"\n  {b.path}: {b.reason}" for b in broken)

@@ -86,6 +86,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001  # load-balancing loss coefficient in RL updates; 0 = off
     norm_topk_prob: bool = True
     attn_implementation: str = "auto"  # auto (fastest the class supports) | sdpa | eager | flash_attention_2 | ...
+    experts_implementation: Optional[str] = None  # MoE experts kernel: eager | grouped_mm | batched_mm; None = transformers' default
     gradient_checkpointing: bool = False
     use_chat_template: bool = False  # wrap prompts in the tokenizer's chat template (real checkpoints)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -114,6 +115,7 @@ class RewardConfig:
     fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; fn(prompts, completions, **row_fields) -> list[float]
     weights: Optional[list[float]] = None  # python: one weight per function (None = all 1); reward = weighted sum
     ill_formed: float = 0.0  # python: reward of a completion with a special token before its EOS (functions not called)
+    timeout_s: float = 600.0  # scoring a batch (the task's verifier and the reward functions) may take this long (0 = no limit)
 
 
 @dataclass
@@ -154,12 +156,21 @@ class RolloutConfig:
     max_new_tokens: int = 8  # completion length cap
     temperature: float = 1.0  # > 0; also the temperature of pass@k (eval.pass_k)
     top_p: float = 1.0  # nucleus sampling: in (0, 1]; 1 = off
+    # float32 | bfloat16 | float16: the sampler's precision; None = the trainer's (hardware.dtype). When it
+    # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step
+    dtype: Optional[str] = None
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
-    # forward pass of the trainer; auto = sampler in float32, recompute in bf16/fp16
+    # forward pass of the trainer; auto = sampler when sampler and trainer are the same float32 model, else recompute
     old_logprobs: str = "auto"
     mismatch_every: int = 10  # with sampler log-probs, recompute them every N steps to log the mismatch (0 = never)
     tis: str = "none"  # none | token | sequence: truncated IS correction of the sampler/trainer mismatch (recompute only)
     tis_cap: float = 2.0  # TIS truncation C: weights min(pi_old / mu, C)
+    # none | token | geometric: mask tokens whose rho = pi_old/mu is outside [mask_low, mask_high] (masked IS /
+    # IcePop), or sequences whose exp(mean_t log rho) is (geometric); combines with rollout.tis (recompute only)
+    mask: str = "none"
+    mask_low: Optional[float] = None  # None = the peers' default: 0.5 (token), 0.99 (geometric)
+    mask_high: Optional[float] = None  # None = 5 (token), 1.01 (geometric)
+    offpolicy_mask_delta: Optional[float] = None  # DeepSeek-V3.2: drop A < 0 sequences with mean log(mu/pi_theta) > delta; None = off
 
 
 @dataclass
@@ -171,6 +182,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0  # linear learning-rate warmup over this many RL steps (rollout batches)
     checkpoint_every: int = 50  # save a checkpoint every N steps (and always at the end)
+    keep_checkpoints: int = 1  # the newest N checkpoints are kept; older ones are deleted
 
 
 @dataclass
@@ -263,12 +275,17 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     config or an override names that the schema does not have is an error, except the keys
     gspo itself removed (REMOVED_KEYS), which an older run's config.yaml may still hold.
     """
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: not a gspo run directory (no config.yaml there)")
-    saved = OmegaConf.load(path)
+    try:
+        saved = OmegaConf.load(path)
+    except Exception as e:  # not YAML, or not a mapping
+        raise ConfigError(f"{path}: unreadable ({_explain(e)})") from None
+    if not isinstance(saved, DictConfig):
+        raise ConfigError(f"{path}: not a gspo config (a YAML mapping of keys)")
     _drop_removed_keys(saved, path)
     swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
     fresh = compose(swaps) if swaps else None

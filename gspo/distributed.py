@@ -48,7 +48,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as tdist
 
-from gspo import checkpoint
+from gspo import checkpoint, preemption
 from gspo.errors import ConfigError
 
 # --------------------------------------------------------------------------- launching
@@ -99,6 +99,7 @@ def launch(cfg, run_dir: Path) -> dict:
     they all train the same config into the same directory.
     """
     from omegaconf import OmegaConf
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     hw, n = cfg.hardware, cfg.hardware.nproc
@@ -110,21 +111,33 @@ def launch(cfg, run_dir: Path) -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    env = {}
+    stop_file = run_dir / f".stop-{os.getpid()}"  # this session's: a signal to this process, passed on
+    stop_file.unlink(missing_ok=True)
+    env = {preemption.STOP_FILE_ENV: str(stop_file), "TORCHELASTIC_SIGNALS_TO_HANDLE": None}  # (torchrun sets it)
     if _device(hw).type == "cpu" and not hw.threads and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // n))  # share the cores instead of oversubscribing
     args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.trainer", str(run_dir)]
     print(f"gspo: starting {n} processes: torchrun {' '.join(args)}", flush=True)
+    # torchrun would turn SIGTERM/SIGINT into killing the workers; they finish their step instead (gspo/preemption.py)
+    args.insert(0, "--signals-to-handle=SIGHUP,SIGQUIT")
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    os.environ.update({k: v for k, v in env.items() if v is not None})
+    stop = preemption.StopSignals(pass_to=stop_file).install()
     try:
         run(get_args_parser().parse_args(args))
+    except SignalException:  # a second signal: torchrun killed the workers; leave as the signal would
+        if stop.signum is not None:
+            stop.kill()
+        raise
     finally:
+        stop.restore()
+        stop_file.unlink(missing_ok=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    stop.close()  # after a stop: the handler the signal had before (submitit's requeue)
     path = run_dir / "summary.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -407,7 +420,7 @@ class Dist:
         return {k: (x[i] / x[-1].clamp(min=1)).item() for i, k in enumerate(keys)}
 
     # -- checkpoints -----------------------------------------------------------
-    def save_checkpoint(self, run_dir: Path, step: int, model, tokenizer, opt, sched) -> None:
+    def save_checkpoint(self, run_dir: Path, step: int, model, tokenizer, opt, sched, keep: int = 1) -> None:
         """Rank 0 writes the checkpoint (FSDP: full tensors gathered from every rank first)."""
         model_state = optim_state = None
         if self.strategy == "fsdp":
@@ -420,7 +433,7 @@ class Dist:
             tied = _tied_aliases(model)  # e.g. lm_head.weight = embed_tokens.weight: saved once, as HF does
             model_state = {k: v for k, v in model_state.items() if k not in tied}
         if self.is_main:
-            checkpoint.save(run_dir, step, model, tokenizer, opt, sched, model_state=model_state,
+            checkpoint.save(run_dir, step, model, tokenizer, opt, sched, keep=keep, model_state=model_state,
                             optimizer_state=optim_state)
         self.barrier()
 

@@ -6,6 +6,7 @@ from math import comb
 
 import torch
 
+from gspo import timeouts
 from gspo.rollout import generate
 from gspo.tasks import Problem, Task, judge
 
@@ -30,19 +31,25 @@ def evaluate(
     chat_template: bool = False,
     batch_size: int = 256,
     examples: int = 0,
+    timeout_s: float = 0.0,
 ) -> dict:
     """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0).
 
+    `timeout_s`: the task's verifier may take this long on a batch (`reward.timeout_s`; 0 = no limit).
     Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
     """
+    def verdicts(r, chunk_problems) -> list:  # one problem per completion
+        return timeouts.call(lambda: [judge(task, t, p, bool(b)) for t, p, b in
+                                      zip(r.texts, chunk_problems, r.ill_formed.tolist())],
+                             timeout_s, f"the task's verifier on {len(r.texts)} held-out completions")
+
     was_training = model.training
     model.eval()
     correct, formed, lengths, shown = [], [], [], []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
         r = generate(model, tokenizer, [p.prompt for p in chunk], 1, max_new_tokens, greedy=True, chat_template=chat_template)
-        for text, p, n, bad in zip(r.texts, chunk, r.lengths.tolist(), r.ill_formed.tolist()):
-            v = judge(task, text, p, bad)
+        for text, p, n, v in zip(r.texts, chunk, r.lengths.tolist(), verdicts(r, chunk)):
             correct.append(v.correct)
             formed.append(v.well_formed)
             lengths.append(n)
@@ -59,10 +66,9 @@ def evaluate(
         for i in range(0, len(problems), max(1, batch_size // n)):
             chunk = problems[i : i + max(1, batch_size // n)]
             r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature, chat_template=chat_template)
-            for j, p in enumerate(chunk):
-                rows = range(j * n, (j + 1) * n)
-                c = sum(judge(task, r.texts[i], p, bool(r.ill_formed[i])).correct for i in rows)
-                scores.append(pass_at_k(n, c, pass_k))
+            right = [v.correct for v in verdicts(r, [p for p in chunk for _ in range(n)])]
+            for j in range(len(chunk)):
+                scores.append(pass_at_k(n, sum(right[j * n : (j + 1) * n]), pass_k))
         out[f"eval/pass@{pass_k}"] = sum(scores) / max(1, len(scores))
     if examples:
         out["examples"] = shown
@@ -123,6 +129,12 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
             if model_dir is None:
                 raise ConfigError(f"{path}: this run has no checkpoint yet")
         elif checkpoint.is_checkpoint(path):  # full weights, or a LoRA adapter
+            from gspo.adapters import is_adapter_dir
+            from gspo.checks import model_dir_problem
+
+            problem = None if is_adapter_dir(path) else model_dir_problem(path)
+            if problem:
+                raise ConfigError(f"{target}: {problem}")
             model_dir = path
             run_dir = path.parent.parent if (path.parent.parent / "config.yaml").is_file() else None
         else:
@@ -140,7 +152,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     model, tokenizer = checkpoint.load_model(model_dir)  # a LoRA adapter loads onto the base it records
     res = evaluate(model, tokenizer, task, problems, cfg.rollout.max_new_tokens,
                    pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,
-                   examples=examples)
+                   examples=examples, timeout_s=cfg.reward.timeout_s)
     res["model"] = str(model_dir)
     res["task"] = cfg.task.name
     res["n"] = len(problems)  # what was scored, which a small held-out split makes fewer than task.eval_size

@@ -16,7 +16,6 @@ still goes through the model's own `__call__`, and so through DDP / FSDP2 wrappe
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -112,7 +111,7 @@ def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature
     """
     bare = getattr(model, "module", model)  # DDP keeps the model as .module; FSDP2 shards it in place
     head = bare.get_output_embeddings()
-    if not _PASSES_THROUGH.get(head, True) or getattr(head, "bias", None) is not None:
+    if not getattr(head, PASSES_THROUGH, True) or getattr(head, "bias", None) is not None:
         return _plain_logprobs(model, select, targets, temperature, with_entropy, **forward_kwargs)
     hidden: list = []
     entropy: list = []
@@ -137,8 +136,9 @@ def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature
     return out.logits, entropy[0], out
 
 
-# LM head -> whether the model returns the head's output unchanged as its logits (see check_head)
-_PASSES_THROUGH: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+# Set on the LM head by check_head: whether the model returns the head's output unchanged as its logits.
+# An attribute of the module, so that copies (the reference model, a sampler copy) and wrappers keep it.
+PASSES_THROUGH = "gspo_passes_through"
 
 
 @torch.no_grad()
@@ -166,8 +166,9 @@ def check_head(model: nn.Module) -> bool:
     finally:
         handle.remove()
         model.train(was_training)
-    _PASSES_THROUGH[head] = bool(probe) and out.shape == probe[0].shape and torch.equal(out, probe[0])
-    return _PASSES_THROUGH[head]
+    passes = bool(probe) and out.shape == probe[0].shape and torch.equal(out, probe[0])
+    setattr(head, PASSES_THROUGH, passes)
+    return passes
 
 
 def _plain_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature: float, with_entropy: bool,

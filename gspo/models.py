@@ -4,7 +4,8 @@ The tiny models are the real `transformers` classes, so every code path (KV cach
 sdpa attention, MoE routers, save/load) is the one a real Qwen3 checkpoint takes.
 A random-init model earns no reward, so `base_model` warm-starts it with
 supervised steps on the task's reference solutions and caches the result by its
-config: every run of a sweep starts from the very same weights, built once.
+config and the content of the files it reads (a data file): every run of a sweep
+starts from the very same weights, built once, and a changed file builds a new base.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import transformers
@@ -76,6 +78,7 @@ def build_model(mcfg, vocab_size: int, tokenizer: PreTrainedTokenizerFast, seed:
             router_aux_loss_coef=mcfg.router_aux_loss_coef,
             decoder_sparse_step=1,
             mlp_only_layers=[],
+            **({"experts_implementation": mcfg.experts_implementation} if mcfg.get("experts_implementation") else {}),
         )
         return Qwen3MoeForCausalLM(config)
     raise ConfigError(f"model.arch={mcfg.arch}: valid values are qwen3, qwen3_moe, hf")
@@ -131,12 +134,13 @@ def normalise_config(config) -> list[str]:
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: str = "auto",
-                    device: torch.device | str = "cpu", log=None):
+                    experts: Optional[str] = None, device: torch.device | str = "cpu", log=None):
     """A local causal-LM checkpoint and its tokenizer, loaded with safetensors.
 
     `attn`: a `model.attn_implementation` value (see `choose_attention`); `device` and `dtype`
-    decide what `auto` may pick. `log` (e.g. print) gets one line on the choice and on any
-    config value `normalise_config` corrected.
+    decide what `auto` may pick. `experts`: the MoE experts kernel (transformers'
+    `experts_implementation`); None = its default. `log` (e.g. print) gets one line on the
+    attention chosen and on any config value `normalise_config` corrected.
     """
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -144,7 +148,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={path}: not a Hugging Face checkpoint directory (no config.json there)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:  # gspo.checks.model_dir_problem catches the usual cases before work
+        raise ConfigError(f"model.path={path}: the tokenizer does not load ({str(e).splitlines()[0]})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     config = AutoConfig.from_pretrained(path)
@@ -157,22 +164,42 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
     if log is not None:
         log(f"gspo: {model_class.__name__}: attention {impl}" + (" (auto)" if attn == "auto" else "")
             + "".join(f"; {n}" for n in notes))
-    model = model_class.from_pretrained(path, config=config, dtype=dtype, attn_implementation=impl, use_safetensors=True)
+    kernels = {"experts_implementation": experts} if experts else {}
+    model = model_class.from_pretrained(path, config=config, dtype=dtype, attn_implementation=impl, use_safetensors=True,
+                                        **kernels)
     if not check_head(model) and log is not None:
         log(f"gspo: {model_class.__name__} transforms its LM head's logits (soft-cap, scale ...): "
             "log-probs are read off its own logits, not computed chunk by chunk")
     return model, tokenizer
 
 
+def _input_files(cfg) -> dict[str, str]:
+    """The files the warm start reads, by the key naming them: `task.path` (a data file's reference answers).
+
+    The reward is not among them: the warm start is supervised on the task's answers, never scored.
+    """
+    return {"task.path": str(cfg.task.path)} if cfg.task.get("path") else {}
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _base_key(cfg) -> str:
     from omegaconf import OmegaConf
 
     m = OmegaConf.to_container(cfg.model, resolve=True)
-    for k in ("name", "gradient_checkpointing", "attn_implementation", "lora"):
+    for k in ("name", "gradient_checkpointing", "attn_implementation", "experts_implementation", "lora"):
         m.pop(k, None)  # do not change the weights the warm start produces (LoRA and full runs share a base)
     t = OmegaConf.to_container(cfg.task, resolve=True)
     t.pop("eval_size", None)
-    blob = json.dumps({"v": CACHE_VERSION, "model": m, "task": t, "T": cfg.rollout.max_new_tokens}, sort_keys=True)
+    files = {k: _sha256(path) for k, path in _input_files(cfg).items() if Path(path).is_file()}  # content, not name
+    key = {"v": CACHE_VERSION, "model": m, "task": t, "T": cfg.rollout.max_new_tokens}
+    blob = json.dumps(key | ({"files": files} if files else {}), sort_keys=True)  # no file: the key it always had
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -188,6 +215,9 @@ def base_model(cfg, task, log=print) -> Path:
         return Path(cfg.model.path)
     target = Path(cfg.cache_dir) / f"base-{cfg.model.name}-{cfg.task.name}-{_base_key(cfg)}"
     if (target / "config.json").is_file():
+        if int(os.environ.get("RANK", "0")) == 0:
+            inputs = ", ".join(f"{k}={v}" for k, v in _input_files(cfg).items())
+            log(f"gspo: reusing the warm-started base {target}" + (f" (built from {inputs}, same content)" if inputs else ""))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = char_tokenizer(task.alphabet)
@@ -197,7 +227,8 @@ def base_model(cfg, task, log=print) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "warm_start.json").write_text(json.dumps({"seconds": time.time() - t0, **record}))
+    inputs = {k: {"path": path, "sha256": _sha256(path)} for k, path in _input_files(cfg).items()}
+    (tmp / "warm_start.json").write_text(json.dumps({"seconds": time.time() - t0, **record, "inputs": inputs}))
     try:
         os.rename(tmp, target)
     except OSError:  # another job finished first: use its base

@@ -4,7 +4,8 @@ The loop calls it at fixed points and never asks which model family it runs; for
 dense model every call is a no-op (`MoEStep.for_model` returns the inert base class):
 
     sample_kwargs()                     generate(): record the routing seen while sampling
-    old_pass(model, rollout)            around the old-policy log-prob pass (when it runs)
+    old_pass(model, rollout, record)    around the trainer's log-prob pass on the rollout: the old
+                                        policy's (record) or a mismatch diagnostic only
     minibatch(model, rollout, rows)     around each update's forward and backward: yields a
         .router_shift(...)              RSPO's factor for the loss (None: no RSPO)
         .aux_loss(...)                  the load-balancing loss to add (0: none)
@@ -18,6 +19,9 @@ that at the old weights every ratio is exactly 1 (issue: with live routing there
 routing flips made ratio != 1 before any update). When the sampler's log-probs serve as
 the old policy's (`rollout.old_logprobs=sampler`) no old-policy pass runs: the routing
 recorded while sampling is the old policy's routing, so R2 and R3 replay the same thing.
+With a sampler that is not the trainer (`rollout.dtype`, gspo/sampler.py) the two differ: R3
+replays the routing the sampler's copy chose, R2 the trainer's recomputed pass's.
+`rollout/routing_mismatch` counts the (token, layer) top-k sets on which they disagree.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from typing import Iterator, Optional
 import torch
 
 from gspo import moe
+from gspo.mismatch import routing_mismatch
 from gspo.rollout import Rollout, position_ids
+from gspo.sampler import separate
 
 
 class _NoMinibatch:
@@ -66,7 +72,7 @@ class MoEStep:
         return {}
 
     @contextlib.contextmanager
-    def old_pass(self, model: torch.nn.Module, rollout: Rollout) -> Iterator[None]:
+    def old_pass(self, model: torch.nn.Module, rollout: Rollout, record: bool = True) -> Iterator[None]:
         yield
 
     @contextlib.contextmanager
@@ -120,6 +126,9 @@ class _MoE(MoEStep):
         self.stats_every = int(cfg.moe.stats_every)
         self.stats_rows_per_group = int(cfg.moe.stats_rows_per_group)
         self.group_size = int(cfg.rollout.group_size)
+        # a sampler in another precision routes differently from the trainer: record its routing to measure that
+        self.mismatched = separate(cfg)
+        self._pass_stats: dict[str, float] = {}
         routers = moe.find_routers(model)
         self.top_k, self.num_experts = routers[0].top_k, routers[0].num_experts
         self.old_idx: Optional[torch.Tensor] = None  # (N, P+T, L, k) the old policy's routing
@@ -128,7 +137,7 @@ class _MoE(MoEStep):
 
     def sample_kwargs(self) -> dict:
         # R3 replays the sampling routing; without an old-policy pass it is also the old policy's routing
-        return {"capture_routing": self.replay == "R3" or not self.use_old_pass}
+        return {"capture_routing": self.replay == "R3" or not self.use_old_pass or self.mismatched}
 
     def _begin(self, rollout: Rollout) -> None:
         """Take the rollout's routing as the old policy's, unless an old-policy pass records it."""
@@ -145,15 +154,21 @@ class _MoE(MoEStep):
         return out
 
     @contextlib.contextmanager
-    def old_pass(self, model: torch.nn.Module, rollout: Rollout) -> Iterator[None]:
+    def old_pass(self, model: torch.nn.Module, rollout: Rollout, record: bool = True) -> Iterator[None]:
+        """Around the trainer's pass on the rollout: `record` takes its routing as the old policy's
+        (R3 replaying the sampler's); otherwise (sampler log-probs) the pass is a live diagnostic."""
         self._begin(rollout)
         with contextlib.ExitStack() as stack:
-            if self.replay == "R3":  # the old policy routed as the sampler did: ratio 1 at the old weights
+            if record and self.replay == "R3":  # the old policy routed as the sampler did: ratio 1 at the old weights
                 stack.enter_context(moe.replay_routing(model, rollout.routing))
             trace = stack.enter_context(moe.capture_routing(model, logprobs=True))
             yield
         n = len(rollout.texts)
-        self.old_idx, self.old_lp = trace.indices(n), trace.logprobs(n)
+        if record:
+            self.old_idx, self.old_lp = trace.indices(n), trace.logprobs(n)
+        if rollout.routing is not None:  # what the trainer's router would pick (live, whatever was replayed)
+            self._pass_stats = {"rollout/routing_mismatch": routing_mismatch(
+                rollout.routing, trace.live_indices(n), self.completion_positions())}
 
     @contextlib.contextmanager
     def minibatch(self, model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor) -> Iterator[_Minibatch]:
@@ -177,8 +192,9 @@ class _MoE(MoEStep):
         (rows of a group are exchangeable samples; 0 = every row).
         """
         self._begin(rollout)
+        out, self._pass_stats = self._pass_stats, {}  # the sampler/trainer routing mismatch of this step's pass
         if not self.stats_every or step % self.stats_every:
-            return {}
+            return out
         n, G, k = len(rollout.texts), self.group_size, self.stats_rows_per_group
         rows = torch.arange(n) if not k or k >= G else (torch.arange(0, n, G)[:, None] + torch.arange(k)).reshape(-1)
         sub = rollout.select(rows)
@@ -190,6 +206,6 @@ class _MoE(MoEStep):
         model.train(was_training)
         new_idx, new_lp = trace.indices(len(rows)), trace.logprobs(len(rows))
         old_idx = self.old_idx[rows]
-        out = moe.moe_metrics(old_idx, new_idx, self.old_lp[rows], new_lp, self.completion_positions(rows), self.num_experts)
+        out |= moe.moe_metrics(old_idx, new_idx, self.old_lp[rows], new_lp, self.completion_positions(rows), self.num_experts)
         out["moe/routing_volatility_all"] = moe.routing_volatility(old_idx, new_idx, sub.attention_mask)[0]
         return out

@@ -39,6 +39,7 @@ class Rollout:
     router_logp: Optional[torch.Tensor] = None  # (N, P+T, L, E) float32 router log-probs while sampling (0: never routed)
     ill_formed: Optional[torch.Tensor] = None  # (N,) bool: a special token before the final EOS (see tasks.judge)
     sampler_logp: Optional[torch.Tensor] = None  # (N, T) float32 log-probs of the sampled tokens, as drawn; 0 on padding
+    kept_mass: Optional[torch.Tensor] = None  # (N, T) probability mass the nucleus (top_p < 1) kept; None at top_p 1
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -85,6 +86,8 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         ill_formed=None if parts[0].ill_formed is None else torch.cat([r.ill_formed for r in parts]),
         sampler_logp=None if parts[0].sampler_logp is None else torch.cat(
             [F.pad(r.sampler_logp, (0, T - r.completion_mask.shape[1])) for r in parts]),
+        kept_mass=None if parts[0].kept_mass is None else torch.cat(
+            [F.pad(r.kept_mass, (0, T - r.completion_mask.shape[1]), value=1.0) for r in parts]),
     )
 
 
@@ -152,6 +155,7 @@ def generate(
     n, p = ids.shape
     out = torch.full((n, max_new_tokens), pad, dtype=torch.long, device=device)
     sampler_logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
+    kept = torch.ones((n, max_new_tokens), dtype=torch.float32, device=device) if top_p < 1.0 and not greedy else None
     done = torch.zeros(n, dtype=torch.bool, device=device)
     # one attention mask for the whole rollout, filled in as tokens arrive (no per-token re-allocation)
     full_mask = torch.cat([mask, torch.ones((n, max_new_tokens), dtype=mask.dtype, device=device)], dim=1)
@@ -182,7 +186,9 @@ def generate(
             if greedy:
                 nxt = _sample(logits, temperature, top_p, greedy, None)
             else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
-                nxt, sampler_logp[:, t] = _sample(logits, temperature, top_p, greedy, u[:, t], with_logp=True)
+                nxt, sampler_logp[:, t], mass = _sample(logits, temperature, top_p, greedy, u[:, t], with_logp=True)
+                if kept is not None:
+                    kept[:, t] = mass
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             out[:, t] = nxt
             done |= nxt == eos
@@ -230,6 +236,7 @@ def generate(
         router_logp=router_logp,
         ill_formed=ill_formed,
         sampler_logp=None if greedy else sampler_logp[:, : out.shape[1]] * comp_mask,
+        kept_mass=None if kept is None else torch.where(comp_mask.bool(), kept[:, : out.shape[1]], 1.0),
     )
 
 
@@ -266,11 +273,13 @@ def _uniforms(n: int, steps: int, generator, device) -> torch.Tensor:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, u: Optional[torch.Tensor],
-            with_logp: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            with_logp: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The next token of each row: argmax, or an inverse-CDF draw with the row's uniform u (N,).
 
-    `with_logp`: also the drawn token's log-prob under softmax(logits / temperature) (before the
-    top-p cut, as peers record it), read off the probabilities the draw used: no second pass over V.
+    `with_logp`: also the drawn token's log-prob under softmax(logits / temperature) and the mass
+    the nucleus kept (1 without top-p), read off the probabilities the draw used: no second pass over V.
+    The log-prob is taken BEFORE the top-p cut, like the trainer's over the whole vocabulary, so the
+    kept mass cancels from the sampler/trainer ratio (gspo/mismatch.py explains why).
     """
     if greedy:
         return logits.argmax(-1)
@@ -284,7 +293,9 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool
     # the first token whose cumulative probability exceeds u x total: never a zero-probability token
     nxt = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True).squeeze(-1)
     nxt = nxt.clamp_max(probs.shape[-1] - 1)
-    return (nxt, full.gather(-1, nxt[:, None]).squeeze(-1).log()) if with_logp else nxt
+    if not with_logp:
+        return nxt
+    return nxt, full.gather(-1, nxt[:, None]).squeeze(-1).log(), cdf[:, -1]
 
 
 def token_logprobs(

@@ -95,6 +95,7 @@ def _read_metrics(path: Path) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
     if not lines:
         raise _Broken("metrics.jsonl is empty (no step logged yet)")
     records: dict[int, dict] = {}
+    repeated: dict[int, int] = {}
     notes = []
     for idx, (lineno, line) in enumerate(lines):
         try:
@@ -105,7 +106,13 @@ def _read_metrics(path: Path) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
                 notes.append(f"{path}: ignored unreadable last line {lineno}")
                 continue
             raise _Broken(f"metrics.jsonl line {lineno} is not a JSON object with a step ({e})") from None
-        records.setdefault(step, {}).update(record)  # duplicate steps: the later line wins
+        if step in records:
+            repeated[step] = repeated.get(step, 1) + 1
+        records.setdefault(step, {}).update(record)
+    if repeated:  # a resume drops what it redoes: a repeated step means two runs wrote this file
+        shown = ", ".join(f"{s} ({n}x)" for s, n in sorted(repeated.items())[:5]) + (", ..." if len(repeated) > 5 else "")
+        raise _Broken(f"metrics.jsonl repeats steps {shown}: two runs wrote into this directory; its numbers "
+                      "mix them and cannot be compared")
     series: dict[str, tuple[list, list]] = {}
     for step in sorted(records):
         for key, value in records[step].items():

@@ -7,7 +7,6 @@ Read `train` first; everything else in this file is a helper it calls.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -21,17 +20,18 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gspo import adapters, checkpoint, distributed
+from gspo import adapters, checkpoint, distributed, preemption, timeouts
 from gspo.advantages import compute_advantages
 from gspo.errors import ConfigError
 from gspo.evaluate import evaluate, heldout_problems
 from gspo.logging import MetricsLogger
 from gspo.losses import aggregate_denominator, get_loss, policy_loss
-from gspo.mismatch import mismatch_metrics, tis_weights
+from gspo.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
 from gspo.models import base_model, load_pretrained
 from gspo.moe_step import MoEStep
 from gspo.rewards import score
 from gspo.rollout import Rollout, cat_rollouts, generate, token_logprobs
+from gspo.sampler import Sampler, old_logprobs_mode
 from gspo.shaping import dynamic_sampling, overlong_penalty
 from gspo.tasks import Problem, build_task
 
@@ -79,7 +79,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/distributed.py)
     device = dist.device
     start, resume_ckpt = _resume_point(cfg, run_dir, dist)
-    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None)
+    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None, restarted=bool(cfg.resume))
     if start >= cfg.train.steps:  # a finished run: leave everything as it is
         if dist.is_main:
             print(f"gspo: {run_dir} already finished its {start} steps (train.steps={cfg.train.steps}); nothing to do")
@@ -90,8 +90,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
     with dist.main_first():  # rank 0 builds the warm-started base, the others then load it
         base_dir = base_model(cfg, task)
-    model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation, device,
-                                       log=print if dist.is_main else None)
+    model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation,
+                                       device=device, log=print if dist.is_main else None)
     model.to(device)
     if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
@@ -114,23 +114,37 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         sched.load_state_dict(state["scheduler"])
     recompute = old_logprobs_mode(cfg) == "recompute"
     moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
+    sampler = Sampler.for_run(model, cfg)  # the trainer's model, or a copy in rollout.dtype (gspo/sampler.py)
     # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
     kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
     logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
     ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
-        cfg.model.use_chat_template), eval_problems, model)
+        cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
+    stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step, checkpoint it, leave
+    saved = start  # the step of the newest checkpoint
     try:
         if start == 0:
             base = ev()
             logger.log(base, step=0)
             summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
         for step in range(start + 1, cfg.train.steps + 1):
+            if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
+                if step - 1 > saved:
+                    dist.save_checkpoint(run_dir, step - 1, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)
+                    summary.write(steps=step - 1)
+                if dist.is_main:
+                    kept = "checkpoint saved" if step > 1 else "no step finished yet"
+                    print(f"gspo: {stop.status} after step {step - 1} of {cfg.train.steps} ({kept}); "
+                          f"resume with: {preemption.resume_command(run_dir)}", flush=True)
+                break
             t0 = time.time()
-            batch, metrics = _collect(cfg, model, tokenizer, task, step, moe_step, dist)  # seeded by (seed, step): resumable
+            synced = sampler.sync(model)  # a separate sampler takes the trainer's weights, as an engine's weight sync
+            batch, metrics = _collect(cfg, sampler, model, tokenizer, task, step, moe_step, dist)  # seeded by (seed, step)
+            metrics |= synced
             t_roll = time.time() - t0
             metrics |= _update(cfg, policy, ref, opt, batch, step, moe_step, dist, recompute)
             sched.step()
@@ -147,14 +161,15 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             if logger.should_log_samples(step):
                 logger.log_samples(step, _samples(batch))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched)  # rank 0 writes
+                dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)  # rank 0 writes
+                saved = step
                 summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
                 if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
                     adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(dtype))
             progress.update(step, metrics)
             if not math.isfinite(metrics["train/loss"]):
                 raise FloatingPointError(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
-        status = "finished"
+        status = stop.status or "finished"
     except KeyboardInterrupt:
         status = "stopped"
         raise
@@ -162,27 +177,14 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         progress.close()
         logger.close(exit_code=0 if status == "finished" else 1)
         summary.write(status=status)
+        stop.close()  # in a submitit job, after a stop: submitit's own handler requeues the job
     return summary.data
-
-
-def old_logprobs_mode(cfg) -> str:
-    """Where the old policy's log-probs come from: `sampler` (recorded while sampling) or `recompute`.
-
-    `auto`: the sampler's in float32, where they equal a recomputed forward to ~1e-6 per token
-    (tests/test_logprobs.py), so the old-policy pass is wasted work; a recomputed pass in
-    bf16/fp16, where sampling and training kernels disagree by more than GSPO's clip range
-    (docs/benchmarks.md).
-    """
-    mode = cfg.rollout.old_logprobs
-    if mode != "auto":
-        return mode
-    return "sampler" if cfg.hardware.dtype == "float32" else "recompute"
 
 
 # --------------------------------------------------------------------------- rollout
 
 
-def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) -> tuple[Batch, dict]:
+def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step: MoEStep, dist) -> tuple[Batch, dict]:
     """One scored rollout batch (refilled by dynamic sampling when the algorithm asks for it).
 
     Every rank draws the same prompt list and samples its own share; each group samples
@@ -196,15 +198,15 @@ def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) ->
         lo, hi = dist.share(cfg.rollout.prompts_per_step)
         problems = task.sample_train(rng, cfg.rollout.prompts_per_step)[lo:hi]  # this rank's share of the prompts
         gens = [distributed.group_generator(cfg.seed, step, d, i, dist.device) for i in range(lo, hi)]
-        model.eval()
-        with dist.gathered(model):
-            r = generate(model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
+        with sampler.serve(model, dist) as sampling_model:
+            r = generate(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
                          cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
                          chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
                          **moe_step.sample_kwargs())
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
-        rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed)
+        rewards, parts = timeouts.call(lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed), cfg.reward.timeout_s,
+                                       f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
@@ -257,16 +259,13 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
     model.eval()  # no dropout in these models, but keep the no-grad passes deterministic anyway
     with torch.no_grad():
         if recompute or (every and step % every == 0):
-            with moe_step.old_pass(bare, ro) if recompute else contextlib.nullcontext():
+            with moe_step.old_pass(bare, ro, record=recompute):  # MoE: also the sampler/trainer routing mismatch
                 trainer_logp = token_logprobs(bare, ro, temp)[0]
-            metrics |= mismatch_metrics(trainer_logp, ro.sampler_logp, ro.completion_mask)
+            metrics |= mismatch_metrics(trainer_logp, ro.sampler_logp, ro.completion_mask, ro.kept_mass)
             if recompute:
                 old_logp = trainer_logp  # ... or as the trainer's forward computes them
         ref_logp = token_logprobs(ref, ro, temp)[0] if ref is not None else None
-    is_weight = None
-    if cfg.rollout.tis != "none":
-        is_weight = tis_weights(old_logp, ro.sampler_logp, mask, cfg.rollout.tis, cfg.rollout.tis_cap)
-        metrics["rollout/tis_weight_mean"] = float(is_weight[mask.bool()].mean()) if mask.any() else 1.0
+    corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/mismatch.py), each off by default
     agg = algo.agg or get_loss(algo.loss).agg
     hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, agg=algo.agg,
                  max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg, beta=algo.beta,
@@ -280,15 +279,17 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
         sub, m = ro.select(rows), mask[rows]
         with moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
             logp, entropy, _ = token_logprobs(model, sub, temp, with_entropy=True)
+            is_weight, corr = correction_weights(corrections, MismatchBatch(
+                old_logp[rows], ro.sampler_logp[rows], m, adv[rows], logp.detach()), cfg.rollout)
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
                 ref_logp=None if ref_logp is None else ref_logp[rows],
-                is_weight=None if is_weight is None else is_weight[rows], **hyper)
+                is_weight=is_weight, **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             loss = loss * dist.loss_scale(aggregate_denominator(m, agg, cfg.rollout.max_new_tokens)) + mb.aux_loss(sub)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            stats |= mb.stats()
+            stats |= mb.stats() | corr
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         stats |= {
@@ -329,7 +330,7 @@ def _resume_point(cfg, run_dir: Path, dist) -> tuple[int, Optional[Path]]:
     """(step to continue after, its checkpoint): (0, None) for a new run or one killed before its first checkpoint."""
     if not cfg.resume:
         return 0, None
-    ckpt = checkpoint.latest(run_dir)
+    ckpt = checkpoint.resumable(run_dir, log=print if dist.is_main else lambda msg: None)
     if ckpt is None:
         if dist.is_main:
             print(f"gspo: {run_dir} has no checkpoint yet: restarting it from step 0 (its metrics so far are dropped)")
@@ -341,21 +342,26 @@ class _Summary:
     """RUN_DIR/summary.json, true after any stop: written at step 0, at every checkpoint and at the end.
 
     `status` is running (also after a kill -9: then `steps` is the last checkpoint), finished,
-    stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of a resumed run.
+    preempted (SIGTERM), stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of
+    a resumed run, a restart from step 0 included.
     """
 
-    def __init__(self, run_dir: Path, is_main: bool, resumed: bool):
+    def __init__(self, run_dir: Path, is_main: bool, resumed: bool, restarted: bool = False):
         self.path, self.is_main, self.t0 = run_dir / "summary.json", is_main, time.time()
-        self.data: dict = json.loads(self.path.read_text()) if resumed and self.path.is_file() else {}
-        self.wall0 = float(self.data.get("wall_s", 0.0))
+        old: dict = json.loads(self.path.read_text()) if (resumed or restarted) and self.path.is_file() else {}
+        self.data = old if resumed else {}
+        self.wall0 = float(old.get("wall_s", 0.0))  # a restart from step 0 still counts the sessions before it
 
     def write(self, **values) -> None:
         self.data |= values
         self.data["wall_s"] = self.wall0 + time.time() - self.t0
         if self.is_main:
             tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(self.data, indent=2))
-            tmp.replace(self.path)
+            try:
+                tmp.write_text(json.dumps(self.data, indent=2))
+                tmp.replace(self.path)
+            except OSError as e:  # a full disk: keep the previous summary, do not hide the error that stopped the run
+                print(f"gspo: warning: cannot write {self.path}: {e}", file=sys.stderr)
 
 
 def _samples(batch: Batch, n: int = 8) -> list[dict]:

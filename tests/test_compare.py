@@ -273,6 +273,26 @@ def test_incomparable_runs_warn(tmp_path):
     assert not any("rollout.group_size (" in w for w in by_g.warnings)
 
 
+def test_a_mismatch_study_groups_by_run_name_and_its_treatments_are_not_budget(tmp_path):
+    """Cells that differ in the sampler's precision, the old log-probs or a correction are a study's
+    treatments, not a different rollout budget; `--by name` labels groups by the bare run name."""
+    root = tmp_path / "s"
+    make_run(root / "a0", "grpo", 0, cfg={"name": "grpo", "rollout": {"dtype": "bfloat16"}})
+    make_run(root / "a1", "grpo", 1, cfg={"name": "grpo", "rollout": {"dtype": "bfloat16"}})
+    make_run(root / "b0", "grpo", 0, cfg={"name": "grpo_icepop", "rollout": {"dtype": "bfloat16", "mask": "token"}})
+    make_run(root / "b1", "grpo", 1, cfg={"name": "grpo_icepop", "rollout": {"dtype": "bfloat16", "mask": "token"}})
+    make_run(root / "c0", "gspo", 0, cfg={"name": "gspo_sampler", "rollout": {"old_logprobs": "sampler",
+                                                                             "dtype": "float16"}})
+    make_run(root / "c1", "gspo", 1, cfg={"name": "gspo_sampler", "rollout": {"old_logprobs": "sampler",
+                                                                             "dtype": "bfloat16"}})
+    result = compare([root], by="name", baseline="grpo", plot=False)
+    assert [g.label for g in result.groups] == ["grpo", "grpo_icepop", "gspo_sampler"]
+    assert not any("NOT comparable" in w for w in result.warnings)
+    # a treatment mixed inside one group is still reported
+    [mixed] = [w for w in result.warnings if "mixes" in w]
+    assert mixed.startswith("group gspo_sampler mixes runs that differ in rollout.dtype")
+
+
 def test_step0_eval_mismatch_warns(tmp_path):
     root = tmp_path / "s"
     make_run(root / "0", "grpo", 0, acc={0: 0.3, 20: 0.5})

@@ -154,6 +154,18 @@ BAD_VALUES = [
     (["hardware.backend=mpi"], "hardware.backend=mpi"),
     (["logger.wandb_cfg.mode=sometimes"], "logger.wandb_cfg.mode=sometimes"),
     (["logger.wandb_cfg.samples_every=-1"], "logger.wandb_cfg.samples_every=-1"),
+    (["train.keep_checkpoints=0"], "train.keep_checkpoints=0"),
+    (["reward.timeout_s=-1"], "reward.timeout_s=-1"),
+    (["rollout.mismatch_every=-1"], "rollout.mismatch_every=-1"),
+    (["rollout.tis_cap=0"], "rollout.tis_cap=0"),
+    (["moe.stats_every=-1"], "moe.stats_every=-1"),
+    (["moe.stats_rows_per_group=-1"], "moe.stats_rows_per_group=-1"),
+    (["model.warm_start.problems=-1"], "model.warm_start.problems=-1"),
+    (["model.warm_start.target_accuracy=1.5"], "model.warm_start.target_accuracy=1.5"),
+    (["model.warm_start.check_every=0"], "model.warm_start.check_every=0"),
+    (["reward.correct=nan"], "reward.correct=nan"),
+    (["reward.format_score=inf"], "reward.format_score=inf"),
+    (["reward.ill_formed=-inf"], "reward.ill_formed=-inf"),
 ]
 
 
@@ -224,3 +236,50 @@ def test_cuda_is_checked_against_the_machine(monkeypatch):
     check_machine(compose(["hardware=cpu"]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     check_machine(cfg)
+
+
+# --------------------------------------------------------------------------- paths and targets
+
+
+def hf_dir(tmp_path, *files):
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    for f in files:
+        (d / f).write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize("files,needle", [
+    ((), "no config.json"),
+    (("config.json",), "no tokenizer there"),
+    (("config.json", "tokenizer.json"), "no *.safetensors weights"),
+])
+def test_a_model_dir_needs_a_config_a_tokenizer_and_safetensors_weights(tmp_path, monkeypatch, files, needle):
+    monkeypatch.chdir(tmp_path)
+    d = hf_dir(tmp_path, *files)
+    out = _error(["train", "model=hf", f"model.path={d}"])
+    assert out.count("\n") == 1 and f"model.path={d}" in out and needle in out, out
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_eval_and_compare_targets_are_checked(tmp_path):
+    d = hf_dir(tmp_path, "config.json")  # a checkpoint without its tokenizer
+    out = _error(["eval", str(d)])
+    assert "no tokenizer there" in out and out.count("\n") == 1
+    assert "neither a run directory" in _error(["eval", str(tmp_path / "nothing")])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("algo:\n  name: grpo\n")
+    (run / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    assert "--threshold 2.0: must be in [0, 1]" in _error(["compare", str(run), "--threshold", "2"])
+    (tmp_path / "file").write_text("x")
+    assert "--out" in _error(["compare", str(run), "--out", str(tmp_path / "file")])
+    assert "does not exist" in _error(["compare", str(tmp_path / "nothing")])
+
+
+def test_a_resume_target_with_an_unreadable_config_is_one_line(tmp_path):
+    (tmp_path / "config.yaml").write_text("algo: [unclosed\n")
+    out = _error(["train", f"resume={tmp_path}"])
+    assert out.count("\n") == 1 and "config.yaml: unreadable" in out, out
+    (tmp_path / "config.yaml").write_text("- a list\n")
+    assert "not a gspo config" in _error(["train", f"resume={tmp_path}"])

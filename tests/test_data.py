@@ -208,6 +208,8 @@ def test_chat_prompts_need_a_chat_template(tmp_path, cache_dir):
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     (model_dir / "tokenizer_config.json").write_text("{}")
+    (model_dir / "tokenizer.json").write_text("{}")
+    (model_dir / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"the tokenizer in model.path=.* has none"):
         compose(["model=hf", f"model.path={model_dir}", "task=data", f"task.path={path}"])
 

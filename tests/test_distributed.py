@@ -197,6 +197,18 @@ def test_moe_two_ranks_compute_what_one_process_computes(case, strategy, tmp_pat
         assert one["moe/update_mismatch"] == 0.0  # the update passes routed as replayed
 
 
+@pytest.mark.slow
+def test_a_bf16_sampler_copy_per_rank_computes_what_one_process_computes(tmp_path, cache_dir):
+    """rollout.dtype=bfloat16 under DDP: each rank syncs its own bf16 copy from its replica, samples its
+    groups with it; with R3 the update replays that copy's routing. Same completions, loss and weights."""
+    opts = small(cache_dir, **{"model": "qwen3-moe", "rollout.dtype": "bfloat16", "moe.routing_replay": "R3"})
+    train(compose(opts), tmp_path / "one")
+    cli("train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'two'}", *opts, cwd=tmp_path)
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    one, two = jsonl(tmp_path / "one" / "metrics.jsonl")[1], jsonl(tmp_path / "two" / "metrics.jsonl")[1]
+    assert one["rollout/mismatch_kl"] > 0 and two["time/sync_s"] >= 0
+
+
 def test_load_balancing_loss_summed_over_ranks_is_the_one_process_loss():
     """The aux loss is a product of batch means: each rank's share, summed, is the whole batch's value,
     and so are the gradients (what DDP's average of world x share computes)."""

@@ -30,6 +30,24 @@ def test_experiments_compose_and_differ_only_in_the_model():
     assert compose(["+experiment=moe_long", "algo=grpo", "train.steps=7"]).train.steps == 7
 
 
+def test_moe_mismatch_is_the_wide_moe_sampled_in_bf16_and_trained_in_float32():
+    from gspo.sampler import old_logprobs_mode
+
+    cfg, long = compose(["+experiment=moe_mismatch"]), compose(["+experiment=moe_long"])
+    m = cfg.model
+    assert m.name == "qwen3-moe-wide" and 4 <= m.num_layers <= 8 and 32 <= m.num_experts <= 64 and 4 <= m.top_k <= 8
+    assert m.top_k * m.moe_intermediate_size == long.model.top_k * long.model.moe_intermediate_size  # same active width
+    assert cfg.rollout.dtype == "bfloat16" and cfg.hardware.dtype == "float32" and old_logprobs_mode(cfg) == "recompute"
+    for group in ("task", "train", "eval", "reward"):
+        assert cfg[group] == long[group], group
+    assert compose(["+experiment=moe_mismatch", "rollout.dtype=float16"]).rollout.dtype == "float16"
+
+
+def test_a_sampler_copy_under_fsdp_is_refused_in_one_line():
+    out = _error(["train", "hardware=cpu-ddp", "hardware.strategy=fsdp", "rollout.dtype=bfloat16"])
+    assert "rollout.dtype=bfloat16" in out and "fsdp" in out
+
+
 @pytest.mark.parametrize("experiment", ["moe_long", "dense_long"])
 def test_experiment_completions_are_long_and_fit_the_cap(experiment):
     cfg = compose([f"+experiment={experiment}"])

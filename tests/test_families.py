@@ -112,9 +112,25 @@ def test_logprobs_equal_a_plain_forward(family, tmp_path):
 
 
 def test_check_head_finds_logit_transforms():
+    import copy
+
     for family, plain in (("llama", True), ("gemma2", False), ("granite", False), ("cohere", False)):
         model, _ = tiny_model(family)
         assert check_head(model) is plain, family
+        # a copy (the KL reference, a sampler copy) takes the same path
+        assert getattr(copy.deepcopy(model).get_output_embeddings(), "gspo_passes_through") is plain
+
+
+def test_a_copy_of_a_soft_capped_model_scores_like_it(tmp_path):
+    """The KL reference and a sampler copy are deep copies: their log-probs must come off their own logits too."""
+    import copy
+
+    model, tok = load_pretrained(tiny_checkpoint("gemma2", tmp_path / "gemma2"))
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        ro = generate(model, tok, ["12+3=", "7*8="], 2, 5, generator=torch.Generator().manual_seed(0))
+        assert torch.allclose(token_logprobs(ref, ro)[0], token_logprobs(model.eval(), ro)[0], atol=1e-6)
+        assert torch.allclose(token_logprobs(ref, ro)[0], ro.sampler_logp, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- MoE: routing on every router

@@ -153,3 +153,107 @@ def test_r3_old_policy_pass_routes_as_the_sampler_did(cache_dir):
     with torch.no_grad(), step.minibatch(model, r, torch.arange(len(r.texts))):
         new = token_logprobs(model, r)[0]
     torch.testing.assert_close(new, old, rtol=0, atol=1e-6)  # ratio 1 before any update
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_keep_checkpoints_keeps_the_newest_n(tmp_path, cache_dir):
+    train(compose(tiny(cache_dir, **{"train.steps": 3, "train.checkpoint_every": 1, "train.keep_checkpoints": 2})),
+          tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(tmp_path, cache_dir, monkeypatch):
+    """No space left while step 2's checkpoint is written: one line naming the path and the error, exit 2;
+    step 1's checkpoint and the metrics up to step 2 are intact, no half-written directory is left."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from test_cli import one_line_exit_2
+
+    real, calls = checkpoint.torch.save, []
+
+    def save(obj, path, *a, **k):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(obj, path, *a, **k)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", *tiny(cache_dir, **{"train.steps": 3, "train.checkpoint_every": 1}),
+                                   f"hydra.run.dir={run}"])
+    one_line_exit_2(res, str(run / "checkpoints" / "step_000002"), "No space left on device")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000001"]  # no .tmp-* left either
+    assert checkpoint.load_state(run / "checkpoints" / "step_000001")["step"] == 1
+    assert [m["step"] for m in metrics(run)] == [0, 1, 2]
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+
+def test_resume_falls_back_past_an_incomplete_checkpoint(tmp_path, cache_dir, capsys):
+    whole = tmp_path / "whole"
+    opts4 = tiny(cache_dir, **{"train.steps": 4, "train.checkpoint_every": 1, "train.keep_checkpoints": 2})
+    train(compose(opts4), whole)
+    run = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 3, "train.checkpoint_every": 1, "train.keep_checkpoints": 2})), run)
+    weights = run / "checkpoints" / "step_000003" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut short, as by a failing disk
+    cfg = compose(opts4)
+    cfg.resume = str(run)
+    train(cfg, run)
+    out = capsys.readouterr().out
+    assert f"checkpoint {run / 'checkpoints' / 'step_000003'} is incomplete" in out and "falling back to step_000002" in out
+    assert steady(metrics(run)) == steady(metrics(whole))  # step 3 redone, exactly
+
+
+def test_wall_s_counts_a_restart_from_step_0(tmp_path, cache_dir):
+    """A run killed before its first checkpoint restarts from step 0, but its earlier session still counts."""
+    cfg = compose(tiny(cache_dir, **{"train.steps": 1}))
+    train(cfg, tmp_path)
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "status": "running", "wall_s": 828.0}))
+    cfg.resume = str(tmp_path)
+    assert train(cfg, tmp_path)["wall_s"] > 828.0
+
+
+# --------------------------------------------------------------------------- what a resume may change
+
+
+def test_resume_refuses_keys_that_change_the_experiment(tmp_path, cache_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from test_cli import one_line_exit_2
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run)
+    before = (run / "config.yaml").read_text()
+    for change in ("algo.eps_high=0.3", "seed=5", "train.lr=0.5", "reward.correct=2.0", "rollout.group_size=8",
+                   "hardware.dtype=bfloat16", "model.warm_start.steps=3"):
+        res = CliRunner().invoke(app, ["train", f"resume={run}", change, "train.steps=2"])
+        one_line_exit_2(res, change, "changes what the run is")
+    assert (run / "config.yaml").read_text() == before and not (run / "resumes.jsonl").exists()
+
+
+def test_resume_records_what_it_changes_and_from_which_step(tmp_path, cache_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run)
+    res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=3", "eval.every=2", "seed=0",
+                                   "hardware.threads=1"])
+    assert res.exit_code == 0, res.output
+    (entry,) = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert entry["from_step"] == 2
+    assert entry["changes"] == {"train.steps": {"was": 1, "now": 3}, "eval.every": {"was": 0, "now": 2},
+                                "hardware.threads": {"was": 0, "now": 1}}  # seed=0: the same value, no change
+    assert [m["step"] for m in metrics(run)] == [0, 1, 2, 3] and "eval/accuracy" in metrics(run)[2]

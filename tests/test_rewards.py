@@ -206,3 +206,65 @@ def test_the_shipped_reward_file():
     assert parts["accuracy"].tolist() == [1.0, 0.0, 0.0, 1.0]
     assert parts["formatted"].tolist() == [1.0, 1.0, 0.0, 1.0]
     assert r.tolist() == pytest.approx([1.2, 0.2, 0.0, 1.2])
+
+
+def test_a_hanging_function_ends_the_run_in_one_line_and_keeps_the_finished_steps(tmp_path, cache_dir, monkeypatch):
+    """reward.timeout_s: step 2's call never returns; one line names the limit and where the function is stuck,
+    exit 2; steps 0-1 and step 1's checkpoint are on disk."""
+    from gspo import checkpoint
+    from test_cli import one_line_exit_2
+
+    counter = tmp_path / "calls"
+    (tmp_path / "slow.py").write_text(f'''
+import time
+from pathlib import Path
+def hangs_later(prompts, completions, **kw):
+    p = Path({str(counter)!r})
+    n = int(p.read_text()) if p.exists() else 0
+    p.write_text(str(n + 1))
+    if n >= 1:
+        time.sleep(60)
+    return [0.0] * len(completions)
+''')
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", *tiny(cache_dir, reward="python", **{
+        "reward.fn": f"{tmp_path}/slow.py:hangs_later", "reward.timeout_s": 1, "train.steps": 3,
+        "train.checkpoint_every": 1}), f"hydra.run.dir={run}"])
+    one_line_exit_2(res, "reward.timeout_s=1", "scoring step 2's", f"stuck in hangs_later() at {tmp_path}/slow.py:")
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert checkpoint.load_state(checkpoint.latest(run))["step"] == 1
+
+
+def test_the_time_limit_covers_the_tasks_verifier(monkeypatch):
+    import time
+
+    import gspo.rewards
+    from gspo import timeouts
+
+    def verifier_that_hangs(task, text, problem, bad):
+        time.sleep(30)
+
+    monkeypatch.setattr(gspo.rewards, "judge", verifier_that_hangs)
+    with pytest.raises(timeouts.ScoringTimeout, match=r"reward.timeout_s=0.2: scoring .* stuck in verifier_that_hangs\(\)"):
+        timeouts.call(lambda: score(addition(), OmegaConf.structured(RewardConfig(name="tinyzero")), ["1"], PROBS[:1]),
+                      0.2, "scoring")
+    assert timeouts.call(lambda: 7, 0.2, "x") == 7 and timeouts.call(lambda: 8, 0, "x") == 8
+    with pytest.raises(ZeroDivisionError):  # the function's own errors pass through
+        timeouts.call(lambda: 1 / 0, 5, "x")
+
+
+def test_a_verifier_that_hangs_in_the_base_evaluation_ends_the_run(tmp_path, cache_dir, monkeypatch):
+    """The held-out evaluation (step 0, before any RL step) verifies under the same limit."""
+    import time
+
+    import gspo.evaluate
+    from gspo.timeouts import ScoringTimeout
+    from gspo.trainer import train
+
+    def verifier_that_hangs(task, text, problem, bad):
+        time.sleep(30)
+
+    monkeypatch.setattr(gspo.evaluate, "judge", verifier_that_hangs)
+    with pytest.raises(ScoringTimeout, match=r"reward.timeout_s=0.5: the task's verifier on \d+ held-out completions"):
+        train(compose(tiny(cache_dir, **{"reward.timeout_s": 0.5})), tmp_path)

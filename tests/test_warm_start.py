@@ -56,3 +56,34 @@ def test_a_fixed_pool_is_drawn_once():
     tok = char_tokenizer(task.alphabet)
     warm_start(tiny_model(tok), tok, task, wcfg(steps=12, lr=1e-2, problems=40, target_accuracy=0.0), log=lambda m: None)
     assert task.drawn == 40
+
+
+def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_base(tmp_path, capsys):
+    """task=data: the same path with other content builds another base; the same content reuses the cached one,
+    with a line naming it."""
+    import json
+
+    from gspo.config import compose
+    from gspo.models import base_model
+    from gspo.tasks import build_task
+
+    from conftest import tiny
+
+    data = tmp_path / "d.jsonl"
+
+    def write(op):
+        rows = [{"prompt": f"{a}{op}{b}=", "answer": str(eval(f"{a}{op}{b}"))} for a in range(10) for b in range(10)]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("+")
+    cfg = compose(tiny(tmp_path / "cache", task="data", **{"task.path": str(data), "model.warm_start.steps": 2,
+                                                          "model.warm_start.target_accuracy": 0}))
+    add = base_model(cfg, build_task(cfg.task))
+    write("*")  # the same path, other problems
+    mul = base_model(cfg, build_task(cfg.task))
+    assert mul != add
+    assert json.loads((mul / "warm_start.json").read_text())["inputs"]["task.path"]["path"] == str(data)
+    capsys.readouterr()
+    write("+")
+    assert base_model(cfg, build_task(cfg.task)) == add
+    assert f"gspo: reusing the warm-started base {add} (built from task.path={data}, same content)" in capsys.readouterr().out

@@ -1,0 +1,82 @@
+"""A resume continues the experiment it resumes: what it may change, and the record of what it changed.
+
+A resume may change how long the run goes on (`train.steps`), how it is logged, checkpointed and
+evaluated, and the hardware it runs on (a checkpoint loads under any world size or device). Every
+other key (algorithm, model, task, reward, rollout, loss hyperparameters, learning rate, seed, the
+training dtype) defines the experiment: changing it is refused in one line naming the keys. What a
+resume changes is appended to RUN_DIR/resumes.jsonl with the step it applies from.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gspo.errors import ConfigError
+
+RECORD = "resumes.jsonl"
+# keys (or key prefixes, ending in ".") a resume may change
+MAY_CHANGE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints", "eval.", "logger.", "hardware.",
+              "task.eval_size", "rollout.mismatch_every", "moe.stats_every", "moe.stats_rows_per_group",
+              "model.gradient_checkpointing", "model.attn_implementation", "model.lora.save_merged", "name",
+              "cache_dir", "resume")
+FIXED = ("hardware.dtype",)  # under a prefix above, but the numerics of training: part of the experiment
+
+
+def _flat(cfg: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
+def changes(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
+    """key -> (old value, new value) for every key whose value differs."""
+    a, b = _flat(old), _flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def may_change(key: str) -> bool:
+    if key in FIXED:
+        return False
+    return any(key == m or (m.endswith(".") and key.startswith(m)) for m in MAY_CHANGE)
+
+
+def check(old: Any, new: Any) -> None:
+    """Refuse, in one line naming them, the changes that would make the resumed run another experiment."""
+    bad = {k: v for k, v in changes(old, new).items() if not may_change(k)}
+    if bad:
+        listed = ", ".join(f"{k}={n} (it ran with {o})" for k, (o, n) in bad.items())
+        raise ConfigError(f"resume: {listed}: changes what the run is; a resume continues the same experiment, so "
+                          "start a new run for that. A resume may change train.steps, checkpointing, logging, "
+                          "evaluation and hardware (not hardware.dtype)")
+
+
+def record(run_dir: Path | str, old: Any, new: Any, from_step: int) -> dict:
+    """Append what this resume changes, and the first step it applies to, to RUN_DIR/resumes.jsonl."""
+    diff = {k: {"was": o, "now": n} for k, (o, n) in changes(old, new).items() if k != "resume"}
+    if diff:
+        entry = {"from_step": from_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": diff}
+        with (Path(run_dir) / RECORD).open("a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        return entry
+    return {}
+
+
+def next_step(run_dir: Path | str) -> int:
+    """The first step a resume of `run_dir` trains: after its newest readable checkpoint."""
+    from gspo import checkpoint
+
+    ckpt = checkpoint.resumable(run_dir, log=lambda msg: None)
+    return int(checkpoint.load_state(ckpt)["step"]) + 1 if ckpt is not None else 1

@@ -1,0 +1,107 @@
+"""The sampler: which model draws the rollouts, and where the old policy's log-probs come from.
+
+By default the trainer's own model samples (`rollout.dtype` unset = `hardware.dtype`). With
+`rollout.dtype` set to another precision, a copy of the policy in that precision samples, the
+way an inference engine (vLLM, SGLang) serves a bf16 policy while the trainer keeps float32
+weights. Like an engine's weight sync, the copy is refreshed from the trainer's weights before
+every rollout (`time/sync_s`); a LoRA run's copy carries the adapters merged into the base,
+as an engine that serves one merged checkpoint does. Under DDP every rank holds and syncs its
+own copy from its own (identical) replica; FSDP2 shards the trainer's weights, so the
+combination is refused (`check`).
+
+The copy is built the way the trainer would be in that precision: its parameters cast, its
+buffers (rotary tables) as loaded. Evaluation still runs on the trainer's model: it scores the
+policy being trained, not its low-precision copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from typing import Iterator
+
+import torch
+
+from gspo import adapters
+from gspo.errors import ConfigError
+
+def sampler_dtype(cfg) -> str:
+    """The sampler's precision: `rollout.dtype`, or the trainer's (`hardware.dtype`) when unset."""
+    return cfg.rollout.dtype or cfg.hardware.dtype
+
+
+def separate(cfg) -> bool:
+    """Whether a copy of the policy in another precision samples (rollout.dtype != hardware.dtype)."""
+    return sampler_dtype(cfg) != cfg.hardware.dtype
+
+
+def old_logprobs_mode(cfg) -> str:
+    """Where the old policy's log-probs come from: `sampler` (recorded while sampling) or `recompute`.
+
+    `auto`: the sampler's when the sampler IS the float32 trainer, where they equal a recomputed
+    forward to ~1e-6 per token (tests/test_logprobs.py), so the old-policy pass is wasted work; a
+    recomputed pass whenever the two differ (a bf16/fp16 trainer, whose sampling and training kernels
+    disagree by more than GSPO's clip range, docs/benchmarks.md, or a sampler in another precision).
+    """
+    mode = cfg.rollout.old_logprobs
+    if mode != "auto":
+        return mode
+    return "sampler" if cfg.hardware.dtype == "float32" and not separate(cfg) else "recompute"
+
+
+def check(cfg) -> None:
+    """Refuse what a separate sampler cannot do (called by gspo.checks.check)."""
+    if separate(cfg) and cfg.hardware.strategy == "fsdp":
+        raise ConfigError(f"rollout.dtype={cfg.rollout.dtype}: a sampler in another precision than the trainer "
+                          f"({cfg.hardware.dtype}) is not supported with hardware.strategy=fsdp (sharded weights); "
+                          "use hardware.strategy=ddp, or leave rollout.dtype unset")
+
+
+class Sampler:
+    """The trainer's own model as the sampler: nothing to copy or sync."""
+
+    @staticmethod
+    def for_run(model: torch.nn.Module, cfg) -> "Sampler":
+        """`model` itself, or a `_Copy` in `rollout.dtype` when that differs from the trainer's."""
+        return _Copy(model, getattr(torch, sampler_dtype(cfg))) if separate(cfg) else Sampler()
+
+    def sync(self, model: torch.nn.Module) -> dict[str, float]:
+        """Refresh the sampler from the trainer's weights; its metrics (`time/sync_s`)."""
+        return {}
+
+    @contextlib.contextmanager
+    def serve(self, model: torch.nn.Module, dist) -> Iterator[torch.nn.Module]:
+        """The module to sample with, for the block (FSDP: the trainer's weights gathered; `dist` None: one process)."""
+        model.eval()
+        with dist.gathered(model) if dist is not None else contextlib.nullcontext():
+            yield model
+
+
+class _Copy(Sampler):
+    """A copy of the policy in another precision (LoRA: adapters merged), synced before each rollout."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self.module = _plain(model)
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+            p.data = p.data.to(dtype)
+        self.module.eval()
+
+    @torch.no_grad()
+    def sync(self, model: torch.nn.Module) -> dict[str, float]:
+        t0 = time.time()
+        source = dict(_plain(model).named_parameters()) if adapters.is_adapted(model) else dict(model.named_parameters())
+        for name, p in self.module.named_parameters():
+            p.copy_(source[name])  # cast to the sampler's precision on the way
+        return {"time/sync_s": time.time() - t0}
+
+    @contextlib.contextmanager
+    def serve(self, model: torch.nn.Module, dist) -> Iterator[torch.nn.Module]:
+        yield self.module
+
+
+def _plain(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` as one plain Hugging Face model: a LoRA model's adapters merged into the base."""
+    out = copy.deepcopy(model)
+    return out.merge_and_unload() if adapters.is_adapted(out) else out

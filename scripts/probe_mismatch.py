@@ -1,0 +1,86 @@
+"""The sampler/trainer mismatch of a config's starting policy, before any update (docs/results.md).
+
+Samples rollout batches from the warm-started base with the config's sampler (`rollout.dtype`, e.g. the
+bf16 copy of `+experiment=moe_mismatch`), recomputes the same tokens with the float32 trainer, and prints
+one JSON line: per-token |delta log p|, KL, ratio extremes, the (token, MoE layer) routing mismatch, and
+the share of sequences (tokens) that GSPO's (GRPO's) clip range and the corrections' bands would clip or
+mask on mismatch alone, i.e. when the sampler's log-probs serve as the old policy's.
+
+    python scripts/probe_mismatch.py                                  # +experiment=moe_mismatch, 4 batches
+    python scripts/probe_mismatch.py +experiment=moe_mismatch rollout.dtype=float16 --batches 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+
+import torch
+
+from gspo import distributed, moe
+from gspo.config import compose
+from gspo.mismatch import mismatch_metrics, routing_mismatch
+from gspo.models import base_model, load_pretrained
+from gspo.rollout import generate, token_logprobs
+from gspo.sampler import Sampler
+from gspo.tasks import build_task
+
+CLIP_RANGES = {"gspo_paper": (3e-4, 4e-4), "gspo_wide": (3e-3, 4e-3), "grpo": (0.2, 0.2)}
+
+
+def probe(cfg, batches: int) -> dict:
+    task = build_task(cfg.task)
+    model, tok = load_pretrained(base_model(cfg, task, log=lambda m: None), torch.float32,
+                                 cfg.model.attn_implementation, cfg.model.experts_implementation)
+    model.eval()
+    sampler = Sampler.for_run(model, cfg)
+    is_moe = moe.is_moe(model)
+    rows: dict[str, list[float]] = {}
+    seq_logratio, tok_logratio = [], []
+    for b in range(1, batches + 1):
+        rng = random.Random(f"{cfg.seed}-{b}-0")  # the problems the run's step b draws first
+        problems = task.sample_train(rng, cfg.rollout.prompts_per_step)
+        gens = [distributed.group_generator(cfg.seed, b, 0, i, torch.device("cpu")) for i in range(len(problems))]
+        with sampler.serve(model, None) as m:
+            ro = generate(m, tok, [p.prompt for p in problems], cfg.rollout.group_size, cfg.rollout.max_new_tokens,
+                          cfg.rollout.temperature, cfg.rollout.top_p, generator=gens, capture_routing=is_moe)
+        with torch.no_grad(), moe.capture_routing(model, logprobs=True) if is_moe else contextlib.nullcontext() as trace:
+            trainer = token_logprobs(model, ro, cfg.rollout.temperature)[0]
+        mask = ro.completion_mask
+        for k, v in mismatch_metrics(trainer, ro.sampler_logp, mask, ro.kept_mass).items():
+            rows.setdefault(k, []).append(v)
+        if is_moe:
+            positions = torch.zeros(ro.input_ids.shape, dtype=mask.dtype)
+            positions[:, ro.prompt_len - 1: -1] = mask  # the positions whose routing produced each completion token
+            rows.setdefault("rollout/routing_mismatch", []).append(
+                routing_mismatch(ro.routing, trace.live_indices(len(ro.texts)), positions))
+        d = (trainer - ro.sampler_logp) * mask
+        seq_logratio.append(d.sum(-1) / mask.sum(-1).clamp(min=1))
+        tok_logratio.append(d[mask.bool()])
+    seq, toks = torch.cat(seq_logratio).exp(), torch.cat(tok_logratio).exp()
+    out = {k: (min(v) if k.endswith("_min") else max(v) if k.endswith("_max") else sum(v) / len(v))
+           for k, v in rows.items()}
+    for name, (lo, hi) in CLIP_RANGES.items():
+        out[f"seq_outside_clip/{name}"] = float(((seq < 1 - lo) | (seq > 1 + hi)).float().mean())
+        out[f"tok_outside_clip/{name}"] = float(((toks < 1 - lo) | (toks > 1 + hi)).float().mean())
+    out["tok_outside/icepop_0.5_5"] = float(((toks < 0.5) | (toks > 5)).float().mean())
+    out["seq_outside/geometric_0.99_1.01"] = float(((seq < 0.99) | (seq > 1.01)).float().mean())
+    out |= {"sequences": len(seq), "tokens": len(toks), "sampler": cfg.rollout.dtype or cfg.hardware.dtype,
+            "trainer": cfg.hardware.dtype, "model": cfg.model.name}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", default=["+experiment=moe_mismatch"])
+    parser.add_argument("--batches", type=int, default=4, help="rollout batches to probe (the run's steps 1..N)")
+    args = parser.parse_args()
+    cfg = compose(args.overrides)
+    torch.set_num_threads(cfg.hardware.threads or 1)
+    print(json.dumps(probe(cfg, args.batches)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# GRPO, its Routing Replay and mismatch corrections, and GSPO under a sampler/trainer mismatch
+# (+experiment=moe_mismatch: the wide MoE on `chain`, sampled by a bf16 copy, trained in float32).
+#
+#   cells (name: overrides on top of +experiment=moe_mismatch, algo.beta=0 for all):
+#     grpo           GRPO, the old policy's log-probs recomputed by the trainer (auto)
+#     grpo_R2        + Routing Replay R2 (replays the trainer's recomputed routing)
+#     grpo_R3        + Routing Replay R3 (replays the bf16 sampler's routing)
+#     grpo_tis       + token TIS, C = 2
+#     grpo_icepop    + token masking (IcePop / masked IS), rho outside [0.5, 5]
+#     gspo           GSPO at the paper's clip range (3e-4, 4e-4), recomputed log-probs
+#     gspo_sampler   GSPO with the sampler's log-probs as the old policy's (no recomputation)
+#     gspo_wide      GSPO at the 10x wider clip range (3e-3, 4e-3) that was level with GRPO on moe_long
+#     grpo_fp16      GRPO, fp16 sampler (Precision-RL's claim)
+#     gspo_fp16      GSPO, fp16 sampler
+#   x SEEDS seeds each (default 5); then `gspo compare --by name --baseline grpo` (Welch 95% intervals).
+#   Before the runs, scripts/probe_mismatch.py measures the mismatch of the starting policy (bf16 and fp16
+#   samplers): OUT/probe_bfloat16.json, OUT/probe_float16.json.
+#
+# Budget: 50 runs of the preset's 200 steps each on the wide MoE are more than 3 hours on 2 cores; size
+# the study from a 1-seed pilot's s/step (the compare table shows it) with EXTRA="train.steps=N" or CELLS.
+# JOBS single-thread runs at a time (default 2). Each run has a fixed directory OUT/<cell>/seed<k>; a
+# rerun skips finished runs, resumes the others from their last checkpoint (or restarts them), so the
+# study can be done in several sittings (Ctrl-C, then the same command again). CELLS picks a subset.
+#
+#   bash scripts/study_moe_mismatch.sh                                    # the study
+#   CELLS="grpo gspo" SEEDS=1 OUT=outputs/mm_pilot EXTRA="train.steps=3 eval.every=0 task.eval_size=20" \
+#       bash scripts/study_moe_mismatch.sh                                # a pilot: minutes
+#   EXTRA="train.lr=3e-4" OUT=outputs/mm_lr3e-4 bash scripts/study_moe_mismatch.sh   # looking for the edge
+set -euo pipefail
+OUT=${OUT:-outputs/study_moe_mismatch}
+SEEDS=${SEEDS:-5}
+JOBS=${JOBS:-2}
+EXTRA=${EXTRA:-}  # more overrides for every run (e.g. train.steps=3)
+GSPO=${GSPO:-gspo}  # the command (e.g. "python -m cli.main" in a source checkout)
+PROBE_BATCHES=${PROBE_BATCHES:-4}
+
+declare -A OVERRIDES=(
+  [grpo]="algo=grpo"
+  [grpo_R2]="algo=grpo moe.routing_replay=R2"
+  [grpo_R3]="algo=grpo moe.routing_replay=R3"
+  [grpo_tis]="algo=grpo rollout.tis=token rollout.tis_cap=2.0"
+  [grpo_icepop]="algo=grpo rollout.mask=token rollout.mask_low=0.5 rollout.mask_high=5.0"
+  [gspo]="algo=gspo"
+  [gspo_sampler]="algo=gspo rollout.old_logprobs=sampler"
+  [gspo_wide]="algo=gspo algo.eps_low=3e-3 algo.eps_high=4e-3"
+  [grpo_fp16]="algo=grpo rollout.dtype=float16"
+  [gspo_fp16]="algo=gspo rollout.dtype=float16"
+)
+CELLS=${CELLS:-"grpo grpo_R2 grpo_R3 grpo_tis grpo_icepop gspo gspo_sampler gspo_wide grpo_fp16 gspo_fp16"}
+for cell in $CELLS; do
+  [[ -n "${OVERRIDES[$cell]+x}" ]] || { echo "unknown cell '$cell'; cells: ${!OVERRIDES[*]}" >&2; exit 2; }
+done
+
+finished() {  # finished RUN_DIR: exit 0 when the run's summary says it finished
+  python - "$1/summary.json" <<'EOF'
+import json, sys
+try:
+    sys.exit(0 if json.load(open(sys.argv[1])).get("status") == "finished" else 1)
+except (OSError, ValueError):
+    sys.exit(1)
+EOF
+}
+
+run_one() {  # run_one CELL SEED OVERRIDES...
+  local cell=$1 seed=$2
+  shift 2
+  local dir="$OUT/$cell/seed$seed" log="$OUT/logs/$cell-seed$seed.log"
+  if finished "$dir"; then
+    echo "skip  $cell seed $seed (finished)"
+    return 0
+  fi
+  local cmd=(train +experiment=moe_mismatch "$@" "name=$cell" "seed=$seed" algo.beta=0 hardware.threads=1
+             logger.progress=false "hydra.run.dir=$dir")
+  if compgen -G "$dir/checkpoints/step_*/trainer_state.pt" >/dev/null; then
+    echo "resume $cell seed $seed"
+    cmd=(train "resume=$dir")  # the run's own config: continues after its last checkpoint
+  else
+    rm -rf "$dir"  # no checkpoint yet: start it again from scratch
+    echo "start $cell seed $seed"
+  fi
+  # shellcheck disable=SC2086  # EXTRA and GSPO are word lists
+  if $GSPO "${cmd[@]}" $EXTRA >>"$log" 2>&1; then
+    echo "done  $cell seed $seed: $(grep -h 'held-out accuracy' "$log" | tail -1 || true)"
+  else
+    echo "FAILED $cell seed $seed (exit $?): see $log"
+  fi
+}
+export -f finished run_one
+export OUT EXTRA GSPO
+
+mkdir -p "$OUT/logs"
+start=$(date +%s)
+# The warm-started base first (one thread, like the runs: the thread count changes float rounding, hence
+# the base), then the mismatch of the starting policy, before any update, for each sampler precision.
+# shellcheck disable=SC2086
+python -c 'import sys, torch; from gspo.config import compose; from gspo.models import base_model; from gspo.tasks import build_task
+torch.set_num_threads(1); c = compose(sys.argv[1:]); print("base:", base_model(c, build_task(c.task), log=lambda m: None))' \
+  +experiment=moe_mismatch $EXTRA
+for dtype in bfloat16 float16; do
+  if [[ ! -s "$OUT/probe_$dtype.json" ]]; then
+    # shellcheck disable=SC2086
+    python "$(dirname "$0")/probe_mismatch.py" +experiment=moe_mismatch "rollout.dtype=$dtype" hardware.threads=1 $EXTRA \
+      --batches "$PROBE_BATCHES" >"$OUT/probe_$dtype.json"
+  fi
+  echo "mismatch before any update ($dtype sampler): $(cat "$OUT/probe_$dtype.json")"
+done
+for cell in $CELLS; do
+  for ((seed = 0; seed < SEEDS; seed++)); do
+    echo "$cell $seed ${OVERRIDES[$cell]}"
+  done
+done | xargs -P "$JOBS" -L1 bash -c 'run_one "$@"' _
+wall=$(( $(date +%s) - start ))
+echo "study wall time: ${wall} s ($JOBS jobs at a time; cells: $CELLS)" | tee -a "$OUT/wall_time.txt"
+
+baseline=()
+[[ " $CELLS " == *" grpo "* ]] && baseline=(--baseline grpo)
+$GSPO compare "$OUT" --by name "${baseline[@]}" --out "$OUT/compare"

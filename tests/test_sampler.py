@@ -1,0 +1,227 @@
+"""A sampler that is not the trainer (`rollout.dtype`, gspo/sampler.py): the copy, its sync, LoRA merging,
+where the old log-probs come from, top-p, and on a MoE which routing R2 and R3 replay."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from gspo import adapters
+from gspo.config import compose
+from gspo.errors import ConfigError
+from gspo.mismatch import mismatch_metrics, routing_mismatch
+from gspo.models import build_model, char_tokenizer
+from gspo.moe_step import MoEStep
+from gspo.rollout import generate, token_logprobs
+from gspo.sampler import Sampler, _Copy, old_logprobs_mode, separate
+from gspo.trainer import train
+
+from conftest import tiny
+
+TOK = char_tokenizer("0123456789+=")
+PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55="]
+
+
+def model_of(cfg):
+    return build_model(cfg.model, len(TOK), TOK, seed=0).eval()
+
+
+def gens(n: int = len(PROMPTS)):
+    return [torch.Generator().manual_seed(i) for i in range(n)]
+
+
+def test_the_sampler_and_the_old_logprobs_follow_the_dtypes():
+    cases = {  # overrides -> (separate sampler, old log-probs under auto)
+        (): (False, "sampler"),  # today's default: the float32 trainer samples, its own log-probs serve
+        ("rollout.dtype=float32",): (False, "sampler"),
+        ("rollout.dtype=bfloat16",): (True, "recompute"),
+        ("rollout.dtype=float16",): (True, "recompute"),
+        ("hardware.dtype=bfloat16",): (False, "recompute"),
+        ("rollout.dtype=bfloat16", "rollout.old_logprobs=sampler"): (True, "sampler"),  # seed 003's regime
+    }
+    for overrides, (sep, mode) in cases.items():
+        cfg = compose(list(overrides))
+        assert (separate(cfg), old_logprobs_mode(cfg)) == (sep, mode), overrides
+
+
+def test_bad_combinations_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match="rollout.dtype"):
+        compose(["rollout.dtype=bf16"])
+    with pytest.raises(ConfigError, match="rollout.dtype=float32.*fsdp"):
+        compose(["hardware=gpu-fsdp", "rollout.dtype=float32"])
+    with pytest.raises(ConfigError, match="rollout.mask=token.*recompute"):
+        compose(["rollout.mask=token"])  # float32 sampler = trainer: there is nothing to mask
+    compose(["rollout.mask=token", "rollout.tis=token", "rollout.dtype=bfloat16"])  # auto recomputes: allowed
+    with pytest.raises(ConfigError, match="rollout.mask_low"):
+        compose(["rollout.mask=geometric", "rollout.dtype=bfloat16", "rollout.mask_low=1.1", "rollout.mask_high=1.0"])
+
+
+def test_the_copy_is_cast_and_synced_from_the_trainer():
+    cfg = compose(["model=qwen3-tiny", "rollout.dtype=bfloat16"])
+    model = model_of(cfg)
+    sampler = Sampler.for_run(model, cfg)
+    copy = sampler.module
+    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the trainer keeps its precision
+    assert not any(p.requires_grad for p in copy.parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # an update
+    name, trained = next(iter(model.named_parameters()))
+    stale = dict(copy.named_parameters())[name]
+    assert not torch.equal(stale, trained.to(torch.bfloat16))
+    metrics = sampler.sync(model)
+    assert set(metrics) == {"time/sync_s"} and metrics["time/sync_s"] >= 0
+    for n, p in model.named_parameters():
+        assert torch.equal(dict(copy.named_parameters())[n], p.to(torch.bfloat16)), n
+    with sampler.serve(model, dist=None) as m:
+        assert m is copy
+    plain = Sampler.for_run(model, compose(["model=qwen3-tiny"]))
+    assert plain.sync(model) == {}
+    with plain.serve(model, dist=None) as m:
+        assert m is model
+
+
+@pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3-moe"])  # the MoE: adapters on the fused 3-D expert weights too
+def test_a_lora_copy_carries_the_merged_adapters(model):
+    cfg = compose([f"model={model}", "model.lora.r=4"])
+    model = adapters.apply(model_of(cfg), cfg.model.lora, "/tmp/base", seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)  # lora_B starts at 0: make the adapters matter
+    copy = _Copy(model, torch.float32)  # the precision aside, exactly what the sampler serves
+    assert not adapters.is_adapted(copy.module)
+    x = torch.tensor([[3, 4, 5, 6, 7]])
+    torch.testing.assert_close(copy.module(input_ids=x).logits, model(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+    base = model.get_base_model()
+    with model.disable_adapter():
+        assert (copy.module(input_ids=x).logits - base(input_ids=x).logits).abs().max() > 1e-3  # adapters in
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-1.0)
+    copy.sync(model)
+    torch.testing.assert_close(copy.module(input_ids=x).logits, model(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_top_p_ratios_carry_no_kept_mass_bias():
+    """top_p < 1 in float32: the sampler's log-probs are the trainer's (rho = 1), though the nucleus kept
+    only part of the mass (a renormalised log-prob would give rho = kept mass, TRL #6789)."""
+    cfg = compose(["model=qwen3-tiny"])
+    model = model_of(cfg)
+    r = generate(model, TOK, PROMPTS, 4, 6, temperature=1.0, top_p=0.5, generator=gens())
+    m = mismatch_metrics(token_logprobs(model, r)[0], r.sampler_logp, r.completion_mask, r.kept_mass)
+    assert m["rollout/ratio_min"] == pytest.approx(1.0, abs=1e-4) and m["rollout/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert 0.4 < m["rollout/top_p_kept_mass"] < 0.95
+    assert generate(model, TOK, PROMPTS, 4, 6, generator=gens()).kept_mass is None  # top_p 1: nothing cut
+
+
+def _moe_setup(replay: str):
+    cfg = compose(["model=qwen3-moe-wide", "rollout.dtype=bfloat16", f"moe.routing_replay={replay}",
+                   "model.router_aux_loss_coef=0", "rollout.group_size=4", "moe.stats_rows_per_group=0"])
+    model = model_of(cfg)
+    sampler = Sampler.for_run(model, cfg)
+    step = MoEStep.for_model(model, cfg, dist=None, old_pass=True)
+    assert step.sample_kwargs() == {"capture_routing": True}
+    with sampler.serve(model, None) as m:
+        ro = generate(m, TOK, PROMPTS, 4, 12, generator=gens(), **step.sample_kwargs())
+    with step.old_pass(model, ro):
+        token_logprobs(model, ro)
+    return cfg, model, step, ro
+
+
+def test_r2_and_r3_replay_different_routings_under_a_bf16_sampler():
+    """R3 replays the bf16 sampler's routing, R2 the float32 trainer's recomputed pass's: they differ."""
+    used, trainer_routing = {}, None
+    rows = torch.arange(len(PROMPTS) * 4)
+    for replay in ("R2", "R3"):
+        cfg, model, step, ro = _moe_setup(replay)
+        positions = step.completion_positions()
+        with step.minibatch(model, ro, rows) as mb:
+            token_logprobs(model, ro)
+            used[replay] = mb.trace.indices(len(rows))
+        if replay == "R2":
+            trainer_routing = step.old_idx
+            stats = step.end_step(model, ro, 1)
+            assert stats["rollout/routing_mismatch"] > 0
+        at = positions.bool()
+        sampler_sets, used_sets = ro.routing[at].sort(-1).values, used[replay][at].sort(-1).values
+        if replay == "R3":  # every completion position routed as the sampler did
+            assert torch.equal(used_sets, sampler_sets)
+    # R2 used the trainer's own routing, which differs from the sampler's on some (token, layer)
+    assert routing_mismatch(ro.routing, trainer_routing, positions) > 0
+    assert routing_mismatch(used["R2"], trainer_routing, positions) == 0.0
+    assert routing_mismatch(used["R2"], used["R3"], positions) > 0
+
+
+def test_a_bf16_sampler_run_on_a_moe_shows_the_mismatch(tmp_path, cache_dir):
+    """End to end: `rollout.dtype=bfloat16` on the wide MoE logs the weight sync, a nonzero log-prob and
+    routing mismatch; the first update's ratio to the recomputed old policy is 1 (no correction needed there)."""
+    opts = tiny(cache_dir, **{"model": "qwen3-moe-wide", "rollout.dtype": "bfloat16", "rollout.tis": "token",
+                              "rollout.mask": "token", "train.minibatches": 1})
+    summary = train(compose(opts), tmp_path)
+    assert summary["status"] == "finished"
+    lines = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    for m in lines[1:]:
+        assert m["time/sync_s"] >= 0
+        assert m["rollout/mismatch_kl"] > 0 and m["rollout/logprob_abs_diff_mean"] > 0
+        assert m["rollout/routing_mismatch"] > 0
+        assert m["rollout/ratio_min"] < 1 < m["rollout/ratio_max"]
+        assert 0 <= m["rollout/mask_token_frac"] < 1 and m["rollout/tis_weight_mean"] > 0
+        assert m["policy/ratio_min"] == pytest.approx(1.0, abs=1e-5)  # one minibatch: the old policy's own pass
+    assert OmegaConf.load(tmp_path / "config.yaml").rollout.dtype == "bfloat16"
+
+
+def test_a_lora_run_samples_with_a_merged_bf16_copy(tmp_path, cache_dir):
+    opts = tiny(cache_dir, **{"model": "qwen3-tiny", "model.lora.r": 4, "rollout.dtype": "bfloat16", "train.steps": 1})
+    assert train(compose(opts), tmp_path)["status"] == "finished"
+    [step] = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    assert step["time/sync_s"] >= 0 and step["rollout/logprob_abs_diff_mean"] > 0
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+WIDE = {"model": "qwen3-moe-wide"}
+
+
+def test_the_probe_sees_the_mismatch_of_a_bf16_sampler_and_not_of_the_trainer_itself(cache_dir):
+    """scripts/probe_mismatch.py (docs/results.md's table) on the tiny wide MoE: one rollout batch."""
+    sys.path.insert(0, str(SCRIPTS))
+    import probe_mismatch
+
+    bf16 = probe_mismatch.probe(compose(tiny(cache_dir, **WIDE, **{"rollout.dtype": "bfloat16"})), batches=1)
+    same = probe_mismatch.probe(compose(tiny(cache_dir, **WIDE)), batches=1)
+    assert (bf16["sampler"], same["sampler"]) == ("bfloat16", "float32")
+    assert bf16["rollout/routing_mismatch"] > same["rollout/routing_mismatch"]
+    assert bf16["rollout/logprob_abs_diff_mean"] > 100 * same["rollout/logprob_abs_diff_mean"]
+    assert same["seq_outside_clip/gspo_paper"] == 0 < bf16["seq_outside_clip/gspo_paper"] <= 1
+    assert bf16["sequences"] == 16 and bf16["tokens"] > 0
+
+
+@pytest.mark.slow
+def test_the_study_script_runs_resumes_and_compares(tmp_path, cache_dir):
+    """scripts/study_moe_mismatch.sh on two cells x 1 seed at tiny sizes; a second call skips finished runs."""
+    extra = " ".join(tiny(cache_dir, **{"task.eval_size": 8}))
+    env = os.environ | {"OUT": str(tmp_path / "study"), "SEEDS": "1", "CELLS": "grpo gspo_sampler",
+                        "EXTRA": extra, "GSPO": f"{sys.executable} -m cli.main", "PROBE_BATCHES": "1"}
+    repo = SCRIPTS.parent
+    first = subprocess.run(["bash", str(SCRIPTS / "study_moe_mismatch.sh")], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout + first.stderr
+    for cell in ("grpo", "gspo_sampler"):
+        assert json.loads((tmp_path / "study" / cell / "seed0" / "summary.json").read_text())["status"] == "finished"
+    assert json.loads((tmp_path / "study" / "probe_float16.json").read_text())["sampler"] == "float16"
+    assert (tmp_path / "study" / "compare" / "compare.md").is_file()
+    again = subprocess.run(["bash", str(SCRIPTS / "study_moe_mismatch.sh")], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and again.stdout.count("skip") == 2, again.stdout
+    bad = subprocess.run(["bash", str(SCRIPTS / "study_moe_mismatch.sh")], cwd=repo, env=env | {"CELLS": "grpoo"},
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown cell 'grpoo'" in bad.stderr
