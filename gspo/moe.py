@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gspo.errors import ConfigError
+
 __all__ = [
     "RoutingTrace", "Scoring", "capture_routing", "check_routers", "expert_load", "find_routers", "is_moe", "load_balancing_loss",
     "moe_metrics", "replay_routing", "router_shift", "routing_volatility",
@@ -87,6 +89,10 @@ def is_moe(model: nn.Module) -> bool:
     return bool(find_routers(model))
 
 
+class RouterFormatError(TypeError):
+    """A module that looks like a router returned something gspo cannot read as routing."""
+
+
 def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits (N, E), weights (N, k), indices (N, k)) from a router's output, in either format:
 
@@ -100,8 +106,8 @@ def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tens
         dense, logits = output
         indices = dense.topk(router.top_k, dim=-1).indices
         return logits, dense.gather(-1, indices), indices
-    raise TypeError(f"{type(router).__name__} looks like a router but returns neither (logits, scores, indices) "
-                    "nor (dense scores, logits); routing capture/replay cannot wrap it")
+    raise RouterFormatError(f"{type(router).__name__} looks like a router but returns neither (logits, scores, "
+                            "indices) nor (dense scores, logits); routing capture/replay cannot wrap it")
 
 
 def _pack(output: object, logits: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> object:
@@ -231,8 +237,6 @@ def check_routers(model: nn.Module, replay: bool) -> Optional[str]:
     replay cannot reproduce is refused too. One tiny forward (eval mode, no grad) reads each
     router's output and rule.
     """
-    from gspo.errors import ConfigError
-
     routers = find_routers(model)
     what = None
     if not routers:
@@ -251,7 +255,7 @@ def check_routers(model: nn.Module, replay: bool) -> Optional[str]:
             with torch.no_grad(), capture_routing(model, logprobs=False):
                 vocab = model.get_input_embeddings().weight.shape[0]
                 model(input_ids=torch.arange(8, device=router_weight(routers[0]).device)[None] % vocab, use_cache=False)
-        except TypeError as e:  # _unpack: not a router output format gspo reads
+        except RouterFormatError as e:
             what = str(e)
         finally:
             model.train(was_training)
@@ -439,8 +443,6 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
                 return output
             scoring = _scoring(module, logits, scores, live)
             if scoring is None:
-                from gspo.errors import ConfigError
-
                 raise ConfigError(_unsupported(module))
             _LIVE[module] = live.reshape(shape)
             want = forced[layer].to(live.device)
