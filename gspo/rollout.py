@@ -4,8 +4,8 @@ Rollout dominates the cost of RL on small models, so this is a lean loop over
 the model's own KV cache rather than `generate()`: left padding so every row's
 next token sits in the last column, one forward per new token, and an early exit
 once every row has produced EOS. A model that returns no KV cache (GPT-1; Mamba,
-RWKV, xLSTM, RecurrentGemma keep a recurrent state instead) re-runs the whole
-sequence for every token: the same tokens, at O(T^2) cost.
+RWKV, RecurrentGemma keep a recurrent state instead) re-runs the whole sequence for
+every token: the same tokens, at O(T^2) cost.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def generate(
                 break
             if cache is None:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): run the whole sequence again
                 if capture_routing:
-                    raise ConfigError(f"{type(model).__name__} returns no KV cache: routing capture while sampling "
-                                      "needs one (set moe.routing_replay=none)")
+                    raise ConfigError(f"{type(model).__name__} returns no KV cache: recording routing while sampling "
+                                      "needs one (set moe.routing_replay=none or R2, rollout.old_logprobs=recompute)")
                 step_ids, pos = torch.cat([ids, out[:, : t + 1]], 1), position_ids(full_mask[:, : p + t + 1])
             else:
                 step_ids, pos = nxt[:, None], pos[:, -1:] + 1
