@@ -226,6 +226,18 @@ def test_attention_auto_picks_what_the_class_supports_and_refuses_the_rest():
         choose_attention(GptOssForCausalLM, "sdpa")
 
 
+def test_attention_auto_takes_flash_attention_only_where_it_can_run(monkeypatch):
+    import transformers.utils
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    assert choose_attention(LlamaForCausalLM, "auto", "cuda", torch.bfloat16) == "flash_attention_2"
+    assert choose_attention(LlamaForCausalLM, "auto", "cuda", torch.float32) == "sdpa"  # no float32 kernels
+    assert choose_attention(LlamaForCausalLM, "auto", "cpu", torch.bfloat16) == "sdpa"
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    assert choose_attention(LlamaForCausalLM, "auto", "cuda", torch.bfloat16) == "sdpa"
+
+
 def test_mla_with_fewer_kv_heads_samples_padded_batches():
     """Issue 15: DeepSeek-V3 (MLA, num_key_value_heads < heads) failed in the sampler on left-padded prompts."""
     tok = char_tokenizer(ALPHABET)
@@ -319,9 +331,13 @@ def test_fsdp2_on_other_families_computes_what_one_process_computes(family, extr
     from test_distributed import assert_same_run, cli
 
     path = tiny_checkpoint(family, tmp_path / family)
+    # a reward every completion earns differently (a random tiny model rarely earns the task's): a gradient
+    (tmp_path / "length.py").write_text("def length(prompts, completions, **kw):\n"
+                                        "    return [float(len(c)) for c in completions]\n")
     # lr 3e-4: Adam moves an element whose gradient is near its eps by a rounding-dependent ~lr x 1e-2
     opts = [*run_config(path, cache_dir, **{"train.steps": 1, "train.lr": 3e-4, "train.warmup_steps": 0,
-                                            "logger.wandb_cfg.samples_every": 1,
+                                            "logger.wandb_cfg.samples_every": 1, "reward": "python",
+                                            "reward.fn": f"{tmp_path / 'length.py'}:length",
                                             "rollout.old_logprobs": "recompute", **extra})]
     train(compose(opts), tmp_path / "one")
     cli("train", *opts, "hardware=cpu-ddp", "hardware.strategy=fsdp", "hardware.threads=1",
