@@ -351,3 +351,18 @@ def test_a_checkpoint_without_a_causal_lm_class_is_one_line(tmp_path):
     tok.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="T5Config has no causal-LM class"):
         load_pretrained(tmp_path)
+
+
+def test_a_checkpoint_without_a_pad_token_trains(tmp_path, cache_dir):
+    """Many base checkpoints (Llama, GPT-2) ship no pad token: EOS pads, and the rollout masks tell them apart."""
+    tok = char_tokenizer(ALPHABET)
+    config = tiny_config("llama", tok)
+    config.pad_token_id = None
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path / "ckpt")
+    model, loaded = load_pretrained(tmp_path / "ckpt")
+    assert loaded.pad_token_id == loaded.eos_token_id
+    summary = train(compose(run_config(tmp_path / "ckpt", cache_dir)), tmp_path / "run")
+    assert summary["status"] == "finished"
