@@ -1,10 +1,14 @@
 """`model=hf` on every model family: tiny checkpoints built from transformers' own config classes here.
 
-Fast (default suite): the log-probs gspo computes equal a plain forward's on each dense family; on
-each MoE family, routing replay pins the experts (the replayed pass routes exactly as forced), the
-live routing is still recorded, and replaying a model's own routing changes nothing; the two
-failures of issue 15 (DeepSeek-V3 in the sampler, GPT-OSS's attention) train; every family trains
-2 RL steps, MoE ones under R2 and R3 (Qwen3-Next's: slow, its gated DeltaNet runs torch's fallback).
+Default suite (seconds each): on dense families gspo's log-probs equal a plain forward's (soft-capped
+and scaled logits included) and every family trains 2 RL steps; gspo's greedy sampler equals
+`model.generate` on padded prompts across cache kinds; on each MoE family the router's scoring rule
+is read right, replay pins the experts (the replayed pass routes exactly as forced) while the live
+routing is still recorded and the router still gets gradient, replaying a model's own routing
+changes nothing, and it trains under R2 and R3; routers gspo cannot replay or read are refused in
+one line; the two failures of issue 15 (DeepSeek-V3 in the sampler, GPT-OSS's attention) train;
+LoRA on a few families. Slow: Qwen3-Next trains (torch's gated-DeltaNet fallback), FSDP2 on 2
+gloo ranks equals one process on DeepSeek-V3, GPT-OSS and Gemma 2.
 """
 
 from __future__ import annotations
