@@ -90,7 +90,9 @@ def apply(model: torch.nn.Module, lora, base_dir: str | Path, seed: int = 0) -> 
     modules = _present(model, list(lora.target_modules), "modules")
     params = _present(model, list(lora.target_parameters), "parameters")
     if not modules and not params:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))})
         raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)} and target_parameters="
                           f"{list(lora.target_parameters)} name nothing in this model; its Linear modules: {', '.join(linear)}")
     if params and lora.dropout > 0:
@@ -195,7 +197,7 @@ def load_weights(model, adapter_dir: str | Path) -> None:
                           f"(missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})")
 
 
-def load(adapter_dir: str | Path, dtype: torch.dtype = torch.float32, attn: str = "sdpa", base_dir=None):
+def load(adapter_dir: str | Path, dtype: torch.dtype = torch.float32, attn: str = "auto", base_dir=None):
     """(PeftModel, tokenizer) from an adapter checkpoint; `base_dir` overrides the recorded base."""
     from peft import PeftModel
 

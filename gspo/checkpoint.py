@@ -108,7 +108,7 @@ def load_weights(model, ckpt: Path, dtype: torch.dtype = torch.float32) -> None:
     unwrap(model).load_state_dict(load_pretrained(ckpt, dtype)[0].state_dict())
 
 
-def load_model(ckpt: Path, dtype: torch.dtype = torch.float32, attn: str = "sdpa", base_dir=None):
+def load_model(ckpt: Path, dtype: torch.dtype = torch.float32, attn: str = "auto", base_dir=None):
     """(model, tokenizer) of a checkpoint for inference: full weights, or base + adapter (`base_dir` overrides
     the base an adapter records)."""
     if adapters.is_adapter_dir(ckpt):

@@ -27,6 +27,7 @@ CHOICES = {
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.agg": (None, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
     "model.arch": ("qwen3", "qwen3_moe", "hf"),
+    "model.attn_implementation": ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
     "logger.wandb_cfg.mode": ("online", "offline", "disabled"),
 }
 

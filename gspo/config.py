@@ -85,7 +85,7 @@ class ModelConfig:
     moe_intermediate_size: int = 64  # qwen3_moe: width of each expert
     router_aux_loss_coef: float = 0.001  # load-balancing loss coefficient in RL updates; 0 = off
     norm_topk_prob: bool = True
-    attn_implementation: str = "sdpa"  # sdpa | eager
+    attn_implementation: str = "auto"  # auto (fastest the class supports) | sdpa | eager | flash_attention_2 | ...
     experts_implementation: Optional[str] = None  # MoE experts kernel: eager | grouped_mm | batched_mm; None = transformers' default
     gradient_checkpointing: bool = False
     use_chat_template: bool = False  # wrap prompts in the tokenizer's chat template (real checkpoints)

@@ -104,13 +104,15 @@ def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature
     weight, inside the model's call: under FSDP2 the weight is unsharded there, and the
     log-probs leave as the model's `logits`, an output FSDP's backward hooks watch. The real
     head gets an empty slice, so the (B, K, V) logits are never formed. Assumes the model
-    returns its head's output unchanged as `logits` (Qwen3, Qwen3-MoE, Llama, Mistral, ...;
-    not models that soft-cap logits).
+    returns its head's output unchanged as `logits` (Qwen3, Qwen3-MoE, Llama, Mistral, ...).
+    A model that transforms them (Gemma 2's soft-capping, Granite's and Cohere's scaling: found
+    by `check_head`), or whose head has a bias (Phi-2), takes the plain path instead: its own
+    logits, at the selected positions.
     """
     bare = getattr(model, "module", model)  # DDP keeps the model as .module; FSDP2 shards it in place
     head = bare.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise NotImplementedError(f"{type(head).__name__} has a bias; gspo's chunked log-probs assume a bias-free LM head")
+    if not getattr(head, PASSES_THROUGH, True) or getattr(head, "bias", None) is not None:
+        return _plain_logprobs(model, select, targets, temperature, with_entropy, **forward_kwargs)
     hidden: list = []
     entropy: list = []
 
@@ -132,3 +134,51 @@ def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature
         for h in handles:
             h.remove()
     return out.logits, entropy[0], out
+
+
+# Set on the LM head by check_head: whether the model returns the head's output unchanged as its logits.
+# An attribute of the module, so that copies (the reference model, a sampler copy) and wrappers keep it.
+PASSES_THROUGH = "gspo_passes_through"
+
+
+@torch.no_grad()
+def check_head(model: nn.Module) -> bool:
+    """Whether `model` returns its LM head's output as its logits unchanged; remembered for `head_logprobs`.
+
+    One forward of 4 tokens whose head output is replaced by values up to +-50 (so that a
+    soft-cap at 30, a scale or a bias all show): they must come back bit for bit. Run it
+    once after loading, outside any routing capture (it is a forward like any other).
+    """
+    head = model.get_output_embeddings()
+    probe: list = []
+
+    def replace(module, args, output):
+        probe.append(torch.linspace(-50, 50, output.numel(), device=output.device).view_as(output).to(output.dtype))
+        return probe[0]
+
+    handle = head.register_forward_hook(replace)
+    was_training = model.training
+    model.eval()
+    try:
+        vocab = model.get_input_embeddings().weight.shape[0]
+        ids = torch.arange(4, device=head.weight.device)[None] % vocab
+        out = model(input_ids=ids, use_cache=False).logits
+    finally:
+        handle.remove()
+        model.train(was_training)
+    passes = bool(probe) and out.shape == probe[0].shape and torch.equal(out, probe[0])
+    setattr(head, PASSES_THROUGH, passes)
+    return passes
+
+
+def _plain_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+                    **forward_kwargs) -> tuple[Tensor, Optional[Tensor], object]:
+    """`head_logprobs` from the model's own (B, K, V) logits: right for any post-head transform, O(B K V) memory."""
+    out = model(**forward_kwargs)
+    logits = out.logits[select].float() / temperature  # (M, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy, out

@@ -23,9 +23,10 @@ from typing import Optional
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gspo.errors import ConfigError
+from gspo.logprobs import check_head
 from gspo.moe import is_moe
 
 transformers.utils.logging.disable_progress_bar()  # no per-load progress bars between our own lines
@@ -61,7 +62,8 @@ def build_model(mcfg, vocab_size: int, tokenizer: PreTrainedTokenizerFast, seed:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
-        attn_implementation=mcfg.attn_implementation,
+        attn_implementation=choose_attention(
+            Qwen3ForCausalLM if mcfg.arch == "qwen3" else Qwen3MoeForCausalLM, mcfg.attn_implementation),
     )
     torch.manual_seed(seed)
     if mcfg.arch == "qwen3":
@@ -82,11 +84,67 @@ def build_model(mcfg, vocab_size: int, tokenizer: PreTrainedTokenizerFast, seed:
     raise ConfigError(f"model.arch={mcfg.arch}: valid values are qwen3, qwen3_moe, hf")
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: str = "sdpa",
-                    experts: Optional[str] = None):
+ATTENTION = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+_SUPPORT_FLAG = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                 "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+
+
+def choose_attention(model_class: type, requested: str, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> str:
+    """The attention implementation to load `model_class` with (`model.attn_implementation`).
+
+    `auto`: the fastest the class supports here: flash-attention 2 where it is installed, on a
+    GPU, in half precision (its kernels take no float32); else PyTorch's SDPA; else eager. An
+    explicit choice the class does not support is refused in one line (ConfigError).
+    """
+    if requested not in ATTENTION:
+        raise ConfigError(f"model.attn_implementation={requested}: must be one of {', '.join(ATTENTION)}")
+    supports = lambda impl: impl == "eager" or bool(getattr(model_class, _SUPPORT_FLAG[impl], False))  # noqa: E731
+    if requested != "auto":
+        if not supports(requested):
+            valid = ", ".join(i for i in ATTENTION if i == "auto" or supports(i))
+            raise ConfigError(f"model.attn_implementation={requested}: {model_class.__name__} does not support it; "
+                              f"it supports {valid}")
+        return requested
+    from transformers.utils import is_flash_attn_2_available
+
+    if (supports("flash_attention_2") and torch.device(device).type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16) and is_flash_attn_2_available()):
+        return "flash_attention_2"
+    return "sdpa" if supports("sdpa") else "eager"
+
+
+def normalise_config(config) -> list[str]:
+    """Fix, in place, config values that break a class's forward without changing its weights; notes on what changed.
+
+    Multi-head latent attention (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, ...: `kv_lora_rank` set)
+    expands its latent cache to keys and values for every head, but transformers' attention
+    still repeats them num_attention_heads / num_key_value_heads times whenever it is given a
+    mask (eager always, SDPA on a padded batch): with num_key_value_heads < num_attention_heads
+    the head counts no longer match. No weight depends on num_key_value_heads under MLA, so
+    setting it to num_attention_heads is the same model, and it runs padded.
+    """
+    notes = []
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if getattr(config, "kv_lora_rank", None) and isinstance(heads, int) and isinstance(kv, int) and kv != heads:
+        config.num_key_value_heads = heads
+        notes.append(f"multi-head latent attention computes keys for all {heads} heads: "
+                     f"num_key_value_heads={kv} is read as {heads} (the same weights)")
+    return notes
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: str = "auto",
+                    experts: Optional[str] = None, device: torch.device | str = "cpu", log=None):
     """A local causal-LM checkpoint and its tokenizer, loaded with safetensors.
 
-    `experts`: the MoE experts kernel (transformers' `experts_implementation`); None = its default."""
+    `attn`: a `model.attn_implementation` value (see `choose_attention`); `device` and `dtype`
+    decide what `auto` may pick. `experts`: the MoE experts kernel (transformers'
+    `experts_implementation`); None = its default. `log` (e.g. print) gets one line on the
+    attention chosen and on any config value `normalise_config` corrected.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={path}: not a Hugging Face checkpoint directory (no config.json there)")
@@ -96,9 +154,22 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
         raise ConfigError(f"model.path={path}: the tokenizer does not load ({str(e).splitlines()[0]})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    config = AutoConfig.from_pretrained(path)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"model.path={path}: {type(config).__name__} has no causal-LM class in transformers "
+                          f"{transformers.__version__}; gspo trains causal (decoder) language models")
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    impl = choose_attention(model_class, attn, device, dtype)
+    notes = normalise_config(config)
+    if log is not None:
+        log(f"gspo: {model_class.__name__}: attention {impl}" + (" (auto)" if attn == "auto" else "")
+            + "".join(f"; {n}" for n in notes))
     kernels = {"experts_implementation": experts} if experts else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn, use_safetensors=True,
-                                                 **kernels)
+    model = model_class.from_pretrained(path, config=config, dtype=dtype, attn_implementation=impl, use_safetensors=True,
+                                        **kernels)
+    if not check_head(model) and log is not None:
+        log(f"gspo: {model_class.__name__} transforms its LM head's logits (soft-cap, scale ...): "
+            "log-probs are read off its own logits, not computed chunk by chunk")
     return model, tokenizer
 
 

@@ -1,8 +1,14 @@
 """Mixture-of-Experts routing: capture, Routing Replay (R2/R3) and routing statistics.
 
 Works on any Hugging Face MoE whose router is a module with ``top_k``, ``num_experts``
-and ``weight`` that returns ``(router_logits (N, E), scores (N, k), indices (N, k))``
-(transformers >= 5: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, Granite-MoE ...).
+and a weight (its own, or its only child's, a Linear) that returns ``(router_logits (N, E),
+scores (N, k), indices (N, k))`` or, like Llama 4's, ``(dense scores (N, E), router_logits)``
+(transformers >= 5: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, GPT-OSS, Granite-MoE, DeepSeek-V3,
+GLM-4 MoE, Llama 4, HunYuan-MoE ...; docs/contracts.md section 6 lists those tested). How a
+router turns logits into the weights of its experts (its `Scoring`: softmax or sigmoid,
+renormalised over the top-k or not, times a constant) is read off its own output on its
+first call; replay and the router's distribution use that rule. `check_routers` refuses,
+in one line, what cannot be read or replayed.
 
 We wrap routers with forward hooks rather than re-implementing their forward: the
 router computes exactly what it always does and the hook only reads (capture) or
@@ -17,7 +23,9 @@ Conventions (shared by every tensor below):
     layer; dense layers such as Qwen3-MoE's ``mlp_only_layers`` are skipped);
   * routing indices are ``(B, T, L, k)`` long, ``-1`` meaning "no routing recorded"
     (e.g. the last sampled token, which never went through the model);
-  * router log-probs are ``(B, T, L, E)`` float32 ``log_softmax(router_logits)``.
+  * router log-probs are ``(B, T, L, E)`` float32 log-probs of the router's distribution
+    over experts (`Scoring.log_probs`): ``log_softmax(logits)`` for a softmax router; for a
+    sigmoid router its sigmoid affinities normalised to sum 1 (DeepSeek-V3's s'_i).
 """
 
 from __future__ import annotations
@@ -26,26 +34,39 @@ import contextlib
 import math
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gspo.errors import ConfigError
+
 __all__ = [
-    "RoutingTrace", "capture_routing", "expert_load", "find_routers", "is_moe", "load_balancing_loss",
+    "RoutingTrace", "Scoring", "capture_routing", "check_routers", "expert_load", "find_routers", "is_moe", "load_balancing_loss",
     "moe_metrics", "replay_routing", "router_shift", "routing_volatility",
 ]
 
 
 # ----------------------------------------------------------------------------- discovery
+def router_weight(module: nn.Module) -> Optional[torch.Tensor]:
+    """A router's (E, H) weight: its own ``weight``, or that of its only child, a Linear (HunYuan's ``wg``, AFMoE's
+    ``gate``, LongCat's ``classifier``)."""
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w
+    children = list(module.children())
+    return children[0].weight if len(children) == 1 and isinstance(children[0], nn.Linear) else None
+
+
 def _is_router(module: nn.Module) -> bool:
     """A top-k router by duck typing: the attributes every HF (>= 5) MoE router carries."""
     top_k, num_experts = getattr(module, "top_k", None), getattr(module, "num_experts", None)
-    # The sparse MoE block of some models also has top_k/num_experts, but no `weight`;
-    # the experts module has num_experts but no top_k.
+    # The sparse MoE block of some models also has top_k/num_experts, but no weight of its own and
+    # several children; the experts module has num_experts but no top_k.
     return (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts
-            and isinstance(getattr(module, "weight", None), torch.Tensor))
+            and router_weight(module) is not None)
 
 
 _ROUTERS: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
@@ -68,11 +89,185 @@ def is_moe(model: nn.Module) -> bool:
     return bool(find_routers(model))
 
 
+class RouterFormatError(TypeError):
+    """A module that looks like a router returned something gspo cannot read as routing."""
+
+
 def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if not (isinstance(output, (tuple, list)) and len(output) == 3):
-        raise TypeError(f"{type(router).__name__} looks like a router but does not return "
-                        "(logits, scores, indices); routing capture/replay cannot wrap it")
-    return output[0], output[1], output[2]
+    """(logits (N, E), weights (N, k), indices (N, k)) from a router's output, in either format:
+
+    ``(logits, weights, indices)`` (most routers), or ``(dense weights (N, E), logits (N, E))``
+    with zeros off the chosen experts (Llama 4, whose MoE block weights every expert by it).
+    """
+    if isinstance(output, (tuple, list)) and len(output) == 3:
+        return output[0], output[1], output[2]
+    if (isinstance(output, (tuple, list)) and len(output) == 2 and all(isinstance(t, torch.Tensor) for t in output)
+            and output[0].shape == output[1].shape and output[0].shape[-1] == router.num_experts):
+        dense, logits = output
+        indices = dense.topk(router.top_k, dim=-1).indices
+        return logits, dense.gather(-1, indices), indices
+    raise RouterFormatError(f"{type(router).__name__} looks like a router but returns neither (logits, scores, "
+                            "indices) nor (dense scores, logits); routing capture/replay cannot wrap it")
+
+
+def _pack(output: object, logits: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> object:
+    """The router's output with `weights` at `indices` instead of its own, in its own format."""
+    if len(output) == 3:
+        return type(output)((logits, weights, indices))
+    dense = torch.zeros_like(output[0]).scatter(-1, indices.reshape(-1, indices.shape[-1]).long(),
+                                                weights.reshape(-1, weights.shape[-1]).to(output[0].dtype))
+    return type(output)((dense.view_as(output[0]), output[1]))
+
+
+# ----------------------------------------------------------------------------- scoring
+@dataclass(frozen=True)
+class Scoring:
+    """A router's rule from logits (N, E) to the gating weights of the experts it picked.
+
+    ``kind``: ``softmax`` (Mixtral, Qwen, OLMoE, GPT-OSS's softmax over the top-k logits =
+    the renormalised softmax) or ``sigmoid`` (DeepSeek-V3, GLM-4 MoE: the bias-corrected,
+    group-limited choice decides *which* experts; the weights are the plain sigmoids);
+    ``normalise``: weights renormalised to sum 1 over the k experts; ``scale``: then times
+    this (DeepSeek-V3's ``routed_scaling_factor``).
+    """
+
+    kind: str
+    normalise: bool
+    scale: float = 1.0
+
+    def affinities(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) float32 per-expert scores the weights are gathered from."""
+        z = logits.float()
+        return F.softmax(z, dim=-1) if self.kind == "softmax" else torch.sigmoid(z)
+
+    def weights(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """(N, k) float32 gating weights of `indices` (any experts, e.g. replayed ones), differentiable in logits."""
+        w = self.affinities(logits).gather(-1, indices.long())
+        if self.normalise:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scale
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) float32 the router's distribution over experts: `log_probs`, exponentiated."""
+        a = self.affinities(logits)
+        return a if self.kind == "softmax" else a / a.sum(-1, keepdim=True)
+
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(N, E) float32 log of the router's distribution over experts (rows sum to 1 in prob).
+
+        Softmax: log_softmax(logits). Sigmoid: log(sigmoid(z_e) / sum_j sigmoid(z_j)), the
+        normalised affinities DeepSeek-V3's balance loss uses; the selection bias is not in it.
+        """
+        z = logits.float()
+        if self.kind == "softmax":
+            return F.log_softmax(z, dim=-1)
+        ls = F.logsigmoid(z)
+        return ls - ls.logsumexp(-1, keepdim=True)
+
+
+# Router classes whose routing is not a scoring rule of their logits: named, refused for replay.
+UNREPLAYABLE = {
+    "PhimoeTopKRouter": "sparsemixer routing (a thresholded softmax per slot, a sampled second expert and a "
+                        "straight-through gradient estimator in training)",
+}
+
+_SCORING: "weakref.WeakKeyDictionary[nn.Module, Optional[Scoring]]" = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()  # a check only: saving tensors here would break checkpoint recomputation
+def _detect(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> Optional[Scoring]:
+    """The `Scoring` that reproduces the router's own weights at its own experts, or None.
+
+    Tried in the order the router's attributes suggest (``e_score_correction_bias``: sigmoid
+    first; ``norm_topk_prob``: the declared normalisation first), so that an output both
+    rules explain (k=1 renormalised: all weights 1) is read as the router declares. The
+    constant factor (DeepSeek-V3's ``routed_scaling_factor``, HY-V3's ``router_scaling_factor``
+    ...) is fitted by least squares, then the fit must hold on every weight.
+    """
+    if type(router).__name__ in UNREPLAYABLE:
+        return None
+    kinds = ("sigmoid", "softmax") if hasattr(router, "e_score_correction_bias") else ("softmax", "sigmoid")
+    declared = getattr(router, "norm_topk_prob", None)
+    norms = (declared, not declared) if isinstance(declared, bool) else (True, False)
+    tol = 1e-4 if scores.dtype in (torch.float32, torch.float64) else 2e-2
+    target = scores.float()
+    for kind in kinds:
+        for norm in norms:
+            w = Scoring(kind, norm).weights(logits, indices)
+            scale = float((w * target).sum() / (w * w).sum().clamp_min(1e-30))
+            if scale > 0 and torch.allclose(w * scale, target, atol=tol * max(1.0, scale)):
+                return Scoring(kind, norm, _snap(router, scale))
+    return None
+
+
+def _snap(router: nn.Module, scale: float) -> float:
+    """The fitted factor, or the router's declared one (or 1) where the fit is that up to rounding."""
+    for declared in (getattr(router, "routed_scaling_factor", None), getattr(router, "router_scaling_factor", None), 1.0):
+        if isinstance(declared, (int, float)) and declared > 0 and abs(scale / declared - 1) < 1e-4:
+            return float(declared)
+    return scale
+
+
+def _scoring(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> Optional[Scoring]:
+    """The router's rule, detected on its first non-empty call and then remembered."""
+    if router not in _SCORING and indices.numel():
+        k = indices.shape[-1]
+        _SCORING[router] = _detect(router, logits.reshape(-1, logits.shape[-1]), scores.reshape(-1, k),
+                                   indices.reshape(-1, k))
+    return _SCORING.get(router)
+
+
+SOFTMAX = Scoring("softmax", False)  # how an unrecognised router's logits are read for log-probs and the aux loss
+
+
+def _unsupported(router: nn.Module) -> str:
+    name = type(router).__name__
+    what = UNREPLAYABLE.get(name, "its weights are neither a softmax nor a sigmoid of its logits at its experts")
+    return (f"moe.routing_replay: {name} cannot be replayed: {what}; "
+            "use moe.routing_replay=none for this model")
+
+
+def check_routers(model: nn.Module, replay: bool) -> Optional[str]:
+    """Whether gspo can handle the model's routing as asked: refuse (ConfigError, one line), or a note.
+
+    A model with expert modules but no router `find_routers` finds, or whose routers return
+    a format gspo cannot read, is never taken for a dense one in silence: with `replay` it is
+    refused; without, the returned note (to log) says it trains without routing statistics
+    or aux loss (None: the routers are usable). With `replay`, a router whose scoring rule
+    replay cannot reproduce is refused too. One tiny forward (eval mode, no grad) reads each
+    router's output and rule.
+    """
+    routers = find_routers(model)
+    what = None
+    if not routers:
+        blocks = {n.rpartition(".")[0] for n, m in model.named_modules() if type(m).__name__.lower().endswith("experts")}
+        if not blocks:
+            return None  # a dense model
+        block = model.get_submodule(sorted(blocks)[0])
+        gates = sorted({type(c).__name__ for c in block.children()
+                        if any(w in type(c).__name__.lower() for w in ("router", "gate"))})
+        what = (f"{type(model).__name__}'s experts are routed by {', '.join(gates) or 'no router module'}, which gspo "
+                "cannot wrap (it needs a module with top_k, num_experts and weight that returns (logits, scores, indices))")
+    else:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), capture_routing(model, logprobs=False):
+                vocab = model.get_input_embeddings().weight.shape[0]
+                model(input_ids=torch.arange(8, device=router_weight(routers[0]).device)[None] % vocab, use_cache=False)
+        except RouterFormatError as e:
+            what = str(e)
+        finally:
+            model.train(was_training)
+    if what is not None:
+        if replay:
+            raise ConfigError(f"moe.routing_replay: {what}; use moe.routing_replay=none")
+        return f"gspo: note: {what}: it trains without routing statistics, replay or load-balancing loss"
+    if replay:
+        for r in routers:
+            if _SCORING.get(r) is None:
+                raise ConfigError(_unsupported(r))
+    return None
 
 
 # ----------------------------------------------------------------------------- capture
@@ -86,18 +281,24 @@ class RoutingTrace:
     def __init__(self, num_layers: int, record_logprobs: bool, device: torch.device | str | None,
                  keep_logits: bool = False, max_calls: int | None = None):
         self._idx: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._live: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._lp: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._logits: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.scorings: list[Scoring] = [SOFTMAX] * num_layers  # per layer, the router's rule once it has run
         self.record_logprobs, self.keep_logits, self.max_calls = record_logprobs, keep_logits, max_calls
         self.device = device
 
-    def _record(self, layer: int, indices: torch.Tensor, logits: torch.Tensor) -> None:
+    def _record(self, layer: int, indices: torch.Tensor, logits: torch.Tensor,
+                live: Optional[torch.Tensor] = None, scoring: Optional[Scoring] = None) -> None:
         if self.max_calls is not None and len(self._idx[layer]) >= self.max_calls:
             return  # e.g. gradient checkpointing re-running the forward inside backward
         k = indices.shape[-1]
+        self.scorings[layer] = scoring or SOFTMAX
         self._idx[layer].append(indices.detach().reshape(-1, k).to(self.device, torch.long))
+        self._live[layer].append(self._idx[layer][-1] if live is None else
+                                 live.detach().reshape(-1, k).to(self.device, torch.long))
         if self.record_logprobs:
-            lp = F.log_softmax(logits.detach().float().reshape(-1, logits.shape[-1]), dim=-1)
+            lp = self.scorings[layer].log_probs(logits.detach().reshape(-1, logits.shape[-1]))
             self._lp[layer].append(lp.to(self.device))
         if self.keep_logits:  # with their graph: the load-balancing loss backpropagates into the routers
             self._logits[layer].append(logits.reshape(-1, logits.shape[-1]))
@@ -107,6 +308,10 @@ class RoutingTrace:
         if not self.keep_logits:
             raise RuntimeError("trace was captured with keep_logits=False")
         return [calls[call] for calls in self._logits]
+
+    def live(self, call: int = 0) -> list[torch.Tensor]:
+        """Per layer, the experts (N, k) the router itself picked in forward call `call` (under replay too)."""
+        return [calls[call] for calls in self._live]
 
     @property
     def num_layers(self) -> int:
@@ -121,7 +326,7 @@ class RoutingTrace:
         return counts.pop() if counts else 0
 
     def clear(self) -> None:
-        for calls in (*self._idx, *self._lp, *self._logits):
+        for calls in (*self._idx, *self._live, *self._lp, *self._logits):
             calls.clear()
 
     def _assemble(self, per_layer: list[list[torch.Tensor]], batch_size: int,
@@ -146,22 +351,18 @@ class RoutingTrace:
         return self._assemble(self._idx, batch_size, length, -1)
 
     def logprobs(self, batch_size: int, length: int | None = None) -> torch.Tensor:
-        """(B, T, L, E) float32 log-softmax of the live router logits; padding is 0."""
+        """(B, T, L, E) float32 log-probs of the live routers' distributions (`Scoring.log_probs`); padding is 0."""
         if not self.record_logprobs:
             raise RuntimeError("trace was captured with logprobs=False")
         return self._assemble(self._lp, batch_size, length, 0.0)
 
     def live_indices(self, batch_size: int, length: int | None = None) -> torch.Tensor:
-        """(B, T, L, k) top-k of the recorded log-probs: what the router itself would pick.
+        """(B, T, L, k) the experts each router itself picked (its own rule: group limits, biases ...).
 
-        Equals :meth:`indices` without replay (for softmax-top-k routers); under replay it
-        gives the live routing needed for ``moe/routing_volatility``.
+        Equals :meth:`indices` without replay; under replay it is the live routing needed
+        for ``moe/routing_volatility``, while :meth:`indices` is the replayed one.
         """
-        k = self.indices(batch_size).shape[-1]
-        live = self.logprobs(batch_size).topk(k, dim=-1).indices
-        if length is not None:
-            live = F.pad(live.movedim(1, -1), (0, length - live.shape[1]), value=-1).movedim(-1, 1)
-        return live
+        return self._assemble(self._live, batch_size, length, -1)
 
     def batch(self, batch_size: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices (B, T, L, k), logprobs (B, T, L, E))."""
@@ -184,8 +385,9 @@ def capture_routing(model: nn.Module, logprobs: bool = True, device: torch.devic
 
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            logits, _, indices = _unpack(output, module)
-            trace._record(layer, indices, logits)
+            logits, scores, indices = _unpack(output, module)
+            live = _LIVE.pop(module, None)  # set by a replay hook that ran before this one (and read the rule)
+            trace._record(layer, indices, logits, live, _scoring(module, logits, scores, indices))
         return hook
 
     handles = [r.register_forward_hook(make_hook(l)) for l, r in enumerate(routers)]
@@ -197,26 +399,8 @@ def capture_routing(model: nn.Module, logprobs: bool = True, device: torch.devic
 
 
 # ----------------------------------------------------------------------------- replay
-@torch.no_grad()  # a check only: saving tensors here would break checkpoint recomputation
-def _renormalises(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor,
-                  indices: torch.Tensor) -> bool:
-    """Whether the router's scores are softmax(logits) at the top-k renormalised to sum 1.
-
-    Checked against the router's own output so that we never silently replay a router
-    with another scoring rule (e.g. DeepSeek-V3's sigmoid + bias): softmax-at-top-k,
-    top-k softmax (GPT-OSS, Granite) and renormalised softmax are the same thing.
-    """
-    p = F.softmax(logits.float(), dim=-1).gather(-1, indices.long())
-    tol = 1e-4 if scores.dtype in (torch.float32, torch.float64) else 2e-2
-    raw_ok = torch.allclose(scores.float(), p, atol=tol)
-    norm_ok = torch.allclose(scores.float(), p / p.sum(-1, keepdim=True), atol=tol)
-    declared = getattr(router, "norm_topk_prob", None)
-    if isinstance(declared, bool) and (norm_ok if declared else raw_ok):
-        return declared
-    if norm_ok or raw_ok:
-        return norm_ok
-    raise RuntimeError(f"{type(router).__name__}: scores are not a softmax of the logits at the top-k; "
-                       "routing replay does not support this router")
+# router -> the experts it picked itself in the call a replay hook just rewrote (read by capture)
+_LIVE: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -227,10 +411,11 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
     ``indices``); it may run several times. With gradient checkpointing, run backward
     inside the context too: the recomputed forward must see the same forced experts.
     Rows whose k entries contain a -1 keep the live routing. Forced experts get live
-    weights, softmax(live logits) gathered at the forced experts (renormalised when the
-    router renormalises), so the router weight still gets gradient; the live logits are
-    returned unchanged, so ``output_router_logits`` and the aux loss still work (the aux
-    loss re-derives top-k from those logits: it balances the live, not the forced routing).
+    weights, the router's own `Scoring` of its live logits at the forced experts (softmax
+    or sigmoid, renormalised and scaled as the router does), so the router weight still
+    gets gradient; the live logits are returned unchanged, so ``output_router_logits`` and
+    the aux loss still work (the aux loss balances the live, not the forced routing). A
+    router whose rule is not recognised is refused (a ConfigError naming its class).
     """
     routers = find_routers(model)
     if indices.dim() != 4 or indices.shape[2] != len(routers):
@@ -245,7 +430,6 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
         raise ValueError("indices contain an expert id >= num_experts")
     # (B, T, L, k) -> per layer (B*T, k), row-major like the MoE block's view(-1, H).
     forced = [indices[:, :, l, :].reshape(B * T, k) for l in range(len(routers))]
-    normalise: dict[int, bool] = {}  # resolved once per layer, on the first non-empty call
 
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, output: object) -> tuple:
@@ -255,18 +439,19 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
             if live.shape[0] != B * T:
                 raise ValueError(f"replay_routing got {live.shape[0]} rows at router {layer}, "
                                  f"expected B*T = {B}*{T} from the replayed indices")
-            if layer not in normalise and live.shape[0]:
-                normalise[layer] = _renormalises(module, logits.reshape(-1, logits.shape[-1]),
-                                                 scores.reshape(-1, k), live)
+            if not live.shape[0]:
+                return output
+            scoring = _scoring(module, logits, scores, live)
+            if scoring is None:
+                raise ConfigError(_unsupported(module))
+            _LIVE[module] = live.reshape(shape)
             want = forced[layer].to(live.device)
             keep_live = (want < 0).any(-1, keepdim=True)
             idx = torch.where(keep_live, live, want.to(live.dtype))
-            # Live router probabilities at the forced experts: the gradient path to the router.
-            w = F.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1).gather(-1, idx.long())
-            if normalise.get(layer, True):
-                w = w / w.sum(-1, keepdim=True)
+            # The router's own weights of the forced experts: the gradient path to the router.
+            w = scoring.weights(logits.reshape(-1, logits.shape[-1]), idx)
             w = torch.where(keep_live, scores.reshape(-1, k), w.to(scores.dtype))
-            return type(output)((logits, w.reshape(scores.shape), idx.reshape(shape)))
+            return _pack(output, logits, w.reshape(scores.shape), idx.reshape(shape))
         return hook
 
     # prepend: run before capture hooks (and HF's own output recorders) on the same router.
@@ -276,6 +461,8 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+        for r in routers:
+            _LIVE.pop(r, None)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -358,12 +545,19 @@ def moe_metrics(old_idx: torch.Tensor, new_idx: torch.Tensor, old_logprobs: Opti
 
 
 def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor,
-                        all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x) -> torch.Tensor:
+                        all_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                        scorings: Optional[list[Scoring]] = None,
+                        chosen: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
     """Switch-Transformer load-balancing loss (arXiv 2101.03961 eqs. 4-6), as Hugging Face computes it.
 
     logits: per MoE layer the live router logits (N, E), N = B*T rows; mask (B, T) 1 on real
     tokens. With f_e the share of (token, layer, slot) assignments to expert e and P_e the mean
     router probability of e over (token, layer): loss = E * sum_e f_e P_e.
+
+    The probabilities are each router's distribution (`scorings`, default softmax: for a
+    sigmoid router its normalised affinities, as in DeepSeek-V3's sequence-wise balance
+    loss), and the assignments `chosen` (N, k) per layer are the experts each router picked
+    itself (default: the top-k of those probabilities, which is the pick of a softmax router).
 
     f_e and P_e are means over the whole batch, so a rank cannot compute its part of them
     alone. `all_sum` sums a tensor over ranks (identity in one process): the counts (no
@@ -374,10 +568,10 @@ def load_balancing_loss(logits: list[torch.Tensor], top_k: int, mask: torch.Tens
     m = mask.reshape(-1).to(torch.float32)
     counts = torch.zeros(E, dtype=torch.float32, device=logits[0].device)
     prob_sum = torch.zeros(E, dtype=torch.float32, device=logits[0].device)
-    for layer in logits:
-        p = F.softmax(layer.float(), dim=-1)
-        chosen = p.topk(top_k, dim=-1).indices
-        counts = counts.scatter_add(0, chosen.reshape(-1), m.repeat_interleave(top_k))
+    for l, layer in enumerate(logits):
+        p = (scorings[l] if scorings else SOFTMAX).probs(layer)
+        picked = chosen[l] if chosen is not None else p.topk(top_k, dim=-1).indices
+        counts = counts.scatter_add(0, picked.reshape(-1).to(counts.device), m.repeat_interleave(top_k))
         prob_sum = prob_sum + (p * m[:, None]).sum(0)
     totals = all_sum(torch.cat([counts, (m.sum() * len(logits))[None]]).detach())
     rows = totals[-1].clamp_min(1.0)

@@ -55,7 +55,17 @@ class MoEStep:
 
     @staticmethod
     def for_model(model: torch.nn.Module, cfg, dist, old_pass: bool) -> "MoEStep":
-        """The component for this run: `_MoE` for a model with top-k routers, else this inert base."""
+        """The component for this run: `_MoE` for a model with top-k routers, else this inert base.
+
+        Refuses (ConfigError, one line) a router that `moe.routing_replay` cannot replay;
+        experts whose routing gspo cannot read are refused for replay, else noted (and
+        trained with this inert base).
+        """
+        note = moe.check_routers(model, replay=cfg.moe.routing_replay != "none")
+        if note:  # experts whose routing gspo cannot read: they train, without the MoE component
+            if dist.is_main:
+                print(note)
+            return MoEStep()
         return _MoE(model, cfg, dist, old_pass) if moe.is_moe(model) else MoEStep()
 
     def sample_kwargs(self) -> dict:
@@ -91,7 +101,9 @@ class _Minibatch(_NoMinibatch):
         o = self.owner
         if o.aux_coef <= 0:
             return 0.0
-        self._aux = moe.load_balancing_loss(self.trace.logits(), o.top_k, sub.attention_mask, o.dist.all_sum)
+        # each router's own distribution and its own pick (not the replayed one): it balances the live routing
+        self._aux = moe.load_balancing_loss(self.trace.logits(), o.top_k, sub.attention_mask, o.dist.all_sum,
+                                            self.trace.scorings, self.trace.live())
         self._aux = self._aux * o.dist.world  # DDP averages gradients over ranks: x world undoes it
         return o.aux_coef * self._aux
 

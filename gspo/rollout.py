@@ -3,7 +3,9 @@
 Rollout dominates the cost of RL on small models, so this is a lean loop over
 the model's own KV cache rather than `generate()`: left padding so every row's
 next token sits in the last column, one forward per new token, and an early exit
-once every row has produced EOS.
+once every row has produced EOS. A model that returns no KV cache (GPT-1; Mamba,
+RWKV, RecurrentGemma keep a recurrent state instead) re-runs the whole sequence for
+every token: the same tokens, at O(T^2) cost.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from gspo.errors import ConfigError
 from gspo.logprobs import head_logprobs
 
 
@@ -179,7 +182,7 @@ def generate(
                 res = (model if t == 0 else decode)(attention_mask=full_mask, cache_position=slots, **kwargs)
             else:
                 res = model(attention_mask=full_mask[:, : p + t], **kwargs)
-            cache, logits = res.past_key_values, res.logits[:, -1].float()
+            cache, logits = getattr(res, "past_key_values", None), res.logits[:, -1].float()
             if greedy:
                 nxt = _sample(logits, temperature, top_p, greedy, None)
             else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
@@ -191,7 +194,13 @@ def generate(
             done |= nxt == eos
             if (t + 1) % check_every == 0 and bool(done.all()):
                 break
-            step_ids, pos = nxt[:, None], pos[:, -1:] + 1
+            if cache is None:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): run the whole sequence again
+                if capture_routing:
+                    raise ConfigError(f"{type(model).__name__} returns no KV cache: recording routing while sampling "
+                                      "needs one (set moe.routing_replay=none or R2, rollout.old_logprobs=recompute)")
+                step_ids, pos = torch.cat([ids, out[:, : t + 1]], 1), position_ids(full_mask[:, : p + t + 1])
+            else:
+                step_ids, pos = nxt[:, None], pos[:, -1:] + 1
     finally:
         if capture_routing:
             ctx.__exit__(None, None, None)

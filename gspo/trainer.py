@@ -90,7 +90,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
     with dist.main_first():  # rank 0 builds the warm-started base, the others then load it
         base_dir = base_model(cfg, task)
-    model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation)
+    model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation,
+                                       device=device, log=print if dist.is_main else None)
     model.to(device)
     if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()

@@ -10,6 +10,7 @@ from transformers import (
     MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 )
 
+from gspo.errors import ConfigError
 from gspo.moe import (
     capture_routing, expert_load, find_routers, is_moe, moe_metrics, replay_routing, router_shift,
     routing_volatility,
@@ -225,8 +226,8 @@ def test_replay_generic_router_without_norm_attribute():
         assert torch.allclose(model(x).logits, ref, atol=1e-6)
 
 
-class SigmoidRouter(torch.nn.Module):
-    """A router with the right signature but sigmoid scores (DeepSeek-V3 style): not replayable."""
+class ReluRouter(torch.nn.Module):
+    """A router with the right signature but weights that are no scoring rule gspo knows: not replayable."""
 
     def __init__(self):
         super().__init__()
@@ -235,14 +236,14 @@ class SigmoidRouter(torch.nn.Module):
 
     def forward(self, h):
         logits = h @ self.weight.T
-        scores, idx = logits.sigmoid().topk(self.top_k, dim=-1)
+        scores, idx = logits.relu().topk(self.top_k, dim=-1)
         return logits, scores, idx
 
 
-def test_replay_rejects_non_softmax_router():
-    model = torch.nn.Sequential(SigmoidRouter())
+def test_replay_rejects_an_unknown_scoring_rule_in_one_line():
+    model = torch.nn.Sequential(ReluRouter())
     assert is_moe(model)
-    with pytest.raises(RuntimeError, match="not a softmax"), torch.no_grad():
+    with pytest.raises(ConfigError, match="ReluRouter cannot be replayed: its weights are neither"), torch.no_grad():
         with replay_routing(model, torch.zeros(1, 3, 1, K, dtype=torch.long)):
             model(torch.randn(3, 4))
 
@@ -357,3 +358,82 @@ def test_the_loops_moe_component_is_a_no_op_on_a_dense_model():
         assert mb.router_shift(r) is None and mb.aux_loss(r) == 0.0 and mb.stats() == {}
     assert step.end_step(model, r, 1) == {} and hooks() == 0
     torch.testing.assert_close(token_logprobs(model, r)[0], old)
+
+
+# ----------------------------------------------------------------------------- scoring rules
+def test_scoring_weights_and_distribution_hand_computed():
+    from gspo.moe import Scoring
+
+    logits = torch.tensor([[0.0, math.log(3.0), -math.log(3.0)]])  # sigmoids 1/2, 3/4, 1/4
+    idx = torch.tensor([[1, 0]])
+    sig = Scoring("sigmoid", normalise=True, scale=2.5)
+    assert torch.allclose(sig.weights(logits, idx), torch.tensor([[0.6 * 2.5, 0.4 * 2.5]]))
+    assert torch.allclose(Scoring("sigmoid", False).weights(logits, idx), torch.tensor([[0.75, 0.5]]))
+    # the distribution: affinities normalised over all experts, 1/2 : 3/4 : 1/4 = 1/3 : 1/2 : 1/6
+    assert torch.allclose(sig.log_probs(logits).exp(), torch.tensor([[1 / 3, 1 / 2, 1 / 6]]))
+    assert torch.allclose(sig.probs(logits), torch.tensor([[1 / 3, 1 / 2, 1 / 6]]))
+    soft = Scoring("softmax", normalise=False)  # softmax of (0, ln 3, -ln 3) = (3, 9, 1) / 13
+    assert torch.allclose(soft.weights(logits, idx), torch.tensor([[9 / 13, 3 / 13]]))
+    assert torch.allclose(Scoring("softmax", True).weights(logits, idx), torch.tensor([[0.75, 0.25]]))
+    assert torch.allclose(soft.log_probs(logits).exp(), torch.tensor([[3 / 13, 9 / 13, 1 / 13]]))
+
+
+def test_scoring_gradients_match_autograd_of_the_formula():
+    from gspo.moe import Scoring
+
+    torch.manual_seed(0)
+    z = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    idx = torch.stack([torch.randperm(6)[:2] for _ in range(5)])
+    up = torch.randn(5, 2, dtype=torch.float64)
+    got = torch.autograd.grad((Scoring("sigmoid", True, 2.5).weights(z, idx) * up).sum(), z)[0]
+    s = 1 / (1 + torch.exp(-z.detach()))
+    # d/dz_j of 2.5 s_a / (s_a + s_b) at the chosen experts, by hand: s' = s (1 - s)
+    want = torch.zeros_like(z)
+    for n in range(5):
+        a, b = idx[n].tolist()
+        tot = s[n, a] + s[n, b]
+        for slot, (i, j) in enumerate(((a, b), (b, a))):
+            g_i = 2.5 * s[n, i] * (1 - s[n, i]) * s[n, j] / tot ** 2  # d w_i / d z_i
+            g_j = -2.5 * s[n, i] * s[n, j] * (1 - s[n, j]) / tot ** 2  # d w_i / d z_j
+            want[n, i] += up[n, slot] * g_i
+            want[n, j] += up[n, slot] * g_j
+    assert torch.allclose(got, want)
+
+
+def test_scoring_read_off_a_sigmoid_group_limited_router():
+    """DeepSeek-V3's router (bias-corrected, group-limited choice; sigmoid weights, renormalised, x 2.5)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from gspo.moe import Scoring
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=64, moe_intermediate_size=16, n_routed_experts=E, num_experts_per_tok=K, n_group=2,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, routed_scaling_factor=2.5,
+    )).eval()
+    for r in find_routers(model):
+        torch.nn.init.normal_(r.weight, std=1.0)
+        r.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, E))  # moves the choice, not the weights
+    x = ids()
+    with torch.no_grad(), capture_routing(model) as own:
+        ref = model(x).logits
+    assert own.scorings == [Scoring("sigmoid", True, 2.5)] * L
+    idx = own.indices(B)
+    # group-limited: each token's experts lie in one group of E/2
+    assert ((idx // (E // 2)) == (idx[..., :1] // (E // 2))).all()
+    with torch.no_grad(), replay_routing(model, idx):
+        assert torch.allclose(model(x).logits, ref, atol=1e-5)
+
+
+def test_load_balancing_loss_of_a_sigmoid_router_hand_computed():
+    """Normalised affinities as P, the router's own pick as f: E * sum_e f_e P_e."""
+    from gspo.moe import Scoring, load_balancing_loss
+
+    logits = torch.tensor([[0.0, math.log(3.0), -math.log(3.0)], [0.0, 0.0, 0.0]])  # P rows (1/3, 1/2, 1/6), (1/3,)*3
+    chosen = torch.tensor([[0], [2]])  # not the top-1 of P: the router's own (bias-corrected) pick counts
+    loss = load_balancing_loss([logits], 1, torch.ones(1, 2), scorings=[Scoring("sigmoid", True)], chosen=[chosen])
+    f = torch.tensor([0.5, 0.0, 0.5])
+    P = torch.tensor([(1 / 3 + 1 / 3) / 2, (1 / 2 + 1 / 3) / 2, (1 / 6 + 1 / 3) / 2])
+    assert loss.item() == pytest.approx(3 * float((f * P).sum()))
