@@ -1,0 +1,130 @@
+"""The fast decode engine (rollout.engine=fast) samples exactly what the hf engine samples.
+
+Same uniforms in float32 -> identical tokens, log-probs within 1e-5, identical routing recorded
+while sampling, over a long rollout: several groups, left-padded prompts of different lengths,
+rows ending at different times, top-p < 1 and temperature != 1; dense and MoE.
+"""
+
+import logging
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from gspo import fast_decode, moe
+from gspo.config import ModelConfig
+from gspo.models import build_model, char_tokenizer
+from gspo.rollout import generate
+
+TOK = char_tokenizer("0123456789+=")
+PROMPTS = ["1+2=", "33+44+5=", "7=", "12+345+6789="]  # lengths 4..12: left padding up to 8 columns
+
+
+def _model(arch: str, **extra):
+    mcfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "t", "arch": arch, "num_layers": 3, **extra})
+    return build_model(mcfg, len(TOK), TOK, seed=0).eval()
+
+
+def _gens(seed: int):
+    return [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(PROMPTS))]
+
+
+def _both(model, **kw):
+    return [generate(model, TOK, PROMPTS, group_size=4, max_new_tokens=kw.pop("max_new_tokens", 64),
+                     generator=_gens(1), engine=engine, **kw) for engine in ("hf", "fast")]
+
+
+def _assert_same(hf, fast):
+    assert fast.input_ids.tolist() == hf.input_ids.tolist()
+    assert torch.equal(fast.completion_mask, hf.completion_mask)
+    torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
+    lengths = hf.lengths
+    assert lengths.min() < lengths.max() and hf.completion_mask.shape[1] > 32, "the rollout must be long and ragged"
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("qwen3", {}),
+    ("qwen3", {"attn_implementation": "eager"}),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"experts_implementation": "batched_mm"}),
+])
+def test_fast_engine_samples_what_hf_samples(arch, extra):
+    model = _model(arch, **extra)
+    assert fast_decode.resolve("fast", model) == "fast"
+    hf, fast = _both(model, temperature=0.7, top_p=0.9, capture_routing=moe.is_moe(model))
+    _assert_same(hf, fast)
+    torch.testing.assert_close(fast.kept_mass, hf.kept_mass, atol=1e-5, rtol=0)
+    if moe.is_moe(model):  # the routing recorded while sampling, at every real (unpadded) position
+        real = hf.attention_mask.bool()
+        assert torch.equal(fast.routing[real], hf.routing[real])
+        assert (fast.routing[real][:, :, 0] >= 0).sum() > 0
+        torch.testing.assert_close(fast.router_logp[real], hf.router_logp[real], atol=1e-5, rtol=0)
+
+
+def test_fast_engine_at_temperature_one_and_greedy():
+    model = _model("qwen3_moe")
+    hf, fast = _both(model, temperature=1.3)
+    _assert_same(hf, fast)
+    g_hf, g_fast = (generate(model, TOK, PROMPTS, 1, 32, greedy=True, engine=e) for e in ("hf", "fast"))
+    assert g_fast.input_ids.tolist() == g_hf.input_ids.tolist()
+
+
+def test_fast_engine_sees_weight_updates_without_a_sync():
+    model = _model("qwen3_moe")
+    before = generate(model, TOK, PROMPTS, 2, 16, generator=_gens(2), engine="fast")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf, fast = (generate(model, TOK, PROMPTS, 2, 16, generator=_gens(2), engine=e) for e in ("hf", "fast"))
+    assert fast.input_ids.tolist() == hf.input_ids.tolist()
+    torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
+    assert not torch.allclose(fast.sampler_logp, before.sampler_logp)
+
+
+def test_replay_while_sampling_reaches_the_router():
+    """The router is called as a module: a replay hook forcing the routing changes the fast engine's draws as hf's."""
+    model = _model("qwen3_moe")
+    n_layers, k = len(moe.find_routers(model)), moe.find_routers(model)[0].top_k
+    forced = torch.zeros(len(PROMPTS) * 2, 1, n_layers, k, dtype=torch.long)
+    forced[..., 1] = 1  # every decode token through experts 0 and 1
+
+    def sample(engine):
+        # the prefill routes N*P rows, a decode step N*1: replay only the decode steps
+        hooks = []
+        routers = moe.find_routers(model)
+        for l, r in enumerate(routers):
+            def hook(mod, args, out, l=l):
+                logits, scores, idx = out
+                if idx.shape[0] != forced.shape[0]:
+                    return None
+                want = forced[:, 0, l]
+                w = torch.softmax(logits.float(), -1).gather(-1, want)
+                return logits, (w / w.sum(-1, keepdim=True)).to(scores.dtype), want
+            hooks.append(r.register_forward_hook(hook, prepend=True))
+        try:
+            return generate(model, TOK, PROMPTS, 2, 24, generator=_gens(3), engine=engine, capture_routing=True)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    hf, fast = sample("hf"), sample("fast")
+    assert fast.input_ids.tolist() == hf.input_ids.tolist()
+    torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
+    decode = hf.routing[:, hf.prompt_len : hf.prompt_len + 4]
+    assert torch.equal(fast.routing[:, hf.prompt_len:], hf.routing[:, hf.prompt_len:])
+    assert (decode[..., 0] == 0).all() and (decode[..., 1] == 1).all()
+
+
+def test_unsupported_models_fall_back_to_hf_with_the_reason_logged_once(caplog):
+    model = _model("qwen3")
+    assert fast_decode.resolve("hf", model) == "hf"
+    assert fast_decode.resolve("auto", model) == "fast"
+    fast_decode._LOGGED.clear()
+    with caplog.at_level(logging.WARNING, logger="gspo.fast_decode"):
+        assert fast_decode.resolve("auto", model, compile=True) == "hf"
+        assert fast_decode.resolve("fast", model, compile=True) == "hf"
+        assert fast_decode.resolve("fast", torch.nn.Linear(2, 2)) == "hf"
+    assert len(caplog.records) == 2 and "compile" in caplog.records[0].getMessage()
+    assert "Linear is not a supported family" in caplog.records[1].getMessage()
+    with pytest.raises(ValueError, match="rollout.engine"):
+        fast_decode.resolve("vllm", model)
