@@ -48,8 +48,13 @@ def unsupported(model: torch.nn.Module, compile: bool = False) -> Optional[str]:
     """Why the fast engine cannot decode `model` (None: it can)."""
     if compile:
         return "hardware.compile decodes through torch.compile's static cache (the hf engine)"
-    if type(model) not in _families():  # exact classes: a peft, DDP or FSDP wrapper is another class
-        return f"{type(model).__name__} is not a supported family (Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
+    name = type(model).__name__
+    if name.startswith("FSDP"):  # fully_shard swaps the class in place
+        return "FSDP-sharded weights (hardware.strategy=fsdp)"
+    if hasattr(model, "peft_config"):
+        return "a peft (LoRA) model: its adapters sit outside the base modules' weights"
+    if type(model) not in _families():  # exact classes: any other wrapper or subclass is refused
+        return f"{name} is not a supported family (Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
     cfg = model.config
     if cfg._attn_implementation not in ("sdpa", "eager"):
         return f"attention implementation {cfg._attn_implementation!r} (supported: sdpa, eager)"

@@ -6,15 +6,21 @@ rows ending at different times, top-p < 1 and temperature != 1; dense and MoE.
 """
 
 import logging
+import math
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from typer.testing import CliRunner
 
+from cli.main import app
+from conftest import tiny
+from test_train import read_metrics
 from gspo import fast_decode, moe
-from gspo.config import ModelConfig
+from gspo.config import ModelConfig, compose
 from gspo.models import build_model, char_tokenizer
 from gspo.rollout import generate
+from gspo.trainer import train
 
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["1+2=", "33+44+5=", "7=", "12+345+6789="]  # lengths 4..12: left padding up to 8 columns
@@ -128,3 +134,28 @@ def test_unsupported_models_fall_back_to_hf_with_the_reason_logged_once(caplog):
     assert "Linear is not a supported family" in caplog.records[1].getMessage()
     with pytest.raises(ValueError, match="rollout.engine"):
         fast_decode.resolve("vllm", model)
+
+
+def test_a_training_run_is_the_same_under_either_engine(tmp_path, cache_dir):
+    """MoE with R3 (the routing captured while sampling, replayed in the update) and the sampler's
+    log-probs as the old policy's: the same completions and rewards under rollout.engine=hf and =fast,
+    and every other logged number equal up to float32 rounding (the log-probs differ by ~1e-7)."""
+    overrides = {"moe.routing_replay": "R3", "rollout.max_new_tokens": 12, "train.lr": 0.05}
+    logs = {}
+    for engine in ("hf", "fast"):
+        train(compose(tiny(cache_dir, **overrides, **{"rollout.engine": engine})), tmp_path / engine)
+        logs[engine] = [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/", "mem/"))}
+                        for m in read_metrics(tmp_path / engine)]
+    assert len(logs["hf"]) == len(logs["fast"]) >= 3
+    for hf, fast in zip(logs["hf"], logs["fast"]):
+        assert hf.keys() == fast.keys()
+        assert {k: v for k, v in fast.items() if k.startswith(("reward/", "response/"))} == \
+            {k: v for k, v in hf.items() if k.startswith(("reward/", "response/"))}
+        for k, v in hf.items():
+            assert math.isclose(fast[k], v, rel_tol=1e-3, abs_tol=1e-5), (k, v, fast[k])
+
+
+def test_a_bad_engine_is_one_line_and_exit_2():
+    res = CliRunner().invoke(app, ["train", "rollout.engine=vllm"])
+    assert res.exit_code == 2 and "rollout.engine=vllm" in res.output and "fast" in res.output
+    assert "Traceback" not in res.output
