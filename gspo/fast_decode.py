@@ -13,28 +13,31 @@ none of that:
   * the MoE's router is the model's router module, called as a module, so routing capture
     and replay hooks (gspo/moe.py) see and rewrite exactly what they do under `hf`; the
     experts run as one batched computation (each (token, slot)'s expert weights gathered,
-    then two `bmm`s), with no loop and no host sync;
+    then two `bmm`s), with no loop and no host sync, while the gathered weights fit in
+    `GATHER_BUDGET`; past it (a real model's batch), through the experts module itself, i.e.
+    the model's `experts_implementation`;
   * attention goes through the model's configured attention function (`sdpa` or `eager`),
     with the same RoPE module, q/k norms and GQA handling.
 
 It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
 identical tokens, log-probs within 1e-5, identical captured routing). Anything else falls
-back to `hf`, with the reason logged once per reason: another family, a peft/LoRA or DDP/FSDP
-wrapper, `hardware.compile`, sliding-window attention, an attention implementation other
+back to `hf`, with the reason logged once per reason: another family, a peft/LoRA model, FSDP
+sharding, any other wrapper, `hardware.compile`, sliding-window attention, an attention implementation other
 than sdpa/eager.
 """
 
 from __future__ import annotations
 
-import logging
+import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
-
 ENGINES = ("hf", "fast", "auto")
+# bytes of expert weights the batched dispatch may gather per MoE layer and step (rows x top_k pairs);
+# past it (a real model's batch) the experts run through the model's own experts_implementation
+GATHER_BUDGET = 256 * 2**20
 _LOGGED: set[str] = set()
 
 
@@ -80,7 +83,7 @@ def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
         return "fast"
     if why not in _LOGGED:
         _LOGGED.add(why)
-        log.warning("rollout.engine=%s: sampling with the hf engine: %s", engine, why)
+        warnings.warn(f"rollout.engine={engine}: sampling with the hf engine: {why}", stacklevel=2)
     return "hf"
 
 
@@ -167,6 +170,9 @@ def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     _, weights, idx = mlp.gate(flat)  # a module call: routing capture/replay hooks apply as under hf
     ex = mlp.experts
     k = idx.shape[-1]
+    per_pair = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.gate_up_proj.element_size()
+    if flat.shape[0] * k * per_pair > GATHER_BUDGET:  # a real model's batch: its own kernel (experts_implementation)
+        return ex(flat, idx, weights).view(n, t, dim)
     ids = idx.reshape(-1)
     # (S = rows x k): each pair's expert weights gathered, so one bmm per projection and no loop over experts
     rows = flat.repeat_interleave(k, dim=0)
