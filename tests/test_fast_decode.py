@@ -47,14 +47,15 @@ def _assert_same(hf, fast):
     assert lengths.min() < lengths.max() and hf.completion_mask.shape[1] > 32, "the rollout must be long and ragged"
 
 
-@pytest.mark.parametrize("arch,extra", [
-    ("qwen3", {}),
-    ("qwen3", {"attn_implementation": "eager"}),
-    ("qwen3_moe", {}),
-    ("qwen3_moe", {"experts_implementation": "batched_mm"}),
+@pytest.mark.parametrize("arch,extra,dtype", [
+    ("qwen3", {}, torch.float32),
+    ("qwen3", {"attn_implementation": "eager"}, torch.float32),
+    ("qwen3_moe", {}, torch.float32),
+    ("qwen3_moe", {"experts_implementation": "batched_mm"}, torch.float32),
+    ("qwen3_moe", {}, torch.bfloat16),  # a bf16 sampler copy (rollout.dtype): the same draws on this CPU too
 ])
-def test_fast_engine_samples_what_hf_samples(arch, extra):
-    model = _model(arch, **extra)
+def test_fast_engine_samples_what_hf_samples(arch, extra, dtype):
+    model = _model(arch, **extra).to(dtype)
     assert fast_decode.resolve("fast", model) == "fast"
     hf, fast = _both(model, temperature=0.7, top_p=0.9, capture_routing=moe.is_moe(model))
     _assert_same(hf, fast)
