@@ -22,17 +22,20 @@ none of that:
 It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
 identical tokens, log-probs within 1e-5, identical captured routing). Anything else falls
 back to `hf`, with the reason logged once per reason: another family, a peft/LoRA model, FSDP
-sharding, any other wrapper, `hardware.compile`, sliding-window attention, an attention implementation other
-than sdpa/eager.
+sharding, any other wrapper, `hardware.compile`, sliding-window attention, an attention
+implementation other than sdpa/eager, forward hooks on modules other than the routers.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from gspo import moe
 
 ENGINES = ("hf", "fast", "auto")
 # bytes of expert weights the batched dispatch may gather per MoE layer and step (rows x top_k pairs);
@@ -65,11 +68,16 @@ def unsupported(model: torch.nn.Module, compile: bool = False) -> Optional[str]:
         return "sliding-window attention"
     if getattr(cfg, "final_logit_softcapping", None):
         return "final logit soft-capping"
+    routers = {id(r) for r in moe.find_routers(model)}  # called as modules: their hooks (capture, replay) run
+    hooked = next((n or "the model" for n, m in model.named_modules()
+                   if (m._forward_hooks or m._forward_pre_hooks) and id(m) not in routers), None)
+    if hooked is not None:
+        return f"forward hooks on {hooked}, which the decode steps would bypass"
     return None
 
 
 def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
-    """`hf` or `fast` for this model: `fast`/`auto` fall back to `hf` (reason logged once) where unsupported.
+    """`hf` or `fast` for this model: `fast`/`auto` fall back to `hf` where unsupported (a warning, once per reason).
 
     `auto` picks `fast` wherever it is supported: its equality tests against `hf` pass for both
     families (tests/test_fast_decode.py). Which engine is faster is measured in docs/benchmarks.md.
@@ -96,9 +104,10 @@ class FastDecoder:
         cfg = model.config
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        self.attend = ALL_ATTENTION_FUNCTIONS[cfg._attn_implementation] if cfg._attn_implementation != "eager" \
-            else _eager_interface(self.layers[0])
+        # the attention function the model's attention modules call: sdpa's, or their module's eager one
         self.eager = cfg._attn_implementation == "eager"
+        self.attend = sys.modules[type(self.layers[0].self_attn).__module__].eager_attention_forward if self.eager \
+            else ALL_ATTENTION_FUNCTIONS[cfg._attn_implementation]
         self.keys, self.values = [], []
         for i in range(len(self.layers)):  # the prefill's cache, copied once into slots [0, P)
             k, v = prefill_cache.layers[i].keys, prefill_cache.layers[i].values
@@ -138,13 +147,6 @@ class FastDecoder:
         h = h + F.linear(o.reshape(n, 1, -1), a.o_proj.weight, a.o_proj.bias)
         x = _rms(layer.post_attention_layernorm, h)
         return h + _mlp(layer.mlp, x)
-
-
-def _eager_interface(layer):
-    """transformers' eager attention of this model's module (the one `hf` calls with attn_implementation=eager)."""
-    import sys
-
-    return sys.modules[type(layer.self_attn).__module__].eager_attention_forward
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:

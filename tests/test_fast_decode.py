@@ -129,23 +129,34 @@ def test_unsupported_models_fall_back_to_hf_with_the_reason_said_once(recwarn):
     assert fast_decode.resolve("auto", model, compile=True) == "hf"
     assert fast_decode.resolve("fast", model, compile=True) == "hf"
     assert fast_decode.resolve("fast", torch.nn.Linear(2, 2)) == "hf"
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert fast_decode.resolve("auto", model) == "hf"
+    handle.remove()
     said = [str(w.message) for w in recwarn]
-    assert len(said) == 2 and "compile" in said[0] and "Linear is not a supported family" in said[1]
+    assert len(said) == 3 and "compile" in said[0] and "Linear is not a supported family" in said[1]
+    assert "forward hooks on model.layers.1.mlp" in said[2]
     with pytest.raises(ValueError, match="rollout.engine"):
         fast_decode.resolve("vllm", model)
 
 
 def test_past_the_gather_budget_the_experts_module_runs(monkeypatch):
     model = _model("qwen3_moe", experts_implementation="batched_mm")
-    monkeypatch.setattr(fast_decode, "GATHER_BUDGET", 0)
+    experts = model.model.layers[0].mlp.experts
     calls = []
-    handle = model.model.layers[0].mlp.experts.register_forward_hook(lambda *a: calls.append(1))
-    hf, fast = _both(model, max_new_tokens=48, capture_routing=True)
-    handle.remove()
-    _assert_same(hf, fast)
-    assert len(calls) > 2 * hf.completion_mask.shape[1] - 2  # hf's calls, then the fast engine's decode steps
-    real = hf.attention_mask.bool()
-    assert torch.equal(fast.routing[real], hf.routing[real])
+    monkeypatch.setattr(experts, "forward", lambda *a, f=experts.forward: calls.append(1) or f(*a))
+    assert fast_decode.resolve("fast", model) == "fast"
+    hf = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True)
+    calls.clear()
+    fast = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True, engine="fast")
+    assert len(calls) == 1  # the prefill only: the decode steps gather the expert weights themselves
+    monkeypatch.setattr(fast_decode, "GATHER_BUDGET", 0)
+    calls.clear()
+    past = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True, engine="fast")
+    assert len(calls) == hf.completion_mask.shape[1]  # the prefill, then every decode step but the last token's
+    for r in (fast, past):
+        _assert_same(hf, r)
+        real = hf.attention_mask.bool()
+        assert torch.equal(r.routing[real], hf.routing[real])
 
 
 def test_a_training_run_is_the_same_under_either_engine(tmp_path, cache_dir):
