@@ -12,10 +12,10 @@ none of that:
     afresh every step (no copy, no sync: a training update is seen by the next rollout);
   * the MoE's router is the model's router module, called as a module, so routing capture
     and replay hooks (gspo/moe.py) see and rewrite exactly what they do under `hf`; the
-    experts run as one batched computation (each (token, slot)'s expert weights gathered,
-    then two `bmm`s), with no loop and no host sync, while the gathered weights fit in
-    `GATHER_BUDGET`; past it (a real model's batch), through the experts module itself, i.e.
-    the model's `experts_implementation`;
+    experts run batched, with no loop over experts and no host sync: through the experts
+    module itself where its `experts_implementation` is a batched kernel (`grouped_mm`,
+    transformers' default, or `batched_mm`), else (`eager`) as every expert on every row in
+    two matmuls, the chosen pairs then picked;
   * attention goes through the model's configured attention function (`sdpa` or `eager`),
     with the same RoPE module, q/k norms and GQA handling.
 
@@ -38,9 +38,6 @@ import torch.nn.functional as F
 from gspo import moe
 
 ENGINES = ("hf", "fast", "auto")
-# bytes of expert weights the batched dispatch may gather per MoE layer and step (rows x top_k pairs);
-# past it (a real model's batch) the experts run through the model's own experts_implementation
-GATHER_BUDGET = 256 * 2**20
 _LOGGED: set[str] = set()
 
 
@@ -171,14 +168,11 @@ def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     flat = x.view(-1, dim)
     _, weights, idx = mlp.gate(flat)  # a module call: routing capture/replay hooks apply as under hf
     ex = mlp.experts
-    k = idx.shape[-1]
-    per_pair = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.gate_up_proj.element_size()
-    if flat.shape[0] * k * per_pair > GATHER_BUDGET:  # a real model's batch: its own kernel (experts_implementation)
+    if ex.config._experts_implementation not in (None, "eager"):  # a batched kernel already (grouped_mm, batched_mm)
         return ex(flat, idx, weights).view(n, t, dim)
-    ids = idx.reshape(-1)
-    # (S = rows x k): each pair's expert weights gathered, so one bmm per projection and no loop over experts
-    rows = flat.repeat_interleave(k, dim=0)
-    gate, up = torch.bmm(ex.gate_up_proj[ids], rows.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
-    out = torch.bmm(ex.down_proj[ids], (ex.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
-    out = (out * weights.reshape(-1, 1)).view(-1, k, dim).sum(1)
-    return out.to(x.dtype).view(n, t, dim)
+    # eager loops over the experts hit, a host sync each: instead every expert on every row, two matmuls in all
+    # (E/k times the arithmetic of the chosen pairs: cheaper than the loop at gspo's sizes), then the chosen pairs
+    gate, up = torch.matmul(ex.gate_up_proj, flat.t()).chunk(2, dim=1)  # (E, I, rows) each
+    out = torch.matmul(ex.down_proj, ex.act_fn(gate) * up).permute(2, 0, 1)  # (rows, E, H)
+    chosen = out[torch.arange(flat.shape[0], device=flat.device)[:, None], idx]  # (rows, k, H)
+    return (chosen * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(n, t, dim)

@@ -52,6 +52,7 @@ def _assert_same(hf, fast):
     ("qwen3", {"attn_implementation": "eager"}, torch.float32),
     ("qwen3_moe", {}, torch.float32),
     ("qwen3_moe", {"experts_implementation": "batched_mm"}, torch.float32),
+    ("qwen3_moe", {"experts_implementation": "eager"}, torch.float32),
     ("qwen3_moe", {}, torch.bfloat16),  # a bf16 sampler copy (rollout.dtype): the same draws on this CPU too
 ])
 def test_fast_engine_samples_what_hf_samples(arch, extra, dtype):
@@ -139,8 +140,10 @@ def test_unsupported_models_fall_back_to_hf_with_the_reason_said_once(recwarn):
         fast_decode.resolve("vllm", model)
 
 
-def test_past_the_gather_budget_the_experts_module_runs(monkeypatch):
-    model = _model("qwen3_moe", experts_implementation="batched_mm")
+@pytest.mark.parametrize("impl,module_calls", [("grouped_mm", "every step"), ("eager", "the prefill only")])
+def test_the_experts_run_batched(monkeypatch, impl, module_calls):
+    """A batched experts kernel (transformers' default) is called as it is; eager's loop is replaced."""
+    model = _model("qwen3_moe", experts_implementation=impl)
     experts = model.model.layers[0].mlp.experts
     calls = []
     monkeypatch.setattr(experts, "forward", lambda *a, f=experts.forward: calls.append(1) or f(*a))
@@ -148,15 +151,11 @@ def test_past_the_gather_budget_the_experts_module_runs(monkeypatch):
     hf = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True)
     calls.clear()
     fast = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True, engine="fast")
-    assert len(calls) == 1  # the prefill only: the decode steps gather the expert weights themselves
-    monkeypatch.setattr(fast_decode, "GATHER_BUDGET", 0)
-    calls.clear()
-    past = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True, engine="fast")
-    assert len(calls) == hf.completion_mask.shape[1]  # the prefill, then every decode step but the last token's
-    for r in (fast, past):
-        _assert_same(hf, r)
-        real = hf.attention_mask.bool()
-        assert torch.equal(r.routing[real], hf.routing[real])
+    # the prefill, then every decode step but the last token's
+    assert len(calls) == {"every step": hf.completion_mask.shape[1], "the prefill only": 1}[module_calls]
+    _assert_same(hf, fast)
+    real = hf.attention_mask.bool()
+    assert torch.equal(fast.routing[real], hf.routing[real])
 
 
 def test_a_training_run_is_the_same_under_either_engine(tmp_path, cache_dir):
