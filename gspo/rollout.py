@@ -172,7 +172,7 @@ def generate(
         trace = ctx.__enter__()
     try:
         cache, step_ids, pos = None, ids, position_ids(mask)
-        decode, fast = model, fast_decode.resolve(engine, model, compile) == "fast"
+        decode, fast = model, max_new_tokens > 1 and fast_decode.resolve(engine, model, compile) == "fast"
         if compile:
             cache, decode = _static_decoder(model, n, p + max_new_tokens)
         for t in range(max_new_tokens):
