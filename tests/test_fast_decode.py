@@ -184,3 +184,20 @@ def test_a_bad_engine_is_one_line_and_exit_2():
     res = CliRunner().invoke(app, ["train", "rollout.engine=vllm"])
     assert res.exit_code == 2 and "rollout.engine=vllm" in res.output and "fast" in res.output
     assert "Traceback" not in res.output
+
+
+def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path):
+    """peft's adapters sit outside the base modules' weights: the LoRA policy itself falls back, while
+    the separate sampler's merged copy (rollout.dtype, gspo/sampler.py) is a plain model the engine runs."""
+    from gspo import adapters
+    from gspo.config import LoraConfig
+    from gspo.sampler import _Copy
+
+    model = adapters.apply(_model("qwen3_moe"), OmegaConf.structured(LoraConfig(r=4)), tmp_path)
+    fast_decode._LOGGED.clear()
+    with pytest.warns(UserWarning, match="peft"):
+        assert fast_decode.resolve("auto", model) == "hf"
+    copy = _Copy(model, torch.float32).module
+    assert fast_decode.resolve("auto", copy) == "fast"
+    _assert_same(*[generate(copy, TOK, PROMPTS, 4, 80, temperature=0.7, generator=_gens(1), engine=e)
+                   for e in ("hf", "fast")])
