@@ -1,10 +1,10 @@
 """The `fast` decode engine (`rollout.engine`): the decode steps of Qwen3 and Qwen3-MoE without the generic forward.
 
-At the sizes gspo's sweeps run, a Hugging Face decode step costs mostly per-operator overhead
-around the arithmetic: building the attention mask, growing the `DynamicCache` by concatenation,
-the output recorders and keyword plumbing of every module, and (MoE) the eager experts' Python
-loop over the experts hit, with a host sync each. This engine runs the same arithmetic with
-none of that:
+At the sizes gspo's sweeps run, a Hugging Face decode step carries per-operator overhead around
+the arithmetic (docs/benchmarks.md): building the attention mask, growing the `DynamicCache` by
+concatenation, the output recorders and keyword plumbing of every module, and (MoE, `eager`
+experts) a Python loop over the experts hit, with a host sync each. This engine runs the same
+arithmetic without them:
 
   * the prefill is the model's own forward (one call): its KV cache is copied once into a
     preallocated cache, one key and one value tensor per layer, then written in place;
@@ -12,16 +12,15 @@ none of that:
     afresh every step (no copy, no sync: a training update is seen by the next rollout);
   * the MoE's router is the model's router module, called as a module, so routing capture
     and replay hooks (gspo/moe.py) see and rewrite exactly what they do under `hf`; the
-    experts run batched, with no loop over experts and no host sync: through the experts
-    module itself where its `experts_implementation` is a batched kernel (`grouped_mm`,
-    transformers' default, or `batched_mm`), else (`eager`) as every expert on every row in
-    two matmuls, the chosen pairs then picked;
+    experts run batched: through the experts module itself where its `experts_implementation`
+    is a batched kernel (`grouped_mm`, transformers' default, or `batched_mm`), else (`eager`)
+    as every expert on every row in two matmuls, the chosen pairs then picked (no loop, no sync);
   * attention goes through the model's configured attention function (`sdpa` or `eager`),
     with the same RoPE module, q/k norms and GQA handling.
 
 It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
 identical tokens, log-probs within 1e-5, identical captured routing). Anything else falls
-back to `hf`, with the reason logged once per reason: another family, a peft/LoRA model, FSDP
+back to `hf`, a warning saying why (once per reason): another family, a peft/LoRA model, FSDP
 sharding, any other wrapper, `hardware.compile`, sliding-window attention, an attention
 implementation other than sdpa/eager, forward hooks on modules other than the routers.
 """
