@@ -20,6 +20,7 @@ CHOICES = {
     "rollout.tis": ("none", "token", "sequence"),
     "rollout.mask": ("none", "token", "geometric"),
     "rollout.dtype": (None, "float32", "bfloat16", "float16"),
+    "rollout.engine": ("hf", "fast", "auto"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "hardware.strategy": ("none", "ddp", "fsdp"),

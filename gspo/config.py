@@ -159,6 +159,9 @@ class RolloutConfig:
     # float32 | bfloat16 | float16: the sampler's precision; None = the trainer's (hardware.dtype). When it
     # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step
     dtype: Optional[str] = None
+    # hf | fast | auto: the decode engine; fast = gspo/fast_decode.py (Qwen3, Qwen3-MoE; same samples as hf),
+    # auto = fast where it supports the model; both fall back to hf elsewhere (a warning says why, once)
+    engine: str = "hf"
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
     # forward pass of the trainer; auto = sampler when sampler and trainer are the same float32 model, else recompute
     old_logprobs: str = "auto"

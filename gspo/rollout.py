@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from gspo import fast_decode
 from gspo.errors import ConfigError
 from gspo.logprobs import head_logprobs
 
@@ -138,6 +139,7 @@ def generate(
     chat_template: bool = False,
     capture_routing: bool = False,
     compile: bool = False,
+    engine: str = "hf",
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (rows group-contiguous).
 
@@ -146,6 +148,8 @@ def generate(
     sampled on rank r of W matches the same prompt sampled by one process).
     `compile`: decode with a static KV cache through `torch.compile` (CUDA graphs on a
     GPU), the way `generate(cache_implementation="static")` does; the prefill runs eager.
+    `engine` (`rollout.engine`): `hf` decodes through the model's forward; `fast` (and `auto`) through
+    gspo/fast_decode.py where it supports the model, sampling the same tokens; else `hf`.
     """
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -171,18 +175,23 @@ def generate(
         trace = ctx.__enter__()
     try:
         cache, step_ids, pos = None, ids, position_ids(mask)
-        decode = model
+        decode, fast = model, max_new_tokens > 1 and fast_decode.resolve(engine, model, compile) == "fast"
         if compile:
             cache, decode = _static_decoder(model, n, p + max_new_tokens)
         for t in range(max_new_tokens):
             # logits_to_keep=1: the prefill needs only its last position's logits (V per row, not P x V)
             kwargs = dict(input_ids=step_ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            if compile:  # static shapes: the whole mask (the causal mask hides the future), the cache slot to fill
-                slots = torch.arange(p, device=device) if t == 0 else torch.full((1,), p + t - 1, device=device)
-                res = (model if t == 0 else decode)(attention_mask=full_mask, cache_position=slots, **kwargs)
+            if fast and t > 0:  # gspo/fast_decode.py: one call per layer on the model's own weights
+                logits = decode.step(step_ids, pos, full_mask[:, : p + t]).float()
             else:
-                res = model(attention_mask=full_mask[:, : p + t], **kwargs)
-            cache, logits = getattr(res, "past_key_values", None), res.logits[:, -1].float()
+                if compile:  # static shapes: the whole mask (the causal mask hides the future), the cache slot to fill
+                    slots = torch.arange(p, device=device) if t == 0 else torch.full((1,), p + t - 1, device=device)
+                    res = (model if t == 0 else decode)(attention_mask=full_mask, cache_position=slots, **kwargs)
+                else:
+                    res = model(attention_mask=full_mask[:, : p + t], **kwargs)
+                cache, logits = getattr(res, "past_key_values", None), res.logits[:, -1].float()
+                if fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
+                    decode, cache, res = fast_decode.FastDecoder(model, cache, p + max_new_tokens), None, None
             if greedy:
                 nxt = _sample(logits, temperature, top_p, greedy, None)
             else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
@@ -194,7 +203,7 @@ def generate(
             done |= nxt == eos
             if (t + 1) % check_every == 0 and bool(done.all()):
                 break
-            if cache is None:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): run the whole sequence again
+            if cache is None and not fast:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): run the whole sequence again
                 if capture_routing:
                     raise ConfigError(f"{type(model).__name__} returns no KV cache: recording routing while sampling "
                                       "needs one (set moe.routing_replay=none or R2, rollout.old_logprobs=recompute)")

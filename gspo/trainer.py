@@ -202,7 +202,7 @@ def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step:
             r = generate(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
                          cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
                          chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
-                         **moe_step.sample_kwargs())
+                         engine=cfg.rollout.engine, **moe_step.sample_kwargs())
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
         rewards, parts = timeouts.call(lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed), cfg.reward.timeout_s,

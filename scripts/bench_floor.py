@@ -3,7 +3,8 @@
 The floor is the bare work an RL step cannot avoid, on the same model, prompts and shapes
 as `gspo train` (the same `--variant`s as bench_vs_trl.py):
   sampling: one prefill (logits only at the last position), then one forward per new token
-            over the KV cache, multinomial draws, an early exit when every row has its EOS;
+            over the KV cache (through gspo's fast engine where `rollout.engine` picks it, as gspo's
+            sampler does), multinomial draws, an early exit when every row has its EOS;
   update:   per minibatch one forward with logits only at the completion positions, the sampled
             tokens' log-probs (cross-entropy), a GSPO-shaped loss (sequence mean of log-probs x a
             fixed +-1 advantage; plus the MoE aux loss where gspo adds it), backward, gradient
@@ -15,6 +16,7 @@ Runs alternate floor, gspo, floor, gspo, ... each in a fresh subprocess.
 Usage (repository root, in the venv):
   python scripts/bench_floor.py --variant long64
   python scripts/bench_floor.py --variant vocab --override rollout.old_logprobs=sampler
+  python scripts/bench_floor.py --variant long64 --override rollout.engine=fast
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from bench_common import (
     Run, describe_work, fmt, gspo_overrides, markdown_table, pooled, ratio, run_benchmark, run_worker, versions,
 )
 from bench_workers import gspo_run
+from gspo.fast_decode import FastDecoder, resolve
 
 HERE = Path(__file__).resolve()
 WORKERS = HERE.parent / "bench_workers.py"
@@ -54,23 +57,33 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, ids: torch.Tensor, mask: torch.Tensor, max_new: int, eos: int, pad: int,
-           temperature: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(completion ids (N, T'), completion mask (N, T'): 1 up to and including each row's first EOS)."""
+           temperature: float, gen: torch.Generator, engine: str = "hf") -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion ids (N, T'), completion mask (N, T'): 1 up to and including each row's first EOS).
+
+    `engine` `fast`: the decode steps through gspo's fast engine (gspo/fast_decode.py), as gspo's
+    sampler runs them under `rollout.engine=fast`, so the floor stays the plainest code on the same engine.
+    """
     n, p = ids.shape
     full_mask = torch.cat([mask, torch.ones(n, max_new, dtype=mask.dtype)], 1)  # allocated once
     pos = positions(mask)[:, -1:]
     out = torch.full((n, max_new), pad, dtype=torch.long)
     done = torch.zeros(n, dtype=torch.bool)
     res = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1)
+    logits = res.logits[:, -1]
+    fast = FastDecoder(model, res.past_key_values, p + max_new) if engine == "fast" else None
     for t in range(max_new):
-        probs = torch.softmax(res.logits[:, -1].float() / temperature, -1)
+        probs = torch.softmax(logits.float() / temperature, -1)
         nxt = torch.where(done, pad, torch.multinomial(probs, 1, generator=gen).squeeze(-1))
         out[:, t] = nxt
         done |= nxt == eos
         if t == max_new - 1 or bool(done.all()):
             break
-        res = model(input_ids=nxt[:, None], attention_mask=full_mask[:, : p + t + 1], position_ids=pos + t + 1,
-                    past_key_values=res.past_key_values, use_cache=True)
+        if fast is not None:
+            logits = fast.step(nxt[:, None], pos + t + 1, full_mask[:, : p + t + 1])
+        else:
+            res = model(input_ids=nxt[:, None], attention_mask=full_mask[:, : p + t + 1], position_ids=pos + t + 1,
+                        past_key_values=res.past_key_values, use_cache=True)
+            logits = res.logits[:, -1]
     out = out[:, : t + 1]
     is_eos = (out == eos).long()
     return out, ((is_eos.cumsum(-1) - is_eos) == 0).float()
@@ -105,6 +118,7 @@ def floor_worker(spec: dict) -> None:
     aux = cfg.model.router_aux_loss_coef if hasattr(model.config, "output_router_logits") else 0.0
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
+    engine = resolve(cfg.rollout.engine, model, cfg.hardware.compile)  # the decode engine gspo's sampler uses
     res = {"steps": [], "sample_s": [], "update_s": [], "len_mean": []}
     for step in range(1, cfg.train.steps + 1):
         problems = task.sample_train(random.Random(f"{cfg.seed}-{step}"), cfg.rollout.prompts_per_step)
@@ -112,7 +126,7 @@ def floor_worker(spec: dict) -> None:
         prompts = [tok(p.prompt, add_special_tokens=False)["input_ids"] for p in problems for _ in range(G)]
         ids, mask = left_pad(prompts, tok.pad_token_id)
         model.eval()
-        comp, comp_mask = sample(model, ids, mask, T, tok.eos_token_id, tok.pad_token_id, temp, gen)
+        comp, comp_mask = sample(model, ids, mask, T, tok.eos_token_id, tok.pad_token_id, temp, gen, engine)
         t1 = time.perf_counter()
         model.train()
         seq, seq_mask = torch.cat([ids, comp], 1), torch.cat([mask, comp_mask.long()], 1)

@@ -135,7 +135,12 @@ def bench_rollout(model, tok, a) -> dict:
         return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0, compile=True)
                    .completion_mask.sum())
 
-    fns = {"gspo": gspo, "hf": hf, **({"gspo_compiled": gspo_compiled} if a.compile else {})}
+    def gspo_fast() -> int:  # gspo/fast_decode.py: `rollout.engine=fast`
+        return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0, engine="fast")
+                   .completion_mask.sum())
+
+    fns = {"gspo": gspo, "hf": hf, **({"gspo_compiled": gspo_compiled} if a.compile else {}),
+           **({"gspo_fast": gspo_fast} if a.fast else {})}
     res = {k: {"s": [], "tokens": []} for k in fns}
     with torch.no_grad():
         for name, fn in fns.items():
@@ -271,9 +276,11 @@ def tables(results: dict, a) -> str:
             rows.append([name, fmt(g["median_s"]), fmt(h["median_s"]), f"{g['tokens_per_s']:,.0f}",
                          f"{h['tokens_per_s']:,.0f}", ratio(g["tokens_per_s"], h["tokens_per_s"]),
                          fmt(g.get("peak_allocated_gib"), 2), fmt(h.get("peak_allocated_gib"), 2)])
-            c = m["rollout"].get("gspo_compiled")
-            if c:
-                rows.append([f"{name} (gspo compiled)", fmt(c["median_s"]), fmt(h["median_s"]), f"{c['tokens_per_s']:,.0f}",
+            for key, label in (("gspo_compiled", "gspo compiled"), ("gspo_fast", "gspo fast engine")):
+                c = m["rollout"].get(key)
+                if not c:
+                    continue
+                rows.append([f"{name} ({label})", fmt(c["median_s"]), fmt(h["median_s"]), f"{c['tokens_per_s']:,.0f}",
                              f"{h['tokens_per_s']:,.0f}", ratio(c["tokens_per_s"], h["tokens_per_s"]),
                              fmt(c.get("peak_allocated_gib"), 2), fmt(h.get("peak_allocated_gib"), 2)])
     if rows:
@@ -373,6 +380,8 @@ def main() -> None:
                    help="mismatch part: rows per chunk of the trainer's log-prob pass (bounds its memory)")
     p.add_argument("--compile", action="store_true",
                    help="rollout part: also gspo's sampler with a static KV cache through torch.compile (hardware.compile)")
+    p.add_argument("--fast", action="store_true",
+                   help="rollout part: also gspo's sampler through the fast decode engine (rollout.engine=fast)")
     p.add_argument("--hf-generate-kwargs", default="{}", help='JSON, e.g. \'{"cache_implementation": "static"}\'')
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "outputs")) / "bench_gpu.json")
     p.add_argument("--keep", type=Path, metavar="DIR", help="keep the step runs' files under DIR")

@@ -272,3 +272,14 @@ def test_bench_gpu_tiny_writes_every_measurement(tmp_path):
     assert len(res["step"]["trl"]) == len(res["step"]["gspo"]) == 1
     for title in ("Rollout", "Time per RL step", "Peak memory", "Sampler vs trainer"):
         assert title in out
+
+
+def test_floor_sampler_draws_the_same_tokens_through_the_fast_engine():
+    """The floor decodes through gspo's engine when `rollout.engine` picks fast (MoE: the batched experts)."""
+    model, tok = bc.random_model(SHAPE, ALPHABET, seed=0, moe=MOE)
+    model.eval()
+    ids, mask = bf.left_pad([[1, 2, 3], [4, 5], [6]] * 4, tok.pad_token_id)
+    with torch.no_grad():
+        hf, fast = (bf.sample(model, ids, mask, 24, tok.eos_token_id, tok.pad_token_id, 0.8,
+                              torch.Generator().manual_seed(0), engine) for engine in ("hf", "fast"))
+    assert torch.equal(hf[0], fast[0]) and torch.equal(hf[1], fast[1]) and hf[0].shape[1] == 24

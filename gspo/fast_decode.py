@@ -1,0 +1,177 @@
+"""The `fast` decode engine (`rollout.engine`): the decode steps of Qwen3 and Qwen3-MoE without the generic forward.
+
+At the sizes gspo's sweeps run, a Hugging Face decode step carries per-operator overhead around
+the arithmetic (docs/benchmarks.md): building the attention mask, growing the `DynamicCache` by
+concatenation, the output recorders and keyword plumbing of every module, and (MoE, `eager`
+experts) a Python loop over the experts hit, with a host sync each. This engine runs the same
+arithmetic without them:
+
+  * the prefill is the model's own forward (one call): its KV cache is copied once into a
+    preallocated cache, one key and one value tensor per layer, then written in place;
+  * each decode step is one call per layer on the weights of the model's own modules, read
+    afresh every step (no copy, no sync: a training update is seen by the next rollout);
+  * the MoE's router is the model's router module, called as a module, so routing capture
+    and replay hooks (gspo/moe.py) see and rewrite exactly what they do under `hf`; the
+    experts run batched: through the experts module itself where its `experts_implementation`
+    is a batched kernel (`grouped_mm`, transformers' default, or `batched_mm`), else (`eager`)
+    as every expert on every row in two matmuls, the chosen pairs then picked (no loop, no sync);
+  * attention goes through the model's configured attention function (`sdpa` or `eager`),
+    with the same RoPE module, q/k norms and GQA handling.
+
+It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
+identical tokens, log-probs within 1e-5, identical captured routing). Anything else falls
+back to `hf`, a warning saying why (once per reason): another family, a peft/LoRA model, FSDP
+sharding, any other wrapper, `hardware.compile`, sliding-window attention, an attention
+implementation other than sdpa/eager, forward hooks on modules other than the routers.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from gspo import moe
+
+ENGINES = ("hf", "fast", "auto")
+_LOGGED: set[str] = set()
+
+
+def _families() -> tuple[type, ...]:
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    return Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+
+def unsupported(model: torch.nn.Module, compile: bool = False) -> Optional[str]:
+    """Why the fast engine cannot decode `model` (None: it can)."""
+    if compile:
+        return "hardware.compile decodes through torch.compile's static cache (the hf engine)"
+    name = type(model).__name__
+    if name.startswith("FSDP"):  # fully_shard swaps the class in place
+        return "FSDP-sharded weights (hardware.strategy=fsdp)"
+    if hasattr(model, "peft_config"):
+        return "a peft (LoRA) model: its adapters sit outside the base modules' weights"
+    if type(model) not in _families():  # exact classes: any other wrapper or subclass is refused
+        return f"{name} is not a supported family (Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
+    cfg = model.config
+    if cfg._attn_implementation not in ("sdpa", "eager"):
+        return f"attention implementation {cfg._attn_implementation!r} (supported: sdpa, eager)"
+    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return "sliding-window attention"
+    if getattr(cfg, "final_logit_softcapping", None):
+        return "final logit soft-capping"
+    routers = {id(r) for r in moe.find_routers(model)}  # called as modules: their hooks (capture, replay) run
+    hooked = next((n or "the model" for n, m in model.named_modules()
+                   if (m._forward_hooks or m._forward_pre_hooks) and id(m) not in routers), None)
+    if hooked is not None:
+        return f"forward hooks on {hooked}, which the decode steps would bypass"
+    return None
+
+
+def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
+    """`hf` or `fast` for this model: `fast`/`auto` fall back to `hf` where unsupported (a warning, once per reason).
+
+    `auto` picks `fast` wherever it is supported: its equality tests against `hf` pass for both
+    families (tests/test_fast_decode.py). Which engine is faster is measured in docs/benchmarks.md.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"rollout.engine={engine!r}: expected one of {', '.join(ENGINES)}")
+    if engine == "hf":
+        return "hf"
+    why = unsupported(model, compile)
+    if why is None:
+        return "fast"
+    if why not in _LOGGED:
+        _LOGGED.add(why)
+        warnings.warn(f"rollout.engine={engine}: sampling with the hf engine: {why}", stacklevel=2)
+    return "hf"
+
+
+class FastDecoder:
+    """Decode steps of one rollout: a preallocated KV cache of `rows` x `length` slots per layer."""
+
+    def __init__(self, model: torch.nn.Module, prefill_cache, length: int):
+        self.model, self.body = model, model.model
+        self.layers = list(self.body.layers)
+        cfg = model.config
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        # the attention function the model's attention modules call: sdpa's, or their module's eager one
+        self.eager = cfg._attn_implementation == "eager"
+        self.attend = sys.modules[type(self.layers[0].self_attn).__module__].eager_attention_forward if self.eager \
+            else ALL_ATTENTION_FUNCTIONS[cfg._attn_implementation]
+        self.keys, self.values = [], []
+        for i in range(len(self.layers)):  # the prefill's cache, copied once into slots [0, P)
+            k, v = prefill_cache.layers[i].keys, prefill_cache.layers[i].values
+            n, h, p, d = k.shape
+            self.keys.append(k.new_empty((n, h, length, d)))
+            self.values.append(v.new_empty((n, h, length, d)))
+            self.keys[-1][:, :, :p].copy_(k)
+            self.values[-1][:, :, :p].copy_(v)
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits (N, V) after feeding `ids` (N, 1) at positions `pos` (N, 1); `mask` (N, S) the
+        keys seen (left padding 0), the new token's slot being S-1."""
+        h = self.body.embed_tokens(ids)
+        cos, sin = self.body.rotary_emb(h, pos)
+        slot = mask.shape[1] - 1
+        keep = mask.bool()[:, None, None, :]  # (N, 1, 1, S): one query, every cached key but the padding
+        if self.eager:  # eager attention adds its mask
+            keep = torch.zeros(keep.shape, dtype=h.dtype, device=h.device).masked_fill_(~keep, torch.finfo(h.dtype).min)
+        for i, layer in enumerate(self.layers):
+            h = self._layer(layer, h, cos, sin, self.keys[i], self.values[i], slot, keep)
+        h = _rms(self.body.norm, h)
+        return F.linear(h[:, -1], self.model.lm_head.weight, self.model.lm_head.bias)
+
+    def _layer(self, layer, h, cos, sin, kc, vc, slot: int, mask) -> torch.Tensor:
+        a = layer.self_attn
+        n = h.shape[0]
+        x = _rms(layer.input_layernorm, h)
+        q = _rms(a.q_norm, F.linear(x, a.q_proj.weight, a.q_proj.bias).view(n, 1, -1, a.head_dim)).transpose(1, 2)
+        k = _rms(a.k_norm, F.linear(x, a.k_proj.weight, a.k_proj.bias).view(n, 1, -1, a.head_dim)).transpose(1, 2)
+        v = F.linear(x, a.v_proj.weight, a.v_proj.bias).view(n, 1, -1, a.head_dim).transpose(1, 2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        kc[:, :, slot : slot + 1].copy_(k)
+        vc[:, :, slot : slot + 1].copy_(v)
+        o, _ = self.attend(a, q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], mask, dropout=0.0, scaling=a.scaling,
+                           sliding_window=a.sliding_window)
+        h = h + F.linear(o.reshape(n, 1, -1), a.o_proj.weight, a.o_proj.bias)
+        x = _rms(layer.post_attention_layernorm, h)
+        return h + _mlp(layer.mlp, x)
+
+
+def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3's RMSNorm with the module's weight and epsilon, in its order of operations."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """The dense MLP, or the sparse MoE block: the model's router module, then every (token, slot) at once."""
+    if not hasattr(mlp, "experts"):
+        return F.linear(mlp.act_fn(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
+                        mlp.down_proj.weight)
+    n, t, dim = x.shape
+    flat = x.view(-1, dim)
+    _, weights, idx = mlp.gate(flat)  # a module call: routing capture/replay hooks apply as under hf
+    ex = mlp.experts
+    if ex.config._experts_implementation not in (None, "eager"):  # a batched kernel already (grouped_mm, batched_mm)
+        return ex(flat, idx, weights).view(n, t, dim)
+    # eager loops over the experts hit, a host sync each: instead every expert on every row, two matmuls in all
+    # (E/k times the arithmetic of the chosen pairs: cheaper than the loop at gspo's sizes), then the chosen pairs
+    gate, up = torch.matmul(ex.gate_up_proj, flat.t()).chunk(2, dim=1)  # (E, I, rows) each
+    out = torch.matmul(ex.down_proj, ex.act_fn(gate) * up).permute(2, 0, 1)  # (rows, E, H)
+    chosen = out[torch.arange(flat.shape[0], device=flat.device)[:, None], idx]  # (rows, k, H)
+    return (chosen * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(n, t, dim)

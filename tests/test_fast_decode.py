@@ -1,0 +1,204 @@
+"""The fast decode engine (rollout.engine=fast) samples exactly what the hf engine samples.
+
+Same uniforms in float32 -> identical tokens, log-probs within 1e-5, identical routing recorded
+while sampling, over a long rollout (80 tokens): several groups, left-padded prompts of different
+lengths, rows ending at different times (some never), top-p < 1 and temperature != 1; dense and MoE.
+"""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from typer.testing import CliRunner
+
+from cli.main import app
+from conftest import tiny
+from test_train import read_metrics
+from gspo import fast_decode, moe
+from gspo.config import ModelConfig, compose
+from gspo.models import build_model, char_tokenizer
+from gspo.rollout import generate
+from gspo.trainer import train
+
+TOK = char_tokenizer("0123456789+=")
+PROMPTS = ["1+2=", "33+44+5=", "7=", "12+345+6789="]  # lengths 4..12: left padding up to 8 columns
+
+
+def _model(arch: str, **extra):
+    mcfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "t", "arch": arch, "num_layers": 3, **extra})
+    model = build_model(mcfg, len(TOK), TOK, seed=0).eval()
+    with torch.no_grad():  # a little sharper than the init: rows end anywhere from the first token to past the cap
+        model.lm_head.weight.mul_(2.0)
+    return model
+
+
+def _gens(seed: int):
+    return [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(PROMPTS))]
+
+
+def _both(model, max_new_tokens: int = 80, **kw):
+    return [generate(model, TOK, PROMPTS, group_size=4, max_new_tokens=max_new_tokens, generator=_gens(1),
+                     engine=engine, **kw) for engine in ("hf", "fast")]
+
+
+def _assert_same(hf, fast):
+    assert fast.input_ids.tolist() == hf.input_ids.tolist()
+    assert torch.equal(fast.completion_mask, hf.completion_mask)
+    torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
+    assert hf.truncated.any() and not hf.truncated.all(), "rows must end at different times, some never"
+
+
+@pytest.mark.parametrize("arch,extra,dtype", [
+    ("qwen3", {}, torch.float32),
+    ("qwen3", {"attn_implementation": "eager"}, torch.float32),
+    ("qwen3_moe", {}, torch.float32),
+    ("qwen3_moe", {"experts_implementation": "batched_mm"}, torch.float32),
+    ("qwen3_moe", {"experts_implementation": "eager"}, torch.float32),
+    ("qwen3_moe", {}, torch.bfloat16),  # a bf16 sampler copy (rollout.dtype): the same draws on this CPU too
+])
+def test_fast_engine_samples_what_hf_samples(arch, extra, dtype):
+    model = _model(arch, **extra).to(dtype)
+    assert fast_decode.resolve("fast", model) == "fast"
+    hf, fast = _both(model, temperature=0.7, top_p=0.9, capture_routing=moe.is_moe(model))
+    _assert_same(hf, fast)
+    assert hf.completion_mask.shape[1] == 80 and hf.lengths.min() < 20
+    torch.testing.assert_close(fast.kept_mass, hf.kept_mass, atol=1e-5, rtol=0)
+    if moe.is_moe(model):  # the routing recorded while sampling, at every real (unpadded) position
+        real = hf.attention_mask.bool()
+        assert torch.equal(fast.routing[real], hf.routing[real])
+        assert (fast.routing[real][:, :, 0] >= 0).sum() > 0
+        torch.testing.assert_close(fast.router_logp[real], hf.router_logp[real], atol=1e-5, rtol=0)
+
+
+def test_fast_engine_at_temperature_one_and_greedy():
+    model = _model("qwen3_moe")
+    hf, fast = _both(model, temperature=1.3)
+    _assert_same(hf, fast)
+    g_hf, g_fast = (generate(model, TOK, PROMPTS, 1, 32, greedy=True, engine=e) for e in ("hf", "fast"))
+    assert g_fast.input_ids.tolist() == g_hf.input_ids.tolist()
+
+
+def test_fast_engine_sees_weight_updates_without_a_sync():
+    model = _model("qwen3_moe")
+    before = generate(model, TOK, PROMPTS, 2, 16, generator=_gens(2), engine="fast")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf, fast = (generate(model, TOK, PROMPTS, 2, 16, generator=_gens(2), engine=e) for e in ("hf", "fast"))
+    assert fast.input_ids.tolist() == hf.input_ids.tolist()
+    torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
+    assert not torch.allclose(fast.sampler_logp, before.sampler_logp)
+
+
+def test_replay_while_sampling_reaches_the_router():
+    """The router is called as a module: a replay hook forcing the routing changes the fast engine's draws as hf's."""
+    model = _model("qwen3_moe")
+    n_layers, k = len(moe.find_routers(model)), moe.find_routers(model)[0].top_k
+    forced = torch.zeros(len(PROMPTS) * 2, 1, n_layers, k, dtype=torch.long)
+    forced[..., 1] = 1  # every decode token through experts 0 and 1
+
+    def sample(engine):
+        # the prefill routes N*P rows, a decode step N*1: replay only the decode steps
+        hooks = []
+        routers = moe.find_routers(model)
+        for l, r in enumerate(routers):
+            def hook(mod, args, out, l=l):
+                logits, scores, idx = out
+                if idx.shape[0] != forced.shape[0]:
+                    return None
+                want = forced[:, 0, l]
+                w = torch.softmax(logits.float(), -1).gather(-1, want)
+                return logits, (w / w.sum(-1, keepdim=True)).to(scores.dtype), want
+            hooks.append(r.register_forward_hook(hook, prepend=True))
+        try:
+            return generate(model, TOK, PROMPTS, 2, 24, generator=_gens(3), engine=engine, capture_routing=True)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    hf, fast = sample("hf"), sample("fast")
+    live = generate(model, TOK, PROMPTS, 2, 24, generator=_gens(3), engine="fast")
+    assert fast.input_ids.tolist() == hf.input_ids.tolist() != live.input_ids.tolist()
+    torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
+    decode = hf.routing[:, hf.prompt_len : hf.prompt_len + 4]
+    assert torch.equal(fast.routing[:, hf.prompt_len:], hf.routing[:, hf.prompt_len:])
+    assert (decode[..., 0] == 0).all() and (decode[..., 1] == 1).all()
+
+
+def test_unsupported_models_fall_back_to_hf_with_the_reason_said_once(recwarn):
+    model = _model("qwen3")
+    assert fast_decode.resolve("hf", model) == "hf"
+    assert fast_decode.resolve("auto", model) == "fast"
+    fast_decode._LOGGED.clear()
+    assert fast_decode.resolve("auto", model, compile=True) == "hf"
+    assert fast_decode.resolve("fast", model, compile=True) == "hf"
+    assert fast_decode.resolve("fast", torch.nn.Linear(2, 2)) == "hf"
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert fast_decode.resolve("auto", model) == "hf"
+    handle.remove()
+    said = [str(w.message) for w in recwarn]
+    assert len(said) == 3 and "compile" in said[0] and "Linear is not a supported family" in said[1]
+    assert "forward hooks on model.layers.1.mlp" in said[2]
+    with pytest.raises(ValueError, match="rollout.engine"):
+        fast_decode.resolve("vllm", model)
+
+
+@pytest.mark.parametrize("impl,module_calls", [("grouped_mm", "every step"), ("eager", "the prefill only")])
+def test_the_experts_run_batched(monkeypatch, impl, module_calls):
+    """A batched experts kernel (transformers' default) is called as it is; eager's loop is replaced."""
+    model = _model("qwen3_moe", experts_implementation=impl)
+    experts = model.model.layers[0].mlp.experts
+    calls = []
+    monkeypatch.setattr(experts, "forward", lambda *a, f=experts.forward: calls.append(1) or f(*a))
+    assert fast_decode.resolve("fast", model) == "fast"
+    hf = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True)
+    calls.clear()
+    fast = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True, engine="fast")
+    # the prefill, then every decode step but the last token's
+    assert len(calls) == {"every step": hf.completion_mask.shape[1], "the prefill only": 1}[module_calls]
+    _assert_same(hf, fast)
+    real = hf.attention_mask.bool()
+    assert torch.equal(fast.routing[real], hf.routing[real])
+
+
+def test_a_training_run_is_the_same_under_either_engine(tmp_path, cache_dir):
+    """MoE with R3 (the routing captured while sampling, replayed in the update) and the sampler's
+    log-probs as the old policy's: the same completions and rewards under rollout.engine=hf and =fast,
+    and every other logged number equal up to float32 rounding (the log-probs differ by ~1e-7)."""
+    overrides = {"moe.routing_replay": "R3", "rollout.max_new_tokens": 12, "train.lr": 0.05}
+    logs = {}
+    for engine in ("hf", "fast"):
+        train(compose(tiny(cache_dir, **overrides, **{"rollout.engine": engine})), tmp_path / engine)
+        logs[engine] = [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/", "mem/"))}
+                        for m in read_metrics(tmp_path / engine)]
+    assert len(logs["hf"]) == len(logs["fast"]) >= 3
+    for hf, fast in zip(logs["hf"], logs["fast"]):
+        assert hf.keys() == fast.keys()
+        assert {k: v for k, v in fast.items() if k.startswith(("reward/", "response/"))} == \
+            {k: v for k, v in hf.items() if k.startswith(("reward/", "response/"))}
+        for k, v in hf.items():
+            assert math.isclose(fast[k], v, rel_tol=1e-3, abs_tol=1e-5), (k, v, fast[k])
+
+
+def test_a_bad_engine_is_one_line_and_exit_2():
+    res = CliRunner().invoke(app, ["train", "rollout.engine=vllm"])
+    assert res.exit_code == 2 and "rollout.engine=vllm" in res.output and "fast" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path):
+    """peft's adapters sit outside the base modules' weights: the LoRA policy itself falls back, while
+    the separate sampler's merged copy (rollout.dtype, gspo/sampler.py) is a plain model the engine runs."""
+    from gspo import adapters
+    from gspo.config import LoraConfig
+    from gspo.sampler import _Copy
+
+    model = adapters.apply(_model("qwen3_moe"), OmegaConf.structured(LoraConfig(r=4)), tmp_path)
+    fast_decode._LOGGED.clear()
+    with pytest.warns(UserWarning, match="peft"):
+        assert fast_decode.resolve("auto", model) == "hf"
+    copy = _Copy(model, torch.float32).module
+    assert fast_decode.resolve("auto", copy) == "fast"
+    _assert_same(*[generate(copy, TOK, PROMPTS, 4, 80, temperature=0.7, generator=_gens(1), engine=e)
+                   for e in ("hf", "fast")])
