@@ -111,7 +111,7 @@ class RewardConfig:
     name: str = MISSING  # tinyzero | binary | python
     correct: float = 1.0  # reward of a correct answer
     format_score: float = 0.1  # reward of a well-formed but wrong answer (TinyZero: 0.1)
-    fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; fn(prompts, completions, **row_fields) -> list[float]
+    fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; called by keyword as TRL does (docs/contracts.md)
     weights: Optional[list[float]] = None  # python: one weight per function (None = all 1); reward = weighted sum
     ill_formed: float = 0.0  # python: reward of a completion with a special token before its EOS (functions not called)
 

@@ -103,6 +103,17 @@ def _base_key(cfg) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def tokenizer_encode(cfg, task):
+    """Text -> token ids with the tokenizer training will use, without building or loading the model."""
+    if cfg.model.arch == "hf":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    else:
+        tok = char_tokenizer(task.alphabet)
+    return lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
 def base_model(cfg, task, log=print) -> Path:
     """The directory of the warm-started base for this config, building it on first use.
 

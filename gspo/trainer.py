@@ -28,9 +28,9 @@ from gspo.evaluate import evaluate, heldout_problems
 from gspo.logging import MetricsLogger
 from gspo.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.mismatch import mismatch_metrics, tis_weights
-from gspo.models import base_model, load_pretrained
+from gspo.models import base_model, load_pretrained, tokenizer_encode
 from gspo.moe_step import MoEStep
-from gspo.rewards import score
+from gspo.rewards import completion_ids, probe, score, trainer_state
 from gspo.rollout import Rollout, cat_rollouts, generate, token_logprobs
 from gspo.shaping import dynamic_sampling, overlong_penalty
 from gspo.tasks import Problem, build_task
@@ -87,6 +87,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     if dist.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     task = build_task(cfg.task)
+    if cfg.reward.name == "python":  # each function on one real sample, before any work
+        probe(task, cfg, tokenizer_encode(cfg, task))
     eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
     with dist.main_first():  # rank 0 builds the warm-started base, the others then load it
         base_dir = base_model(cfg, task)
@@ -203,7 +205,8 @@ def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) ->
                          **moe_step.sample_kwargs())
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
-        rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed)
+        rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids(r),
+                               trainer_state(step - 1, cfg.train.steps))
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
@@ -231,7 +234,7 @@ def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) ->
         "response/len_mean": batch.rollout.lengths.mean().item(),
         "response/truncated_frac": batch.rollout.truncated.float().mean().item(),
     }
-    metrics |= {f"reward/{k}/mean": v.mean().item() for k, v in batch.parts.items()}
+    metrics |= {f"reward/{k}/mean": v.nanmean().item() for k, v in batch.parts.items()}  # NaN: a function's None
     return batch, metrics
 
 
