@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo import adapters, checkpoint, distributed
 from gspo.advantages import compute_advantages
-from gspo.errors import ConfigError
+from gspo.errors import ConfigError, tidy_warnings
 from gspo.evaluate import evaluate, heldout_problems
 from gspo.logging import MetricsLogger
 from gspo.losses import aggregate_denominator, get_loss, policy_loss
@@ -407,6 +407,7 @@ def _worker(argv: list[str]) -> int:
         print("usage: python -m gspo.trainer RUN_DIR  (started by torchrun)", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
+    tidy_warnings()
     try:
         train(OmegaConf.load(run_dir / "config.yaml"), run_dir)
     except ConfigError as e:
