@@ -221,11 +221,18 @@ def _suffix(name: Optional[str]) -> str:
     return f"-{name}" if name else ""
 
 
+def _every(steps: int, points: int) -> int:
+    """An interval giving about `points` evaluations over `steps` steps (conf/config.yaml's eval.every)."""
+    return max(1, round(int(steps) / int(points)))
+
+
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("gspo.suffix"):
         OmegaConf.register_new_resolver("gspo.suffix", _suffix)
+    if not OmegaConf.has_resolver("gspo.every"):
+        OmegaConf.register_new_resolver("gspo.every", _every)
 
 
 def compose(overrides: list[str] = ()) -> Any:
