@@ -15,10 +15,10 @@ Two kinds, picked by `reward=<name>`:
   `global_step` = updates done and `max_steps`) and every column of the row by its name, each a list of one
   value per row (for `task=data`, every column of your file except the prompt; for the built-in tasks,
   `answer` and the task's own fields). A function without `**kwargs` gets only the names it takes. A
-  coroutine function (`async def`) is awaited. `None` in the returned list means "no reward from this
-  function for this row": the reward is the weighted sum over the functions that gave one (TRL's nansum); a
-  row no function scored gets 0 and is counted in `reward/unscored/mean`. Each function is logged as
-  `reward/<name>/mean`, over the rows it scored.
+  coroutine function (`async def`) is awaited (one function after another; TRL runs them concurrently).
+  `None` in the returned list means "no reward from this function for this row": the reward is the weighted
+  sum over the functions that gave one (TRL's nansum); a row no function scored gets 0 and is counted in
+  `reward/unscored/mean`. Each function is logged as `reward/<name>/mean`, its `None`s left out.
 
   A completion the model broke off with a special token before its EOS (a stray `<|im_start|>`; see
   `tasks.judge`) is ill-formed: no function is called on it, its reward is `reward.ill_formed` (default 0) and
@@ -221,9 +221,13 @@ def _value(v) -> float | None:
     return None
 
 
+async def _wait(awaitable):
+    return await awaitable
+
+
 def _run(out):
-    """A reward function's result; an async function's coroutine is run to completion first."""
-    return asyncio.run(out) if inspect.isawaitable(out) else out
+    """A reward function's result; an async function's coroutine is awaited first (one function at a time)."""
+    return asyncio.run(_wait(out)) if inspect.isawaitable(out) else out
 
 
 def _call(f: UserFn, kwargs: dict):
