@@ -55,6 +55,7 @@ class WarmStartConfig:
     problems: int = 0  # warm-start data: this many fixed training problems, sampled in batches (0 = fresh ones every step)
     target_accuracy: float = 0.4  # stop once greedy accuracy on 200 training problems reaches this (0 = run all `steps`)
     check_every: int = 25  # steps between those checks
+    fine_check_every: int = 5  # ... and once a check reaches half the target (0 = check_every throughout)
 
 
 @dataclass

@@ -30,8 +30,7 @@ transformers.utils.logging.disable_progress_bar()  # no per-load progress bars b
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 TINY_MAX_POSITIONS = 256  # positions of the models built from config (checked by gspo.checks)
-CACHE_VERSION = 4  # bump when warm-start code changes, so stale bases are rebuilt (4: finer checks near the target)
-FINE_CHECKS = 5  # near its target the warm start checks 5x as often (see warm_start)
+CACHE_VERSION = 3  # bump when warm-start code changes, so stale bases are rebuilt (3: canonical split, warm-start pool)
 
 
 def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
@@ -151,8 +150,8 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
     (0) fresh training problems every step; never a held-out one. With `wcfg.target_accuracy`
     > 0 it stops at the first check (every `wcfg.check_every` steps) where greedy accuracy on
     200 fixed *training* problems reaches the target: a base of a known accuracy. Once a check
-    reaches half the target, it checks `FINE_CHECKS` times as often: near the target, accuracy
-    climbs over ten points in 25 steps, and a coarse check stopped at 52.5% for a 40% target. Where the
+    reaches half the target, it checks every `wcfg.fine_check_every` steps: near the target,
+    accuracy climbs over ten points in 25 steps, and a coarse check stopped at 52.5% for a 40% target. Where the
     accuracy stands after a fixed number of steps is chaotic (float rounding, which differs
     with the thread count and the CPU's vector ISA, moves it by tens of points: docs/results.md),
     so a fixed step count alone does not give the same base on two machines.
@@ -202,8 +201,8 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
                 log(f"warm start {step + 1}/{wcfg.steps}: greedy accuracy on training problems "
                     f"{record['train_accuracy']:.1%} >= target {wcfg.target_accuracy:.0%}: stopping")
                 break
-            if record["train_accuracy"] >= wcfg.target_accuracy / 2:
-                every = max(1, wcfg.check_every // FINE_CHECKS)
+            if record["train_accuracy"] >= wcfg.target_accuracy / 2 and wcfg.fine_check_every > 0:
+                every = wcfg.fine_check_every
     model.eval()
     return record
 
