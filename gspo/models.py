@@ -151,10 +151,11 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
     > 0 it stops at the first check (every `wcfg.check_every` steps) where greedy accuracy on
     200 fixed *training* problems reaches the target: a base of a known accuracy. Once a check
     reaches half the target, it checks every `wcfg.fine_check_every` steps: near the target,
-    accuracy climbs over ten points in 25 steps, and a coarse check stopped at 52.5% for a 40% target. Where the
-    accuracy stands after a fixed number of steps is chaotic (float rounding, which differs
-    with the thread count and the CPU's vector ISA, moves it by tens of points: docs/results.md),
-    so a fixed step count alone does not give the same base on two machines.
+    accuracy climbs over ten points in 25 steps, and a coarse check stopped at 52.5% for a 40%
+    target (docs/results.md). Where the accuracy stands after a fixed number of steps is chaotic
+    (float rounding, which differs with the thread count and the CPU's vector ISA, moves it by
+    tens of points: docs/results.md), so a fixed step count alone does not give the same base
+    on two machines.
 
     Returns what was done: {"steps", "train_accuracy" (at the last check, None without one)}.
     """
