@@ -205,8 +205,8 @@ def _collect(cfg, model, tokenizer, task, step: int, moe_step: MoEStep, dist) ->
                          **moe_step.sample_kwargs())
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
-        rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids(r),
-                               trainer_state(step - 1, cfg.train.steps))
+        rewards, parts = score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids=completion_ids(r),
+                               state=trainer_state(step - 1, cfg.train.steps))
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
