@@ -8,7 +8,7 @@ function is called by keyword with `prompts`, `completions`, `completion_ids`, e
 import asyncio
 import inspect
 import math
-from pathlib import Path
+import re
 
 import pytest
 import torch
@@ -170,7 +170,7 @@ def test_the_probe_calls_each_function_on_a_real_sample(fns, tmp_path):
                                           r"prompt '(\d+)\+1=', completion '(\d+)'") as e:
         probe(build_task(cfg.task), cfg, lambda text: [1] * len(text))
     assert "\n" not in str(e.value)
-    a, b = __import__("re").search(r"prompt '(\d+)\+1=', completion '(\d+)'", str(e.value)).groups()  # a training row, its reference answer standing in for the completion
+    a, b = re.search(r"prompt '(\d+)\+1=', completion '(\d+)'", str(e.value)).groups()  # a training row, its reference answer standing in for the completion
     assert int(b) == int(a) + 1
 
 
