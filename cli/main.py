@@ -22,7 +22,7 @@ from gspo.resume import check as check_resume
 from gspo.checks import check_machine
 from gspo.config import (GROUPS, _explain, compose, group_options, load_run_config, resume_overrides, resume_target,
                          sweep_combinations)
-from gspo.errors import ConfigError, ReportedError
+from gspo.errors import ConfigError, ReportedError, tidy_warnings
 
 
 def _groups_help() -> str:
@@ -39,6 +39,11 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
+
+
+@app.callback()
+def _every_command() -> None:
+    tidy_warnings()  # gspo's warnings as one line each, library deprecations hidden
 
 
 def _fail(msg: str) -> None:

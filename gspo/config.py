@@ -55,6 +55,7 @@ class WarmStartConfig:
     problems: int = 0  # warm-start data: this many fixed training problems, sampled in batches (0 = fresh ones every step)
     target_accuracy: float = 0.4  # stop once greedy accuracy on 200 training problems reaches this (0 = run all `steps`)
     check_every: int = 25  # steps between those checks
+    fine_check_every: int = 5  # ... and once a check reaches half the target (0 = check_every throughout)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class RewardConfig:
     name: str = MISSING  # tinyzero | binary | python
     correct: float = 1.0  # reward of a correct answer
     format_score: float = 0.1  # reward of a well-formed but wrong answer (TinyZero: 0.1)
-    fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; fn(prompts, completions, **row_fields) -> list[float]
+    fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; called by keyword as TRL does (docs/contracts.md)
     weights: Optional[list[float]] = None  # python: one weight per function (None = all 1); reward = weighted sum
     ill_formed: float = 0.0  # python: reward of a completion with a special token before its EOS (functions not called)
     timeout_s: float = 600.0  # scoring a batch (the task's verifier and the reward functions) may take this long (0 = no limit)
@@ -236,11 +237,18 @@ def _suffix(name: Optional[str]) -> str:
     return f"-{name}" if name else ""
 
 
+def _every(steps: int, points: int) -> int:
+    """An interval giving about `points` evaluations over `steps` steps (conf/config.yaml's eval.every)."""
+    return max(1, round(int(steps) / int(points)))
+
+
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("gspo.suffix"):
         OmegaConf.register_new_resolver("gspo.suffix", _suffix)
+    if not OmegaConf.has_resolver("gspo.every"):
+        OmegaConf.register_new_resolver("gspo.every", _every)
 
 
 def compose(overrides: list[str] = ()) -> Any:

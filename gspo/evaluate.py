@@ -166,14 +166,22 @@ def _print_eval(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"held-out evaluation: {res['task']}, {res['n']} problems\n{res['model']}")
+    t = Table()
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k, v in res.items():
         if k.startswith("eval/"):
             t.add_row(k, f"{v:.3f}")
     console = Console()
+    # the title above the table, not in it: a table's title wraps at the table's width and would break the path
+    console.print(f"held-out evaluation: {res['task']}, {res['n']} problems\n{res['model']}", markup=False,
+                  highlight=False, soft_wrap=True)
     console.print(t)
     for ex in res.get("examples", []):
         mark = "✓" if ex["correct"] else "✗"
-        console.print(f"  {mark} {ex['prompt']}{ex['completion']}   (reference {ex['reference']})", markup=False)
+        prompt = ex["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):  # chat: the last turn is the question
+            prompt = f"{prompt[-1].get('content', '')} -> "
+        one_line = lambda x: str(x).replace("\n", "\\n")  # noqa: E731  (one example, one line)
+        console.print(f"  {mark} {one_line(prompt)}{one_line(ex['completion'])}   (reference {one_line(ex['reference'])})",
+                      markup=False, highlight=False)

@@ -24,7 +24,7 @@ import secrets
 import string
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -46,13 +46,23 @@ def _scalar(value: Any) -> Any:
     return float(value)
 
 
-def _cell(value: Any) -> Any:
-    """A sample-table cell: numbers stay numbers, everything else becomes text."""
+def _json(value: Any) -> Any:
+    """A value as plain JSON: numbers, strings, lists and objects (chat messages stay a list of objects)."""
     if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
         value = value.item()
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
+    if isinstance(value, Mapping):
+        return {str(k): _json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or (isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray))):
+        return [_json(v) for v in value]
     return str(value)
+
+
+def _cell(value: Any) -> Any:
+    """A W&B table cell: numbers stay numbers, lists and objects become their JSON text, the rest text."""
+    value = _json(value)
+    return value if value is None or isinstance(value, (str, int, float, bool)) else json.dumps(value)
 
 
 def truncate_jsonl(path: Path, last_step: int) -> int:
@@ -209,7 +219,7 @@ class MetricsLogger:
         if self._samples_fh is None:
             self._samples_fh = self.samples_path.open("a")
         for row in rows:
-            cells = {key: _cell(value) for key, value in row.items()}
+            cells = {key: _json(value) for key, value in row.items()}
             self._samples_fh.write(json.dumps({"step": int(step), **cells}, allow_nan=True) + "\n")
         self._samples_fh.flush()
         if self.wandb_run is not None:

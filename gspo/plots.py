@@ -4,6 +4,7 @@ group, every seed faint, collapses marked."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -15,57 +16,92 @@ if TYPE_CHECKING:  # compare imports this module (for the figure), not the other
     from gspo.compare import Group
 
 
-PANELS = [  # title, [(metric, line style)], y scale
-    ("reward/mean", [(REWARD, "-")], "linear"),
-    ("eval/accuracy", [(ACC, "-")], "linear"),
-    ("clip fraction (— frac, -- low, ·· high)", [(CLIP, "-"), (CLIP_LOW, "--"), (CLIP_HIGH, ":")], "symlog"),
-    ("KL (— kl/ref, -- kl/old)", [(KL_REF, "-"), (KL_OLD, "--")], "linear"),
-    ("policy/entropy", [(ENTROPY, "-")], "linear"),
-    ("response/len_mean", [(LENGTH, "-")], "linear"),
-    ("moe/routing_volatility", [(ROUTING, "-")], "linear"),
+@dataclass(frozen=True)
+class Panel:
+    """One panel: its metrics (key, line style, legend label), y scale, display unit and valid range.
+
+    `scale` multiplies the logged value for display (100: a fraction shown in %, as the table of
+    gspo/report.py shows it); `valid` is the range of the displayed value, which clips the ±std band
+    (a fraction's mean minus its std is no fraction below 0).
+    """
+
+    title: str
+    keys: tuple[tuple[str, str, str], ...]
+    yscale: str = "linear"
+    scale: float = 1.0
+    valid: tuple[float | None, float | None] = (None, None)
+
+
+PANELS = [
+    Panel("reward/mean", ((REWARD, "-", "reward/mean"),)),
+    Panel("eval/accuracy (held-out, fraction)", ((ACC, "-", "eval/accuracy"),), valid=(0.0, 1.0)),
+    Panel("clip fraction (% of tokens)", ((CLIP, "-", "clip/frac"), (CLIP_LOW, "--", "clip/frac_low (A < 0)"),
+                                          (CLIP_HIGH, ":", "clip/frac_high (A > 0)")),
+          yscale="symlog", scale=100.0, valid=(0.0, 100.0)),
+    Panel("KL (k3)", ((KL_REF, "-", "kl/ref: to the reference (β > 0)"), (KL_OLD, "--", "kl/old: to the rollout policy")),
+          valid=(0.0, None)),
+    Panel("policy/entropy (nats per token)", ((ENTROPY, "-", "policy/entropy"),), valid=(0.0, None)),
+    Panel("response/len_mean (tokens)", ((LENGTH, "-", "response/len_mean"),), valid=(0.0, None)),
+    Panel("moe/routing_volatility (% of expert choices)", ((ROUTING, "-", "moe/routing_volatility"),),
+          scale=100.0, valid=(0.0, 100.0)),
 ]
 
 
 def plot_groups(groups: Sequence["Group"], out_dir: Path, stem: str = "compare") -> list[Path]:
-    """One panel per metric present; mean ± std band per group, each seed faint."""
+    """The figure (`figure`) written as out_dir/stem.png and .svg."""
+    fig = figure(groups)
+    paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.svg"]
+    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[1])
+    return paths
+
+
+def figure(groups: Sequence["Group"]):
+    """One panel per metric present; mean ± std band per group, each seed faint; a matplotlib Figure."""
     from matplotlib.figure import Figure  # no pyplot: no global backend state
 
     present = {k for g in groups for r in g.runs for k in r.metrics}
-    panels = [p for p in PANELS if any(k in present for k, _ in p[1])]
+    panels = [p for p in PANELS if any(k in present for k, _, _ in p.keys)]
     ncols = 4 if len(panels) > 6 else 3 if len(panels) > 4 else 2
     nrows = math.ceil(len(panels) / ncols)
     fig = Figure(figsize=(5.2 * ncols, 3.5 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     colors = [f"C{i % 10}" for i in range(len(groups))]
-    for ax, (title, keys, scale) in zip(axes, panels):
-        positive = []
+    for ax, panel in zip(axes, panels):
+        positive, drawn = [], {}
         for group, color in zip(groups, colors):
             first = True
-            for key, style in keys:
+            for key, style, label in panel.keys:
                 curve = group.curve(key)
                 if curve is None:
                     continue
+                drawn[key] = (style, label)
                 marker = "o" if key == ACC else None
+                mean, std = curve.mean * panel.scale, curve.std * panel.scale
                 if first:  # the panel's main metric: every seed faint, and the band
-                    for s, v in curve.runs:
-                        ax.plot(s, v, color=color, alpha=0.25, lw=0.8, marker=marker, ms=2)
-                    lo = curve.mean - curve.std
-                    ax.fill_between(curve.steps, np.maximum(lo, 0) if scale == "symlog" else lo,
-                                    curve.mean + curve.std, color=color, alpha=0.15, lw=0)
-                ax.plot(curve.steps, curve.mean, style, color=color, lw=1.6, marker=marker, ms=3)
-                positive += [v for _, vals in curve.runs for v in vals if v > 0 and math.isfinite(v)]
+                    for st, v in curve.runs:
+                        ax.plot(st, v * panel.scale, color=color, alpha=0.25, lw=0.8, marker=marker, ms=2)
+                    lo, hi = panel.valid
+                    ax.fill_between(curve.steps, np.clip(mean - std, lo, hi), np.clip(mean + std, lo, hi),
+                                    color=color, alpha=0.15, lw=0)
+                ax.plot(curve.steps, mean, style, color=color, lw=1.6, marker=marker, ms=3)
+                positive += [panel.scale * v for _, vals in curve.runs for v in vals if v > 0 and math.isfinite(v)]
                 first = False
-            if keys[0][0] == REWARD:  # mark where each collapsed seed collapsed
+            if panel.keys[0][0] == REWARD:  # mark where each collapsed seed collapsed
                 for r in group.runs:
                     if r.collapse_step is not None:
-                        s, v = r.series(REWARD)
-                        y = v[s == r.collapse_step]
+                        st, v = r.series(REWARD)
+                        y = v[st == r.collapse_step]
                         ax.plot([r.collapse_step], [y[0] if len(y) and math.isfinite(y[0]) else 0.0],
                                 "x", color=color, ms=8, mew=2)
-        if scale == "symlog":  # linear below the smallest non-zero value, so 0 stays visible
+        if panel.yscale == "symlog":  # linear below the smallest non-zero value, so 0 stays visible
             smallest = max(min(positive, default=1e-4), 1e-8)
             ax.set_yscale("symlog", linthresh=10 ** math.floor(math.log10(smallest)))
-        ax.set_title(title, fontsize=10)
+        if len(panel.keys) > 1:  # what each line style is, in the panel itself
+            order = [k for k, _, _ in panel.keys if k in drawn]
+            ax.legend([_legend_line("0.3", drawn[k][0]) for k in order], [drawn[k][1] for k in order],
+                      fontsize=7, frameon=False, loc="best")
+        ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in axes[len(panels):]:
@@ -75,14 +111,12 @@ def plot_groups(groups: Sequence["Group"], out_dir: Path, stem: str = "compare")
               + (f", {sum(r.collapse is not None for r in g.runs)} collapsed ×" if any(r.collapse for r in g.runs) else "")
               + ")" for g in groups]
     fig.legend(handles, labels, loc="outside upper center", ncols=min(len(groups), 6), frameon=False)
-    fig.supxlabel("line: mean over seeds · band: ± 1 sample std · faint: each seed · ×: collapse", fontsize=9)
-    paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.svg"]
-    fig.savefig(paths[0], dpi=120)
-    fig.savefig(paths[1])
-    return paths
+    fig.supxlabel("colour: group · line: mean over seeds · band: ± 1 sample std, clipped to the metric's range · "
+                  "faint: each seed · ×: collapse", fontsize=9)
+    return fig
 
 
-def _legend_line(color: str):
+def _legend_line(color: str, style: str = "-"):
     from matplotlib.lines import Line2D
 
-    return Line2D([], [], color=color, lw=2)
+    return Line2D([], [], color=color, lw=2 if style == "-" else 1.6, linestyle=style)

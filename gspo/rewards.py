@@ -4,21 +4,27 @@ Two kinds, picked by `reward=<name>`:
 
 * a rule on the task's verdict (`tinyzero`, `binary`): one small function in a registry; the task verifies
   every completion and the rule only decides what a verdict is worth;
-* your own functions (`reward=python reward.fn=FILE.py:NAME`, or a list with `reward.weights`), batched and
-  TRL-like::
+* your own functions (`reward=python reward.fn=FILE.py:NAME`, or a list with `reward.weights`), called as TRL's
+  GRPOTrainer calls them, by keyword, once per rollout batch::
 
-      def accuracy(prompts: list, completions: list[str], **row_fields) -> list[float]: ...
+      def accuracy(completions, answer, **kwargs) -> list[float | None]: ...
 
-  `prompts[i]` is row i's prompt as the task holds it (a string, or chat messages), `completions[i]` the text
-  the model wrote (without its EOS), and each `row_fields[column]` a list with that column of every row: for
-  `task=data`, every column of your file except the prompt (e.g. `answer`); for the built-in tasks, `answer`
-  and the task's own fields. A function without `**kwargs` gets only the columns it names. The reward is the
-  weighted sum; each function is logged as `reward/<name>/mean`.
+  with `prompts` (each row's prompt as the task holds it: a string, or chat messages), `completions` (the text
+  the model wrote, without its EOS; for chat prompts a list `[{"role": "assistant", "content": text}]` as TRL
+  passes it), `completion_ids` (its token ids, EOS included), `trainer_state` (a transformers TrainerState with
+  `global_step` = updates done and `max_steps`) and every column of the row by its name, each a list of one
+  value per row (for `task=data`, every column of your file except the prompt; for the built-in tasks,
+  `answer` and the task's own fields). A function without `**kwargs` gets only the names it takes. A
+  coroutine function (`async def`) is awaited (one function after another; TRL runs them concurrently).
+  `None` in the returned list means "no reward from this function for this row": the reward is the weighted
+  sum over the functions that gave one (TRL's nansum); a row no function scored gets 0 and is counted in
+  `reward/unscored/mean`. Each function is logged as `reward/<name>/mean`, its `None`s left out.
 
   A completion the model broke off with a special token before its EOS (a stray `<|im_start|>`; see
   `tasks.judge`) is ill-formed: no function is called on it, its reward is `reward.ill_formed` (default 0) and
   `reward/ill_formed/mean` is the share of such rows. A function that raises, returns the wrong number of
-  values, NaN or a non-number stops the run with a one-line `RewardError` naming it and the sample.
+  values, NaN or a non-number stops the run with a one-line `RewardError` naming it and the sample; `probe`
+  calls each function on one real sample before any work.
 
 Every completion is also judged by the task, whatever the reward: `reward/correct/mean` and
 `reward/format/mean` are logged and held-out accuracy is the task's verdict.
@@ -26,6 +32,7 @@ Every completion is also judged by the task, whatever the reward: `reward/correc
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import inspect
@@ -44,7 +51,7 @@ from gspo.tasks import Problem, Task, Verdict, judge
 RewardFn = Callable[[Verdict, object], float]
 REWARDS: dict[str, RewardFn] = {}
 PYTHON = "python"  # reward=python: the user's functions, not a registry entry
-RESERVED = ("correct", "format", "overlong", "ill_formed")  # part names gspo logs itself
+RESERVED = ("correct", "format", "overlong", "ill_formed", "unscored")  # part names gspo logs itself
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -109,7 +116,7 @@ def _import(path: Path, spec: str):
 
 
 def load_user_fn(spec: str) -> UserFn:
-    """`FILE.py:NAME` -> the function, checked: the file imports, NAME is callable and takes (prompts, completions)."""
+    """`FILE.py:NAME` -> the function, checked: the file imports, NAME is callable and can be called by keyword."""
     file, sep, name = spec.rpartition(":")
     if not sep or not file or not name.isidentifier():
         raise ConfigError(f"reward.fn={spec}: expected FILE.py:NAME, e.g. examples/rewards.py:accuracy")
@@ -125,16 +132,17 @@ def load_user_fn(spec: str) -> UserFn:
     if not callable(fn):
         raise ConfigError(f"reward.fn={spec}: '{name}' in {file} is a {type(fn).__name__}, not a function")
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C function: trust it
         return UserFn(spec, name, fn, None)
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise ConfigError(f"reward.fn={spec}: '{name}' must take (prompts, completions, **row_fields); "
-                          f"it takes ({', '.join(p.name for p in params)})")
-    takes = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(p.name for p in positional[2:]) | \
-        frozenset(p.name for p in params if p.kind == p.KEYWORD_ONLY)
-    return UserFn(spec, name, fn, takes)
+    # TRL calls reward functions by keyword only: a required positional-only parameter can never be filled
+    stuck = [p.name for p in params if p.kind == p.POSITIONAL_ONLY and p.default is p.empty]
+    if stuck:
+        raise ConfigError(f"reward.fn={spec}: '{name}' has positional-only parameter(s) {', '.join(stuck)}; reward "
+                          "functions are called by keyword, as TRL does: def f(completions, **kwargs)")
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return UserFn(spec, name, fn, None)
+    return UserFn(spec, name, fn, frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)))
 
 
 def user_fns(cfg) -> tuple[list[UserFn], list[float]]:
@@ -175,6 +183,23 @@ def row_fields(problem: Problem) -> dict:
     return {"answer": problem.answer, **problem.meta}
 
 
+def is_conversational(prompt) -> bool:
+    """Chat messages (a list of {"role", "content"} dicts), as TRL tells a conversational prompt from plain text."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def completion_ids(rollout) -> list[list[int]]:
+    """Each row's completion token ids (its EOS included, padding not), as TRL's `completion_ids` holds them."""
+    return [ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())]
+
+
+def trainer_state(step: int, max_steps: int):
+    """A transformers TrainerState holding what gspo knows: `global_step` (updates done) and `max_steps`."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=step, max_steps=max_steps)
+
+
 def _short(x, n: int = 200) -> str:
     s = repr(x)
     return s if len(s) <= n else s[: n - 3] + "..."
@@ -185,7 +210,9 @@ def _sample(i: int, prompts, completions) -> str:
 
 
 def _value(v) -> float | None:
-    """A reward value as a float; None when it is not a number."""
+    """A reward value as a float; NaN for None (no reward from this function); None when it is not a number."""
+    if v is None:
+        return math.nan
     if isinstance(v, numbers.Real):
         return float(v)
     if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:  # a 0-d tensor / numpy scalar
@@ -194,17 +221,37 @@ def _value(v) -> float | None:
     return None
 
 
-def call_user_fn(f: UserFn, prompts: list, completions: list[str], fields: dict[str, list]) -> list[float]:
-    """Run one user function on a batch; any failure is a RewardError naming the function and the sample."""
-    kwargs = fields if f.takes is None else {k: v for k, v in fields.items() if k in f.takes}
+async def _wait(awaitable):
+    return await awaitable
+
+
+def _run(out):
+    """A reward function's result; an async function's coroutine is awaited first (one function at a time)."""
+    return asyncio.run(_wait(out)) if inspect.isawaitable(out) else out
+
+
+def _call(f: UserFn, kwargs: dict):
+    return _run(f.fn(**(kwargs if f.takes is None else {k: v for k, v in kwargs.items() if k in f.takes})))
+
+
+def call_user_fn(f: UserFn, prompts: list, completions: list, fields: dict[str, list],
+                 extra: dict | None = None) -> list[float]:
+    """Run one user function on a batch, by keyword as TRL calls it: `prompts`, `completions`, `completion_ids`
+    and each column are lists of one value per row, `extra` (e.g. `trainer_state`) passed as is.
+
+    Returns one float per row, NaN where the function returned None. Any failure is a RewardError naming the
+    function and the sample.
+    """
+    extra = extra or {}
+    kwargs = {**fields, **extra, "prompts": prompts, "completions": completions}
     who = f"reward function {f.spec}"
     try:
-        out = f.fn(prompts, completions, **kwargs)
+        out = _call(f, kwargs)
     except Exception as e:
         # find the sample it fails on: a batched call does not say which row it choked on
         for i in range(len(completions)):
             try:
-                f.fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in kwargs.items()})
+                _call(f, {k: (v if k in extra else v[i : i + 1]) for k, v in kwargs.items()})
             except Exception as e1:
                 raise RewardError(f"{who} raised {type(e1).__name__}: {e1} on {_sample(i, prompts, completions)}") from e1
         raise RewardError(f"{who} raised {type(e).__name__}: {e} on a batch of {len(completions)} "
@@ -219,44 +266,70 @@ def call_user_fn(f: UserFn, prompts: list, completions: list[str], fields: dict[
     for i, v in enumerate(values):
         x = _value(v)
         if x is None:
-            raise RewardError(f"{who} returned {_short(v, 60)} ({type(v).__name__}), not a number, on "
+            raise RewardError(f"{who} returned {_short(v, 60)} ({type(v).__name__}), not a number or None, on "
                               f"{_sample(i, prompts, completions)}")
-        if not math.isfinite(x):
-            raise RewardError(f"{who} returned {x} on {_sample(i, prompts, completions)}")
+        if math.isnan(x) and v is not None or math.isinf(x):
+            raise RewardError(f"{who} returned {x} on {_sample(i, prompts, completions)} (return None for 'no reward')")
         rewards.append(x)
     return rewards
 
 
-def _user_rewards(cfg, texts: list[str], problems: list[Problem], flags: list[bool]) -> tuple[list[float], dict]:
+def _user_rewards(cfg, texts: list[str], problems: list[Problem], flags: list[bool],
+                  ids: list[list[int]] | None, state) -> tuple[list[float], dict]:
     fns, weights = user_fns(cfg)
     keep = [i for i, bad in enumerate(flags) if not bad]
     prompts = [problems[i].prompt for i in keep]
-    completions = [texts[i] for i in keep]
+    # TRL's conversational completions: one assistant message per row, for prompts that are messages
+    completions = [[{"role": "assistant", "content": texts[i]}] if is_conversational(problems[i].prompt) else texts[i]
+                   for i in keep]
     rows = [row_fields(problems[i]) for i in keep]
     fields = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
+    fields["completion_ids"] = [ids[i] for i in keep] if ids is not None else [None] * len(keep)
+    extra = {"trainer_state": state if state is not None else trainer_state(0, 0)}
     total = [float(cfg.ill_formed)] * len(texts)
-    for i in keep:
-        total[i] = 0.0
     parts = {}
+    scored = [False] * len(texts)  # a kept row some function gave a reward (not None)
+    sums = [0.0] * len(texts)
     for f, w in zip(fns, weights):
-        values = call_user_fn(f, prompts, completions, fields) if keep else []
+        values = call_user_fn(f, prompts, completions, fields, extra) if keep else []
         per_row = [0.0] * len(texts)  # ill-formed rows: the function was not called, 0 in its own curve
         for i, v in zip(keep, values):
-            per_row[i] = v
-            total[i] += w * v
+            per_row[i] = v  # NaN (None): left out of the function's mean, as TRL's nanmean
+            if not math.isnan(v):
+                sums[i] += w * v
+                scored[i] = True
         parts[f.name] = torch.tensor(per_row)
+    for i in keep:
+        total[i] = sums[i]  # TRL's weighted nansum; a row no function scored gets 0 (reward/unscored/mean)
     parts["ill_formed"] = torch.tensor([float(b) for b in flags])
+    parts["unscored"] = torch.tensor([float(not flags[i] and not scored[i]) for i in range(len(texts))])
     return total, parts
+
+
+def probe(task: Task, cfg, encode: Callable[[str], list[int]]) -> None:
+    """Before any work: call each reward=python function on one real training sample of the task, as training will.
+
+    The completion is the sample's reference answer (the only text at hand before the model has written any).
+    A failure is a one-line RewardError naming the function, the sample and the error.
+    """
+    if cfg.reward.name != PYTHON:
+        return
+    import random
+
+    problem = task.sample_train(random.Random(cfg.seed), 1)[0]
+    text = str(problem.answer)
+    _user_rewards(cfg.reward, [text], [problem], [False], [encode(text)], trainer_state(0, cfg.train.steps))
 
 
 # --------------------------------------------------------------------------- scoring
 
 
-def score(task: Task, cfg, texts: list[str], problems: list[Problem],
-          ill_formed=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed=None,
+          completion_ids: list[list[int]] | None = None, state=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Rewards (N,) for completions `texts` of `problems`, plus per-part diagnostics (N,) each.
 
     `ill_formed` (N,) bool, from the rollout: rows with a special token before their EOS (tasks.judge).
+    `completion_ids` (each row's token ids) and `state` (a TrainerState) are passed on to reward=python functions.
     """
     flags = [False] * len(texts) if ill_formed is None else [bool(x) for x in ill_formed]
     if cfg.name != PYTHON and cfg.name not in REWARDS:
@@ -273,7 +346,7 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem],
     parts = {"correct": torch.tensor([float(v.correct) for v in verdicts]),
              "format": torch.tensor([float(v.well_formed) for v in verdicts])}
     if cfg.name == PYTHON:
-        rewards, user_parts = _user_rewards(cfg, texts, problems, flags)
+        rewards, user_parts = _user_rewards(cfg, texts, problems, flags, completion_ids, state)
         return torch.tensor(rewards), parts | user_parts
     fn, values = REWARDS[cfg.name], _plain(cfg)  # plain values: an OmegaConf lookup per sample is slow
     return torch.tensor([float(fn(v, values)) for v in verdicts]), parts

@@ -22,14 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo import adapters, checkpoint, distributed, preemption, timeouts
 from gspo.advantages import compute_advantages
-from gspo.errors import ConfigError
+from gspo.errors import ConfigError, tidy_warnings
 from gspo.evaluate import evaluate, heldout_problems
 from gspo.logging import MetricsLogger
 from gspo.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
-from gspo.models import base_model, load_pretrained
+from gspo.models import base_model, load_pretrained, tokenizer_encode
 from gspo.moe_step import MoEStep
-from gspo.rewards import score
+from gspo.rewards import completion_ids, probe, score, trainer_state
 from gspo.rollout import Rollout, cat_rollouts, generate, token_logprobs
 from gspo.sampler import Sampler, old_logprobs_mode
 from gspo.shaping import dynamic_sampling, overlong_penalty
@@ -87,6 +87,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     if dist.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     task = build_task(cfg.task)
+    if cfg.reward.name == "python":  # each function on one real sample, before any work
+        probe(task, cfg, tokenizer_encode(cfg, task))
     eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
     with dist.main_first():  # rank 0 builds the warm-started base, the others then load it
         base_dir = base_model(cfg, task)
@@ -205,8 +207,10 @@ def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step:
                          engine=cfg.rollout.engine, **moe_step.sample_kwargs())
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
-        rewards, parts = timeouts.call(lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed), cfg.reward.timeout_s,
-                                       f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
+        rewards, parts = timeouts.call(
+            lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids=completion_ids(r),
+                          state=trainer_state(step - 1, cfg.train.steps)),
+            cfg.reward.timeout_s, f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
@@ -234,7 +238,7 @@ def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step:
         "response/len_mean": batch.rollout.lengths.mean().item(),
         "response/truncated_frac": batch.rollout.truncated.float().mean().item(),
     }
-    metrics |= {f"reward/{k}/mean": v.mean().item() for k, v in batch.parts.items()}
+    metrics |= {f"reward/{k}/mean": v.nanmean().item() for k, v in batch.parts.items()}  # NaN: a function's None
     return batch, metrics
 
 
@@ -411,6 +415,7 @@ def _worker(argv: list[str]) -> int:
         print("usage: python -m gspo.trainer RUN_DIR  (started by torchrun)", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
+    tidy_warnings()
     try:
         train(OmegaConf.load(run_dir / "config.yaml"), run_dir)
     except ConfigError as e:

@@ -390,3 +390,35 @@ def test_compare_cli_baseline(tmp_path):
     assert "against the baseline gspo" in res.output and "Welch" in res.output
     res = CliRunner().invoke(app, ["compare", str(root), "--baseline", "nope"])
     assert res.exit_code == 2 and "no such group" in res.output and "Traceback" not in res.output
+
+
+def test_figure_bands_stay_in_range_units_match_the_table_and_styles_are_labelled(tmp_path):
+    """Routing volatility near 0 with a wide spread: its band stops at 0; fractions are shown in % as the
+    table shows them; the KL and clip panels say which line style is which metric."""
+    from matplotlib.collections import PolyCollection
+
+    from gspo.compare import Stat
+    from gspo.plots import figure
+    from gspo.report import COLUMNS
+
+    root = tmp_path / "runs"
+    for seed, vol in ((0, 0.001), (1, 0.2), (2, 0.0)):
+        make_run(root / f"g{seed}", algo="grpo", seed=seed, steps=6,
+                 extra={"moe/routing_volatility": vol, "kl/ref": 0.002 * seed})
+    fig = figure(compare([root], plot=False).groups)
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    vol = panels["moe/routing_volatility (% of expert choices)"]
+    band = next(c for c in vol.collections if isinstance(c, PolyCollection))
+    ys = np.concatenate([p.vertices[:, 1] for p in band.get_paths()])
+    assert ys.min() >= 0.0 and ys.max() == pytest.approx(100 * (0.067 + np.std([0.001, 0.2, 0.0], ddof=1)), rel=1e-2)
+    assert max(max(line.get_ydata()) for line in vol.get_lines()) == pytest.approx(20.0)  # 0.2 shown as 20 %
+    row = {"routing_volatility": Stat.of([0.2]), "clip_frac": Stat.of([0.01])}
+    cells = dict((name, cell) for name, cell in COLUMNS)
+    assert cells["routing vol."](row) == "20%" and cells["clip/frac"](row) == "1%"  # the table's unit: % too
+    kl = panels["KL (k3)"]
+    assert [t.get_text() for t in kl.get_legend().get_texts()] == [
+        "kl/ref: to the reference (β > 0)", "kl/old: to the rollout policy"]
+    assert [h.get_linestyle() for h in kl.get_legend().legend_handles] == ["-", "--"]
+    clip = panels["clip fraction (% of tokens)"]
+    assert len(clip.get_legend().get_texts()) == 3
+    assert panels["eval/accuracy (held-out, fraction)"].get_legend() is None

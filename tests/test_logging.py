@@ -78,6 +78,19 @@ def test_samples_follow_samples_every(tmp_path):
     assert not (tmp_path / "never" / "samples.jsonl").exists()
 
 
+def test_a_chat_prompt_is_stored_as_json_messages(tmp_path):
+    """Not a Python repr: a list of message objects, whatever container the task held it in."""
+    from omegaconf import OmegaConf
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    with MetricsLogger(tmp_path, cfg(samples_every=1)) as log:
+        log.log_samples(1, [{"prompt": messages, "completion": "2", "reward": 1.0},
+                            {"prompt": OmegaConf.create(messages), "completion": "3", "reward": torch.tensor(0.0)}])
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(x)["prompt"] for x in lines] == [messages, messages]
+    assert "'role'" not in lines[0]
+
+
 def wandb_records(path: Path) -> list:
     """Decode a .wandb file (LevelDB-style log of protobuf Records) without network."""
     from wandb.proto import wandb_internal_pb2 as pb

@@ -113,7 +113,7 @@ def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_pa
     """DAPO drops groups that are all right or all wrong, even when format or length make their rewards differ."""
     import gspo.trainer as trainer
 
-    def score(task, cfg, texts, rows, ill_formed=None):  # nothing correct, but rewards differ within each group
+    def score(task, cfg, texts, rows, ill_formed=None, **kwargs):  # nothing correct, but rewards differ within each group
         n = len(texts)
         return torch.arange(n, dtype=torch.float32) % 2 * 0.1, {"correct": torch.zeros(n), "format": torch.ones(n)}
 

@@ -46,7 +46,7 @@ def text_on_x(prompts, completions, **kw):
 def not_a_list(prompts, completions, **kw):
     return 3.0
 
-def one_arg(completions):
+def positional_only(prompts, completions, /):
     return [0.0 for _ in completions]
 
 def correct(prompts, completions, **kw):
@@ -104,7 +104,8 @@ def test_functions_see_prompts_and_row_fields_as_lists(fns):
     score(addition(), cfg(f"{fns}:exact"), ["2", "4", "7"], PROBS)
     module = next(m for k, m in sys.modules.items() if k.startswith("gspo_user_rewards_") and hasattr(m, "CALLS")
                   and m.__file__ == str(fns))
-    assert module.CALLS[-1] == ("exact", ["2", "4", "7"], [])  # addition rows have `answer` only, named explicitly
+    # addition rows have `answer` only, named explicitly; TRL's completion_ids and trainer_state come in **kwargs
+    assert module.CALLS[-1] == ("exact", ["2", "4", "7"], ["completion_ids", "trainer_state"])
     # a function without **kwargs gets only the fields it names
     r, _ = score(addition(), cfg(f"{fns}:only_answer"), ["a", "b", "c"],
                  [Problem("p", "1", {"row": {"answer": "1", "extra": 9}})] * 3)
@@ -124,8 +125,9 @@ def test_ill_formed_rows_are_not_shown_to_the_functions(fns):
     ("raises_on_x", r"reward function .*:raises_on_x raised ZeroDivisionError: division by zero on sample 1: "
                     r"prompt '2\+2=', completion 'x'"),
     ("short", r"reward function .*:short returned 1 values for 3 completions"),
-    ("nan_on_x", r"reward function .*:nan_on_x returned nan on sample 1: prompt '2\+2=', completion 'x'"),
-    ("text_on_x", r"reward function .*:text_on_x returned 'high' \(str\), not a number, on sample 1"),
+    ("nan_on_x", r"reward function .*:nan_on_x returned nan on sample 1: prompt '2\+2=', completion 'x' "
+                 r"\(return None for 'no reward'\)"),
+    ("text_on_x", r"reward function .*:text_on_x returned 'high' \(str\), not a number or None, on sample 1"),
     ("not_a_list", r"reward function .*:not_a_list returned a float, not a list of 3 numbers"),
 ])
 def test_a_failing_function_is_named_with_the_sample(fns, name, message):
@@ -138,7 +140,8 @@ def test_a_failing_function_is_named_with_the_sample(fns, name, message):
     ("reward.fn={d}/nope.py:f", r"reward.fn=.*nope.py:f: no such file"),
     ("reward.fn={d}/my_rewards.py:missing", r"has no function 'missing'. Functions there: .*exact.*length"),
     ("reward.fn={d}/my_rewards.py:NOT_CALLABLE", r"'NOT_CALLABLE' in .* is a int, not a function"),
-    ("reward.fn={d}/my_rewards.py:one_arg", r"must take \(prompts, completions, \*\*row_fields\); it takes \(completions\)"),
+    ("reward.fn={d}/my_rewards.py:positional_only", r"'positional_only' has positional-only parameter\(s\) prompts, "
+                                                    r"completions; reward functions are called by keyword"),
     ("reward.fn={d}/my_rewards.py:correct", r"a function named 'correct' would hide gspo's own reward/correct/mean"),
     ("reward.fn=[{d}/my_rewards.py:exact,{d}/my_rewards.py:exact]", r"two functions are named 'exact'"),
     ("reward.fn={d}/my_rewards.py", r"expected FILE.py:NAME"),
@@ -166,7 +169,7 @@ def test_cli_refuses_a_missing_function_in_one_line(fns, cache_dir):
 
 
 def test_each_function_is_logged_and_a_failure_keeps_the_finished_steps(tmp_path, cache_dir):
-    """Step 1 scores fine, step 2's call raises: the error names the function, steps 0-1 stay on disk."""
+    """The probe and step 1 score fine, step 2's call raises: the error names the function, steps 0-1 stay on disk."""
     from gspo.trainer import train
 
     counter = tmp_path / "calls"
@@ -178,7 +181,7 @@ def fails_later(prompts, completions, **kw):
     p = Path({str(counter)!r})
     n = int(p.read_text()) if p.exists() else 0
     p.write_text(str(n + 1))
-    if n >= 1:
+    if n >= 2:  # call 0: the probe before any work, call 1: step 1
         raise RuntimeError("boom")
     return [0.5] * len(completions)
 ''')

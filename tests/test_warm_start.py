@@ -40,7 +40,29 @@ def test_warm_start_stops_at_the_target_accuracy():
     record = warm_start(tiny_model(tok), tok, task, wcfg(steps=400, lr=1e-2, target_accuracy=0.9, check_every=10),
                         log=lambda m: None)
     assert record["train_accuracy"] >= 0.9
-    assert record["steps"] < 400 and record["steps"] % 10 == 0  # stopped at a check, well before the cap
+    assert record["steps"] < 400 and record["steps"] % 5 == 0  # stopped at a check, well before the cap
+
+
+def test_checks_come_five_times_as_often_from_half_the_target(monkeypatch):
+    """Coarse checks overshoot (52.5% for a 40% target, 25 steps apart): from half the target, every 5 steps."""
+    import gspo.models
+
+    accuracies = iter([0.10, 0.19, 0.20, 0.30, 0.39, 0.41, 0.9])
+    seen = []
+    monkeypatch.setattr(gspo.models, "_accuracy_check",
+                        lambda *a: lambda: seen.append(next(accuracies)) or seen[-1])
+    task = Echo()
+    tok = char_tokenizer(task.alphabet)
+    record = warm_start(tiny_model(tok), tok, task, wcfg(steps=400, lr=1e-3, target_accuracy=0.4, check_every=25,
+                                                         fine_check_every=5), log=lambda m: None)
+    # checks at 25, 50, 75 (0.20: half the target reached), then 80, 85, 90 (0.41 >= 0.4: stop)
+    assert seen == [0.10, 0.19, 0.20, 0.30, 0.39, 0.41]
+    assert record == {"steps": 90, "train_accuracy": 0.41}
+    seen.clear()
+    accuracies = iter([0.10, 0.19, 0.20, 0.30, 0.39, 0.41])
+    record = warm_start(tiny_model(tok), tok, task, wcfg(steps=400, lr=1e-3, target_accuracy=0.4, check_every=25,
+                                                         fine_check_every=0), log=lambda m: None)
+    assert record == {"steps": 150, "train_accuracy": 0.41}  # 0: every 25 steps throughout
 
 
 def test_without_a_target_it_runs_every_step_and_never_checks():
