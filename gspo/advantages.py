@@ -168,6 +168,7 @@ def passk(r: Tensor, k: int = 4) -> Tensor:
         cond = torch.stack(cols, dim=1)
     return (cond - mean) / (std + STD_EPS)
 
+
 def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int = 4) -> Tensor:
     """Advantages (N,) for group-contiguous rewards (N,) with G = group_size completions per prompt.
 
