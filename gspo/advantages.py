@@ -8,6 +8,7 @@ of prompt g. Every estimator works on the (N/G, G) view of that layout.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -92,8 +93,87 @@ def softmax(r: Tensor) -> Tensor:
     return torch.softmax(r, dim=1)
 
 
-def compute_advantages(name: str, rewards: Tensor, group_size: int) -> Tensor:
-    """Advantages (N,) for group-contiguous rewards (N,) with G = group_size completions per prompt."""
+@register_advantage("reinforce_plus_plus")
+def reinforce_plus_plus(r: Tensor) -> Tensor:
+    """(r - mean_batch) / (std_batch + 1e-4): REINFORCE++ (arXiv 2501.03262) with outcome rewards, no group baseline.
+
+    The global batch normalisation of the paper, over completions (verl whitens over tokens, see
+    docs/algorithms.md); works with group_size 1. The paper's KL-in-reward is not part of it here.
+    """
+    return (r - r.mean()) / (r.std() + STD_EPS)
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(r: Tensor) -> Tensor:
+    """REINFORCE++-baseline (arXiv 2501.03262): subtract the group mean, then normalise over the whole batch.
+
+    Over completions the centred rewards already have batch mean 0, so this is (r - mean_group) / (std_batch(r - mean_group) + 1e-4).
+    """
+    c = r - r.mean(dim=1, keepdim=True)
+    return (c - c.mean()) / (c.std() + STD_EPS)
+
+
+@register_advantage("gpg")
+def gpg(r: Tensor) -> Tensor:
+    """GPG (arXiv 2504.02546): alpha (r - mean_group), F_norm = 1, alpha = N / (N - M).
+
+    M counts the completions of groups whose rewards are all equal (their advantage is 0): the gradient
+    is rescaled as if only the N - M informative completions had been averaged (all equal: alpha = 1).
+    """
+    centred = r - r.mean(dim=1, keepdim=True)
+    n = r.numel()
+    m = r.shape[1] * int((r == r[:, :1]).all(dim=1).sum())
+    return centred * (n / (n - m) if m < n else 1.0)
+
+
+@register_advantage("grpo_passk")
+def grpo_passk(r: Tensor) -> Tensor:
+    """verl's `grpo_passk` (it cites arXiv 2503.19595): only each group's best completion (the first on ties) learns,
+    with (r_max - r_second) / (std_group + 1e-4); every other completion gets 0."""
+    top = torch.topk(r, 2, dim=1)
+    out = torch.zeros_like(r)
+    gap = (top.values[:, :1] - top.values[:, 1:2]) / (r.std(dim=1, keepdim=True) + STD_EPS)
+    return out.scatter_(1, r.argmax(dim=1, keepdim=True), gap)
+
+
+@register_advantage("passk")
+def passk(r: Tensor, k: int = 4) -> Tensor:
+    """Pass@k advantage, the analytic form of arXiv 2508.10751, generalised from 0/1 to any reward.
+
+    A k-subset of the group scores the max reward in it. R = E[max] over all k-subsets, sigma its
+    (population) std over them; completion i gets (E[max | i in subset] - R) / (sigma + 1e-4). For 0/1
+    rewards with N_neg wrong of N this is the paper's A_pos = (1 - R) / sigma,
+    A_neg = (1 - R - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / sigma, R = 1 - C(N_neg, k) / C(N, k);
+    k = 1 is GRPO's (r - mean) / std with the population std.
+    """
+    n = r.shape[1]
+    if not 1 <= k <= n:
+        raise ConfigError(f"algo.passk_k must be in [1, group_size={n}], got {k}")
+
+    def p_max(m: int, kk: int) -> Tensor:  # P(the max of a uniform kk-subset of m sorted values is the j-th smallest)
+        return torch.tensor([math.comb(j - 1, kk - 1) for j in range(1, m + 1)], dtype=r.dtype) / math.comb(m, kk)
+
+    p = p_max(n, k)
+    s = r.sort(dim=1).values
+    mean = (s * p).sum(dim=1, keepdim=True)
+    std = ((s * s * p).sum(dim=1, keepdim=True) - mean * mean).clamp(min=0.0).sqrt()
+    if k == 1:
+        cond = r
+    else:  # E[max(r_i, max of the k-1 others)], the others a uniform (k-1)-subset of the remaining N-1
+        q = p_max(n - 1, k - 1)
+        cols = []
+        for i in range(n):
+            others = torch.cat([r[:, :i], r[:, i + 1:]], dim=1).sort(dim=1).values
+            cols.append((torch.maximum(others, r[:, i:i + 1]) * q).sum(dim=1))
+        cond = torch.stack(cols, dim=1)
+    return (cond - mean) / (std + STD_EPS)
+
+
+def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int = 4) -> Tensor:
+    """Advantages (N,) for group-contiguous rewards (N,) with G = group_size completions per prompt.
+
+    passk_k: the k of the `passk` estimator (ignored by the others).
+    """
     if name not in ADVANTAGES:
         raise ConfigError(f"unknown advantage estimator {name!r}; valid: {', '.join(advantage_names())}")
     rewards = torch.as_tensor(rewards)
@@ -101,9 +181,10 @@ def compute_advantages(name: str, rewards: Tensor, group_size: int) -> Tensor:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    if group_size < 2 and name in ("grpo", "rloo"):
+    if group_size < 2 and name in ("grpo", "rloo", "grpo_passk"):
         raise ConfigError(f"advantage {name!r} needs group_size >= 2 (a std / a leave-one-out mean), got {group_size}")
-    if name == "batch_std" and rewards.numel() < 2:
-        raise ValueError("advantage 'batch_std' needs at least 2 rewards for a batch std")
+    if name in ("batch_std", "reinforce_plus_plus", "reinforce_plus_plus_baseline") and rewards.numel() < 2:
+        raise ValueError(f"advantage {name!r} needs at least 2 rewards for a batch std")
     r = rewards.to(torch.get_default_dtype() if not rewards.is_floating_point() else rewards.dtype)
-    return ADVANTAGES[name](r.view(-1, group_size)).reshape(-1)
+    grouped = r.view(-1, group_size)
+    return (passk(grouped, passk_k) if name == "passk" else ADVANTAGES[name](grouped)).reshape(-1)

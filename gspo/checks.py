@@ -83,6 +83,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "algo.tau_pos": (*_above(0), ""),
     "algo.tau_neg": (*_above(0), ""),
     "algo.router_shift_floor": (*_within(0, 1), ""),
+    "algo.clip_cov_ratio": (*_within(0, 1, lo_open=True), "a share of the tokens (at least one is always picked)"),
+    "algo.kl_cov_ratio": (*_within(0, 1, lo_open=True), "a share of the tokens (at least one is always picked)"),
+    "algo.kl_cov_coef": (*_at_least(0), ""),
+    "algo.passk_k": (*_at_least(1), "pass@k of k >= 1 samples"),
     "algo.max_sample_batches": (*_at_least(1), ""),
     "algo.overlong_buffer": (*_at_least(0), "0 = off"),
     "algo.overlong_penalty": (*_at_least(0), ""),
@@ -159,6 +163,8 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if cfg.algo.overlong_buffer > r.max_new_tokens:
         return (f"algo.overlong_buffer={cfg.algo.overlong_buffer}: must be at most rollout.max_new_tokens="
                 f"{r.max_new_tokens} (the punishment starts max_new_tokens - overlong_buffer tokens in)")
+    if cfg.algo.advantage == "passk" and cfg.algo.passk_k > r.group_size:
+        return f"algo.passk_k={cfg.algo.passk_k}: must be at most rollout.group_size={r.group_size} (k of the group's samples)"
     positions = _max_positions(cfg)
     if positions and r.max_new_tokens >= positions:
         return (f"rollout.max_new_tokens={r.max_new_tokens}: must be below the model's {positions} positions "

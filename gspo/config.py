@@ -36,6 +36,12 @@ class AlgoConfig:
     tau_pos: float = 1.0  # SAPO gate temperature for A > 0
     tau_neg: float = 1.05  # SAPO gate temperature for A < 0
     router_shift_floor: float = 0.0  # RSPO: lower bound of the router-shift factor
+    clip_cov_ratio: float = 2e-4  # Clip-Cov: share of tokens (at least one) whose gradient is cut, drawn among ...
+    clip_cov_lb: float = 1.0  # ... those with covariance(A, log pi) in (clip_cov_lb, clip_cov_ub)
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3  # KL-Cov: share of tokens (top covariance, at least one) penalised by kl_cov_coef |log pi - log pi_old|
+    kl_cov_coef: float = 1.0
+    passk_k: int = 4  # advantage passk: the k of pass@k (1 <= k <= rollout.group_size)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
     max_sample_batches: int = 4  # DAPO: at most this many rollout batches drawn per step to fill it
     overlong_filter: bool = False  # DAPO: mask truncated completions out of the loss

@@ -47,6 +47,11 @@ class Hyper:
     router_shift: Optional[Tensor] = None  # (B, T) RSPO router-shift factor; None = ones
     router_shift_floor: float = 0.0  # RSPO lower bound of the factor
     is_weight: Optional[Tensor] = None  # (B, T) truncated IS weights of the sampler/trainer mismatch (TIS); None = ones
+    clip_cov_ratio: float = 2e-4  # Clip-Cov: share of tokens whose gradient is cut (at least one)
+    clip_cov_lb: float = 1.0  # Clip-Cov: only tokens with covariance in (lb, ub) are candidates
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3  # KL-Cov: share of tokens (top covariance, at least one) given the |d_t| penalty
+    kl_cov_coef: float = 1.0  # KL-Cov: coefficient of that penalty
 
 
 HYPER_NAMES = tuple(f.name for f in fields(Hyper))
@@ -60,7 +65,8 @@ class Terms:
     ratio: Tensor  # the algorithm's ratio, for policy/ratio_* stats
     clip_low: Tensor  # bool: A < 0 side clipped (gradient cut / weight capped)
     clip_high: Tensor  # bool: A > 0 side clipped
-    clip_dual: Optional[Tensor] = None  # bool: dual clip active (A < 0, ratio > c)
+    clip_dual: Optional[Tensor] = None  # bool: dual clip active (A < 0, ratio > c); DPPO: IS weight truncated at c
+    clip_cov: Optional[Tensor] = None  # bool: Clip-Cov / KL-Cov picked the token (gradient cut / penalised)
 
 
 LossFn = Callable[[Tensor, Tensor, Tensor, Tensor, Hyper], Terms]
@@ -268,6 +274,118 @@ def nll(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> 
     return Terms(adv * logp, w, _no_clip(w), _no_clip(w))
 
 
+# GPG, arXiv 2504.02546: the plain policy gradient A log pi, averaged over all tokens; no ratio,
+# no clip (the paper updates once per rollout batch). Its own part is the advantage (gspo.advantages.gpg).
+register_loss("gpg", agg="token_mean")(nll)
+
+
+def _truncated_is(w: Tensor, h: Hyper) -> tuple[Tensor, Optional[Tensor]]:
+    """sg(min(w, c)) with c = clip_ratio_c (None: no cap), and where the cap bit."""
+    wd = w.detach()
+    if h.clip_ratio_c is None:
+        return wd, None
+    return wd.clamp(max=h.clip_ratio_c), wd > h.clip_ratio_c
+
+
+def _dppo(logp: Tensor, old_logp: Tensor, adv: Tensor, inside_pos: Tensor, inside_neg: Tensor, h: Hyper) -> Terms:
+    """DPPO's masked policy gradient: J = M_t sg(min(w_t, c)) A log pi(y_t), M_t = 0 where the update left
+    the trust region in the direction A pushes (A > 0: pi grew too much; A <= 0: pi shrank too much).
+
+    Its gradient is the unclipped surrogate's, w A grad log pi, on the kept tokens (for w <= c).
+    """
+    w = torch.exp(logp - old_logp)
+    w_bar, capped = _truncated_is(w, h)
+    keep = torch.where(adv > 0, inside_pos, inside_neg)
+    objective = keep.to(logp.dtype) * w_bar * adv * logp
+    dual = None if capped is None else capped & keep
+    return Terms(objective, w.detach(), ~keep & (adv < 0), ~keep & (adv > 0), dual)
+
+
+@register_loss("dppo_tv", agg="seq_mean_token_sum_norm")
+def dppo_tv(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """DPPO-Binary-TV, arXiv 2602.04879: trust region |pi(y_t) - pi_old(y_t)| (the binary TV) instead of the ratio.
+
+    eps_high / eps_low are the TV thresholds: A > 0 tokens are masked once pi - pi_old > eps_high,
+    A <= 0 tokens once pi - pi_old < -eps_low.
+    """
+    with torch.no_grad():
+        dp = torch.exp(logp) - torch.exp(old_logp)
+    return _dppo(logp, old_logp, adv, dp <= h.eps_high, dp >= -h.eps_low, h)
+
+
+@register_loss("dppo_kl", agg="seq_mean_token_sum_norm")
+def dppo_kl(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """DPPO-Binary-KL, arXiv 2602.04879: the trust region is the KL between the two Bernoulli distributions
+    (y_t, not y_t) of pi_old and pi: D = p' log(p'/p) + (1 - p') log((1 - p')/(1 - p)), p' = pi_old(y_t).
+
+    A > 0 tokens are masked where D > eps_high and pi grew; A <= 0 tokens where D > eps_low and pi shrank.
+    """
+    with torch.no_grad():
+        p_old, p = torch.exp(old_logp), torch.exp(logp)
+        # log(1 - p) as log(-expm1(log p)), exact near p = 1 (verl adds 1e-8 inside instead); xlogy: 0 log 0 = 0
+        log1m = torch.log(-torch.expm1(logp))
+        div = p_old * (old_logp - logp) + torch.xlogy(1 - p_old, 1 - p_old) - (1 - p_old) * log1m
+        div = torch.where(p_old < 1, div, old_logp - logp)  # p_old = 1: D = -log p (avoids 0 * -inf)
+    return _dppo(logp, old_logp, adv, (div <= h.eps_high) | (p <= p_old), (div <= h.eps_low) | (p >= p_old), h)
+
+
+def _token_cov(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
+    """(A_t - mean A) (log pi_t - mean log pi) per token, means over the batch's tokens (arXiv 2505.22617)."""
+    n = mask.sum().clamp(min=1.0)
+    lp = logp.detach()
+    return (adv - (adv * mask).sum() / n) * (lp - (lp * mask).sum() / n)
+
+
+@register_loss("clip_cov", agg="token_mean")
+def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """Clip-Cov, arXiv 2505.22617: GRPO's PPO clip, plus the gradient of a few high-covariance tokens cut.
+
+    Of the tokens not already clipped whose covariance lies in (clip_cov_lb, clip_cov_ub),
+    max(1, int(clip_cov_ratio * #tokens)) are drawn at random (torch's global generator) and drop out.
+    """
+    w = torch.exp(logp - old_logp)
+    objective, low, high, dual = _ppo_clip(w, adv, h)
+    with torch.no_grad():
+        cov = _token_cov(logp, adv, mask)
+        cand = (mask > 0) & ~low & ~high & (cov > h.clip_cov_lb) & (cov < h.clip_cov_ub)
+        idx = cand.flatten().nonzero().squeeze(1)
+        n_pick = max(int(h.clip_cov_ratio * float(mask.sum())), 1)
+        picked = torch.zeros(cand.numel(), dtype=torch.bool, device=cand.device)
+        picked[idx[torch.randperm(idx.numel(), device=idx.device)[:n_pick]]] = True
+        picked = picked.view_as(cand)
+    objective = torch.where(picked, torch.zeros_like(objective), objective)
+    return Terms(objective, w, low, high, dual, clip_cov=picked)
+
+
+@register_loss("kl_cov", agg="token_mean")
+def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """KL-Cov, arXiv 2505.22617: the unclipped surrogate w A, minus kl_cov_coef |log pi - log pi_old| on the
+    max(1, int(kl_cov_ratio * #tokens)) tokens of highest covariance. No ratio clip."""
+    d = logp - old_logp
+    w = torch.exp(d)
+    with torch.no_grad():
+        cov = _token_cov(logp, adv, mask).masked_fill(mask == 0, -torch.inf).flatten()
+        n_pick = min(max(int(h.kl_cov_ratio * float(mask.sum())), 1), int(mask.sum()))
+        picked = torch.zeros_like(cov, dtype=torch.bool)
+        picked[torch.topk(cov, n_pick).indices] = True
+        picked = picked.view_as(logp)
+    objective = w * adv - h.kl_cov_coef * picked.to(logp.dtype) * d.abs()
+    return Terms(objective, w.detach(), _no_clip(w), _no_clip(w), clip_cov=picked)
+
+
+@register_loss("topr", agg="seq_mean_token_sum_norm")
+def topr(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """TOPR, arXiv 2503.14286: REINFORCE with the trajectory IS weight truncated to [0, 1] on negative samples only.
+
+    J = sg(alpha_i) A log pi(y_t), alpha_i = 1 where A >= 0 (supervised-like, no IS weight) and
+    min(pi(y_i) / pi_old(y_i), 1) where A < 0, the ratio of the whole completion (product over its tokens).
+    """
+    seq_w = torch.exp(((logp - old_logp) * mask).sum(dim=1, keepdim=True)).detach().expand_as(logp)
+    alpha = torch.where(adv < 0, seq_w.clamp(max=1.0), torch.ones_like(seq_w))
+    # clip/frac_low: negative samples whose weight was capped at 1 (scaled, never cut, like CISPO's cap)
+    return Terms(alpha * adv * logp, seq_w, (adv < 0) & (seq_w > 1.0), _no_clip(seq_w))
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -284,6 +402,8 @@ def _parse_hyper(hyper: dict) -> Hyper:
         raise ConfigError(f"SAPO temperatures must be > 0, got tau_pos={h.tau_pos}, tau_neg={h.tau_neg}")
     if h.beta < 0:
         raise ConfigError(f"beta must be >= 0, got {h.beta}")
+    if not (0 < h.clip_cov_ratio <= 1 and 0 < h.kl_cov_ratio <= 1):
+        raise ConfigError(f"clip_cov_ratio and kl_cov_ratio must be in (0, 1], got {h.clip_cov_ratio}, {h.kl_cov_ratio}")
     if h.kl_estimator not in KL_KINDS:
         raise ConfigError(f"unknown KL estimator {h.kl_estimator!r}; valid: {', '.join(KL_KINDS)}")
     return h
@@ -363,6 +483,8 @@ def policy_loss(
         stats["clip/seq_frac"] = float((low | high).any(dim=1).sum() / m.any(dim=1).sum().clamp(min=1))
         if terms.clip_dual is not None:
             stats["clip/frac_dual"] = float((terms.clip_dual & m).sum() / n_tok)
+        if terms.clip_cov is not None:
+            stats["clip/frac_cov"] = float((terms.clip_cov & m).sum() / n_tok)
         r = terms.ratio.detach()[m]
         empty = r.numel() == 0
         stats["policy/ratio_mean"] = 1.0 if empty else float(r.mean())

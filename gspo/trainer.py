@@ -256,7 +256,7 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
     mask = ro.completion_mask.clone()
     if algo.overlong_filter:
         mask[ro.truncated] = 0.0  # DAPO: truncated completions carry no signal about the answer
-    adv = compute_advantages(algo.advantage, batch.rewards, cfg.rollout.group_size)
+    adv = compute_advantages(algo.advantage, batch.rewards, cfg.rollout.group_size, passk_k=algo.passk_k)
     metrics: dict[str, float] = {}
     old_logp = ro.sampler_logp  # the rollout policy's log-probs as sampled ...
     every = cfg.rollout.mismatch_every
@@ -273,7 +273,8 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
     agg = algo.agg or get_loss(algo.loss).agg
     hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, agg=algo.agg,
                  max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg, beta=algo.beta,
-                 kl_estimator=algo.kl_estimator, router_shift_floor=algo.router_shift_floor)
+                 kl_estimator=algo.kl_estimator, router_shift_floor=algo.router_shift_floor,
+                 **{k: algo[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef")})
 
     model.train()
     per_mb: dict[str, list[float]] = {}

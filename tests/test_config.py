@@ -138,6 +138,11 @@ BAD_VALUES = [
     (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c=0.5"),
     (["algo.tau_neg=0"], "algo.tau_neg=0"),
     (["algo.router_shift_floor=2"], "algo.router_shift_floor=2"),
+    (["algo=clip_cov", "algo.clip_cov_ratio=0"], "algo.clip_cov_ratio=0"),
+    (["algo=kl_cov", "algo.kl_cov_ratio=1.5"], "algo.kl_cov_ratio=1.5"),
+    (["algo=kl_cov", "algo.kl_cov_coef=-1"], "algo.kl_cov_coef=-1"),
+    (["algo=passk", "algo.passk_k=9"], "algo.passk_k=9"),  # more than rollout.group_size=8
+    (["algo=passk", "algo.passk_k=0"], "algo.passk_k=0"),
     (["algo.max_sample_batches=0"], "algo.max_sample_batches=0"),
     (["algo.overlong_buffer=-1"], "algo.overlong_buffer=-1"),
     (["algo.overlong_buffer=6"], "algo.overlong_buffer=6"),  # more than rollout.max_new_tokens=5

@@ -19,11 +19,16 @@ LENGTHS = [4, 2, 3]  # unequal completion lengths; T = 5 leaves padding on every
 B, T = len(LENGTHS), 5
 
 
-def make_batch(seed=0, noise=0.3, adv=(0.9, -1.3, 0.4)):
-    """logp (leaf, grad), old_logp, mask, advantages; padding holds -inf (log 0): -inf - -inf = nan."""
+def make_batch(seed=0, noise=0.3, adv=(0.9, -1.3, 0.4), probs=False):
+    """logp (leaf, grad), old_logp, mask, advantages; padding holds -inf (log 0): -inf - -inf = nan.
+
+    probs: keep logp <= -0.01, a probability (the losses that read pi itself, DPPO, need one).
+    """
     g = torch.Generator().manual_seed(seed)
     old = -0.1 - 2.0 * torch.rand(B, T, generator=g, dtype=F64)
     logp = old + noise * torch.randn(B, T, generator=g, dtype=F64)
+    if probs:
+        logp = logp.clamp(max=-0.01)
     mask = torch.zeros(B, T, dtype=F64)
     for i, L in enumerate(LENGTHS):
         mask[i, :L] = 1.0
@@ -89,12 +94,29 @@ def reference(name, logp, old, adv, el=0.2, eh=0.2, agg=None, max_tokens=None, c
             for t in range(L):
                 tau = tau_pos if A(i, t) > 0 else tau_neg
                 o.append(torch.sigmoid(tau * (torch.exp(d[t]) - 1)) * 4 / tau * A(i, t))
-        elif name == "nll":
+        elif name in ("nll", "gpg"):
             o = [A(i, t) * logp[i, t] for t in range(L)]
+        elif name in ("dppo_tv", "dppo_kl"):
+            o = []
+            for t in range(L):
+                p, q = math.exp(float(logp[i, t].detach())), math.exp(float(old[i, t]))
+                if name == "dppo_tv":
+                    inside = p - q <= eh if A(i, t) > 0 else p - q >= -el
+                else:
+                    kl = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+                    inside = (kl <= eh or p <= q) if A(i, t) > 0 else (kl <= el or p >= q)
+                w = math.exp(float(d[t].detach()))
+                w = w if c is None else min(w, c)
+                o.append(w * A(i, t) * logp[i, t] if inside else 0.0 * logp[i, t])
+        elif name == "topr":
+            s = math.exp(float(sum(d).detach()))  # the whole completion's ratio, a constant
+            o = [(min(s, 1.0) if A(i, t) < 0 else 1.0) * A(i, t) * logp[i, t] for t in range(L)]
         else:
             raise AssertionError(name)
         objs.append(o)
-    default = {"dapo": "token_mean", "cispo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
+    default = {"dapo": "token_mean", "cispo": "token_mean", "dr_grpo": "seq_mean_token_sum_norm", "gpg": "token_mean",
+               "dppo_tv": "seq_mean_token_sum_norm", "dppo_kl": "seq_mean_token_sum_norm",
+               "topr": "seq_mean_token_sum_norm"}
     return reduce_loops(objs, agg or default.get(name, "seq_mean_token_mean"), max_tokens)
 
 
@@ -104,7 +126,7 @@ def grad(loss, x):
 
 
 def check(name, seed=0, noise=0.3, adv=(0.9, -1.3, 0.4), **hyper):
-    logp, old, mask, a = make_batch(seed, noise, adv)
+    logp, old, mask, a = make_batch(seed, noise, adv, probs=name.startswith("dppo"))
     ours, stats = policy_loss(name, logp, old, a, mask, **hyper)
     kw = {k: v for k, v in hyper.items() if k in ("agg", "max_tokens")}
     kw.update(el=hyper.get("eps_low", 0.2), eh=hyper.get("eps_high", 0.2), c=hyper.get("clip_ratio_c"))
@@ -377,6 +399,12 @@ def reinforce(logp, adv, agg, max_tokens=None):
     ("sapo", {}, "seq_mean_token_mean"),
     ("rspo", {}, "seq_mean_token_mean"),
     ("nll", {}, "seq_mean_token_mean"),
+    ("gpg", {}, "token_mean"),
+    ("dppo_tv", {"eps_low": 0.15, "eps_high": 0.15, "max_tokens": 6}, "seq_mean_token_sum_norm"),
+    ("dppo_kl", {"eps_low": 0.05, "eps_high": 0.05, "max_tokens": 6}, "seq_mean_token_sum_norm"),
+    ("clip_cov", {"clip_cov_ratio": 0.5, "clip_cov_lb": -1e9, "clip_cov_ub": -1e8}, "token_mean"),  # no candidate
+    ("kl_cov", {}, "token_mean"),  # |d| = 0 on-policy: the penalty has no gradient there
+    ("topr", {"max_tokens": 6}, "seq_mean_token_sum_norm"),
 ])
 def test_on_policy_gradient_is_reinforce(name, hyper, agg):
     logp, _, mask, a = make_batch(4)
@@ -463,3 +491,230 @@ def test_every_algo_preset_fits_the_schema_and_the_registries():
         hyper = {k: cfg[k] for k in HYPER_NAMES if k in cfg}
         loss, _ = policy_loss(cfg.loss, logp, old, a, mask, max_tokens=8, ref_logp=old, **hyper)
         assert torch.isfinite(loss)
+
+
+# ---------------------------------------------------------------- DPPO, Clip-Cov, KL-Cov, GPG, TOPR
+
+
+def one_token(p_old, p_new, a, dtype=F64):
+    """A batch of one token: logp (leaf), old_logp, mask, advantage."""
+    logp = torch.tensor([[math.log(p_new)]], dtype=dtype, requires_grad=True)
+    return logp, torch.tensor([[math.log(p_old)]], dtype=dtype), torch.ones(1, 1, dtype=dtype), torch.tensor([a], dtype=dtype)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dppo_and_topr_match_reference(seed):
+    for name, eps in (("dppo_tv", 0.15), ("dppo_kl", 0.05)):
+        st = check(name, seed, noise=0.6, eps_low=eps, eps_high=eps, max_tokens=7)
+        assert 0 < st["clip/frac"] < 1  # both kept and masked tokens
+        check(name, seed, noise=0.6, eps_low=eps, eps_high=eps, max_tokens=7, clip_ratio_c=1.3)
+        check(name, seed, noise=0.6, eps_low=eps, eps_high=eps, agg="token_mean")
+    check("topr", seed, noise=0.6, max_tokens=7)
+    check("gpg", seed)
+
+
+def test_dppo_tv_hand_worked():
+    # pi_old = 0.5. A = +1: pi 0.6 is inside (0.1 <= 0.15), gradient -w A = -1.2 (B = max_tokens = 1);
+    # pi 0.7 left the region upwards (0.2 > 0.15): masked, no value, no gradient.
+    # A = -1: pi 0.3 left downwards (masked); pi 0.9 moved the harmless way: kept, gradient +1.8
+    for p, a, g, low, high in ((0.6, 1.0, -1.2, 0, 0), (0.7, 1.0, 0.0, 0, 1), (0.3, -1.0, 0.0, 1, 0), (0.9, -1.0, 1.8, 0, 0)):
+        logp, old, mask, adv = one_token(0.5, p, a)
+        loss, st = policy_loss("dppo_tv", logp, old, adv, mask, eps_low=0.15, eps_high=0.15, max_tokens=1)
+        assert loss.item() == pytest.approx(-(p / 0.5) * a * math.log(p) if g else 0.0)
+        assert grad(loss, logp).item() == pytest.approx(g)
+        assert (st["clip/frac_low"], st["clip/frac_high"]) == (low, high)
+        assert st["policy/ratio_mean"] == pytest.approx(p / 0.5)
+
+
+def test_dppo_kl_hand_worked_and_truncation():
+    # pi_old = 0.5: D(0.5 || 0.6) = 0.5 ln(5/6) + 0.5 ln(5/4) = 0.0204 <= 0.05 kept;
+    # D(0.5 || 0.7) = 0.5 ln(5/7) + 0.5 ln(5/3) = 0.0872 > 0.05 masked (A > 0 and pi grew)
+    assert 0.5 * math.log(5 / 6) + 0.5 * math.log(5 / 4) == pytest.approx(0.0204, abs=1e-4)
+    for p, g in ((0.6, -1.2), (0.7, 0.0)):
+        logp, old, mask, adv = one_token(0.5, p, 1.0)
+        loss, _ = policy_loss("dppo_kl", logp, old, adv, mask, eps_low=0.05, eps_high=0.05, max_tokens=1)
+        assert grad(loss, logp).item() == pytest.approx(g)
+    # the IS weight 5 is truncated at clip_ratio_c = 3 (a stop-gradient weight): gradient -3 A, counted in frac_dual
+    logp, old, mask, adv = one_token(0.1, 0.5, 1.0)
+    loss, st = policy_loss("dppo_tv", logp, old, adv, mask, eps_low=1.0, eps_high=1.0, max_tokens=1, clip_ratio_c=3.0)
+    assert grad(loss, logp).item() == pytest.approx(-3.0) and st["clip/frac_dual"] == 1.0
+
+
+def test_dppo_kl_finite_when_pi_reaches_one():
+    # float32 rounds p to 1 near log p = 0: the binary KL is +inf there (masked on the A > 0 side), never nan
+    logp = torch.tensor([[0.0, -1e-9]], requires_grad=True)
+    old = torch.tensor([[-0.5, -0.5]])
+    loss, st = policy_loss("dppo_kl", logp, old, torch.tensor([1.0]), torch.ones(1, 2), max_tokens=2,
+                           eps_low=0.05, eps_high=0.05)
+    assert torch.isfinite(loss) and torch.isfinite(grad(loss, logp)).all() and st["clip/frac_high"] == 1.0
+
+
+def test_topr_hand_worked():
+    # seq 0, A = -1, d = [0.2, 0.1]: pi/pi_old = e^0.3 > 1 -> weight 1 (capped): gradient +1/(B max_tokens) per token
+    # seq 1, A = -1, d = [-0.5]: weight e^-0.5; seq 2, A = +2, d = [0.4]: no weight (2 per token)
+    logp = torch.tensor([[0.2, 0.1], [-0.5, 0.0], [0.4, 0.0]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[1.0, 1], [1, 0], [1, 0]], dtype=F64)
+    loss, st = policy_loss("topr", logp, torch.zeros(3, 2, dtype=F64), torch.tensor([-1.0, -1.0, 2.0], dtype=F64),
+                           mask, max_tokens=2)
+    w = math.exp(-0.5)
+    assert loss.item() == pytest.approx(-(-(0.2 + 0.1) - w * -0.5 + 2 * 0.4) / 6)
+    torch.testing.assert_close(grad(loss, logp), torch.tensor([[1 / 6, 1 / 6], [w / 6, 0], [-2 / 6, 0]], dtype=F64))
+    assert st["clip/frac_low"] == pytest.approx(2 / 4) and st["clip/frac_high"] == 0.0  # seq 0's two tokens
+
+
+def cov_by_hand(logp, adv, mask):
+    """{(i, t): (A - mean A)(log pi - mean log pi)}, means over the batch's tokens, python floats."""
+    toks = [(i, t) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t] > 0]
+    a = {k: float(adv[k[0]] if adv.dim() == 1 else adv[k]) for k in toks}
+    lp = {k: float(logp[k]) for k in toks}
+    ma, ml = sum(a.values()) / len(toks), sum(lp.values()) / len(toks)
+    return {k: (a[k] - ma) * (lp[k] - ml) for k in toks}
+
+
+def test_kl_cov_penalises_the_top_covariance_tokens():
+    logp, old, mask, a = make_batch(2, noise=0.4)
+    n_tok = 9
+    for ratio in (0.1, 0.3):  # int(0.9) -> at least 1 token; int(2.7) = 2 tokens
+        loss, st = policy_loss("kl_cov", logp, old, a, mask, kl_cov_ratio=ratio, kl_cov_coef=0.7)
+        cov = cov_by_hand(logp.detach(), a, mask)
+        top = sorted(cov, key=cov.get, reverse=True)[:max(int(ratio * n_tok), 1)]
+        objs = [[torch.exp(logp[i, t] - old[i, t]) * a[i] - (0.7 * (logp[i, t] - old[i, t]).abs() if (i, t) in top else 0)
+                 for t in range(L)] for i, L in enumerate(LENGTHS)]
+        ref = reduce_loops(objs, "token_mean")
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(grad(loss, logp), grad(ref, logp))
+        assert st["clip/frac_cov"] == pytest.approx(len(top) / n_tok) and st["clip/frac"] == 0.0
+
+
+def test_clip_cov_cuts_exactly_the_candidate_tokens():
+    # one batch of 2 sequences, all ratios 1 (no PPO clip); covariances by hand select the candidates
+    logp, old, mask, a = make_batch(3, noise=0.0)
+    logp = logp.detach().clone()
+    logp[mask > 0] = torch.tensor([-3.0, -0.2, -0.3, -0.1, -3.5, -0.4, -2.5, -0.1, -0.2], dtype=F64)
+    old = logp.clone()
+    logp.requires_grad_()
+    adv = torch.tensor([2.0, -2.0, 0.5], dtype=F64)
+    cov = cov_by_hand(logp.detach(), adv, mask)
+    cands = {k for k, v in cov.items() if 1.0 < v < 5.0}
+    assert 0 < len(cands) < 9
+    # ratio 1: every candidate is cut (their gradient is 0), the rest keep REINFORCE's gradient -A / #tokens
+    loss, st = policy_loss("clip_cov", logp, old, adv, mask, clip_cov_ratio=1.0)
+    g = grad(loss, logp)
+    for (i, t) in cov:
+        assert g[i, t].item() == pytest.approx(0.0 if (i, t) in cands else -float(adv[i]) / 9)
+    assert st["clip/frac_cov"] == pytest.approx(len(cands) / 9) and st["clip/frac"] == 0.0
+    # a small ratio cuts exactly one of them (max(1, int(ratio * 9)))
+    loss, st = policy_loss("clip_cov", logp, old, adv, mask, clip_cov_ratio=1e-4)
+    g = grad(loss, logp)
+    cut = [k for k in cov if g[k].item() == 0.0]
+    assert len(cut) == 1 and cut[0] in cands and st["clip/frac_cov"] == pytest.approx(1 / 9)
+
+
+def test_cov_ratios_are_checked():
+    logp, old, mask, a = make_batch()
+    with pytest.raises(ValueError, match="clip_cov_ratio"):
+        policy_loss("clip_cov", logp, old, a, mask, clip_cov_ratio=0.0)
+
+
+# ---------------------------------------------------------------- against verl's formulas
+# verl cannot be a test dependency (it is not installed), so its functions are re-stated here, minimal
+# and faithful, from verl/trainer/ppo/core_algos.py at commit 1dda039b9c6311889a9c9a26040677e1254814f9
+# (github.com/verl-project/verl): compute_policy_loss_dppo_tv / _dppo_kl / _clip_cov / _kl_cov / _gpg and
+# agg_loss. Differences to gspo that do not change these numbers: verl clamps the log-ratio to [-20, 20]
+# (never reached here) and adds 1e-8 inside the binary KL's logs (gspo is exact, see docs/algorithms.md).
+
+
+def _vmean(x, m):
+    return (x * m).sum() / m.sum()
+
+
+def verl_agg(loss_mat, m, mode, scale=None):
+    if mode == "token-mean":
+        return (loss_mat * m).sum() / m.sum()
+    seq = (loss_mat * m).sum(-1)
+    return seq.sum() / (m.sum(-1) > 0).float().sum() / scale  # seq-mean-token-sum-norm, loss_scale_factor
+
+
+def verl_dppo(kind, old, logp, adv, m, low, high, c=20.0, mode="token-mean", scale=None):
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    tr = torch.clamp(ratio, max=c).detach()
+    prob, old_prob = torch.exp(logp), torch.exp(old)
+    if kind == "tv":
+        pos, neg = (prob - old_prob) <= high, (prob - old_prob) >= -low
+    else:
+        bkl = old_prob * (old - logp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        pos, neg = (bkl <= high) | (prob <= old_prob), (bkl <= low) | (prob >= old_prob)
+    valid = torch.where(adv > 0, pos, neg).detach().float()
+    return verl_agg(-adv * tr * logp * valid, m, mode, scale), _vmean(1.0 - valid, m)
+
+
+def verl_clip_cov(old, logp, adv, m, low, high, ratio_c, lb, ub):
+    ratio = torch.exp(logp - old)
+    l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    by_origin = (l2 > l1) & (m > 0)
+    cov = (adv - _vmean(adv, m)) * (logp - _vmean(logp.detach(), m))
+    cov[m == 0] = -torch.inf
+    cov[by_origin] = -torch.inf
+    n = max(int(ratio_c * m.sum().item()), 1)
+    idx = torch.nonzero((cov < ub) & (cov > lb) & (m > 0))
+    if len(idx) > 0:
+        idx = idx[torch.randperm(len(idx))[: min(n, len(idx))]]
+    corr = torch.ones_like(adv)
+    corr[idx[:, 0], idx[:, 1]] = 0
+    return verl_agg(torch.maximum(l1, l2) * corr, m, "token-mean"), _vmean((corr == 0).float(), m)
+
+
+def verl_kl_cov(old, logp, adv, m, ratio_k, coef):
+    d = logp - old
+    pg, pg_kl = -adv * torch.exp(d), -adv * torch.exp(d) + coef * d.abs()
+    valid_idx = torch.nonzero((m > 0).reshape(-1), as_tuple=True)[0]
+    va, vl = adv[m > 0].detach().reshape(-1), logp[m > 0].detach().reshape(-1)
+    cov = (va - va.mean()) * (vl - vl.mean())
+    top = valid_idx[torch.topk(cov, max(1, int(len(cov) * ratio_k)), largest=True).indices]
+    rows, cols = top // adv.shape[1], top % adv.shape[1]
+    pg = pg.clone()
+    pg[rows, cols] = pg_kl[rows, cols]
+    return verl_agg(pg, m, "token-mean")
+
+
+def peer_batch(seed, noise=0.5):
+    """make_batch with finite padding (verl multiplies padding by the mask: -inf would give nan) and token advantages."""
+    logp, old, mask, a = make_batch(seed, noise, probs=True)
+    logp = torch.where(mask > 0, logp.detach(), torch.zeros_like(mask)).requires_grad_()
+    old = torch.where(mask > 0, old, torch.zeros_like(mask))
+    return logp, old, mask, a.unsqueeze(1).expand(B, T).contiguous()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dppo_equals_verl(seed):
+    logp, old, mask, adv = peer_batch(seed, noise=0.6)
+    for kind, eps in (("tv", 0.15), ("kl", 0.05)):
+        for c, mode, agg in ((20.0, "token-mean", "token_mean"), (1.2, "seq-mean-token-sum-norm", None)):
+            ours, st = policy_loss(f"dppo_{kind}", logp, old, adv, mask, eps_low=eps, eps_high=eps, clip_ratio_c=c,
+                                   agg=agg, max_tokens=7)
+            theirs, clipfrac = verl_dppo(kind, old, logp, adv, mask, eps, eps, c, mode, scale=7)
+            torch.testing.assert_close(ours, theirs)
+            torch.testing.assert_close(grad(ours, logp), grad(theirs, logp))
+            assert st["clip/frac"] == pytest.approx(float(clipfrac))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clip_cov_and_kl_cov_equal_verl(seed):
+    logp, old, mask, adv = peer_batch(seed, noise=0.1)
+    adv = adv * 4
+    for ratio in (1e-4, 0.3):
+        torch.manual_seed(seed)  # both draw the cut tokens from the global generator, the same way
+        ours, st = policy_loss("clip_cov", logp, old, adv, mask, clip_cov_ratio=ratio, clip_cov_lb=0.1)
+        torch.manual_seed(seed)
+        theirs, clipfrac = verl_clip_cov(old, logp, adv, mask, 0.2, 0.2, ratio, 0.1, 5.0)
+        torch.testing.assert_close(ours, theirs)
+        torch.testing.assert_close(grad(ours, logp), grad(theirs, logp))
+        assert st["clip/frac_cov"] == pytest.approx(float(clipfrac)) and st["clip/frac_cov"] > 0
+        ours, _ = policy_loss("kl_cov", logp, old, adv, mask, kl_cov_ratio=ratio, kl_cov_coef=0.5)
+        theirs = verl_kl_cov(old, logp, adv, mask, ratio, 0.5)
+        torch.testing.assert_close(ours, theirs)
+        torch.testing.assert_close(grad(ours, logp), grad(theirs, logp))
+    ours, _ = policy_loss("gpg", logp, old, adv, mask)  # verl compute_policy_loss_gpg: -log_prob * A, token mean
+    theirs = verl_agg(-logp * adv, mask, "token-mean")
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(grad(ours, logp), grad(theirs, logp))
