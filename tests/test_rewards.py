@@ -213,7 +213,7 @@ def test_the_shipped_reward_file():
 
 def test_a_hanging_function_ends_the_run_in_one_line_and_keeps_the_finished_steps(tmp_path, cache_dir, monkeypatch):
     """reward.timeout_s: step 2's call never returns; one line names the limit and where the function is stuck,
-    exit 2; steps 0-1 and step 1's checkpoint are on disk."""
+    exit 2; steps 0-1 and step 1's checkpoint are on disk. (Call 0 is the up-front probe, call 1 step 1's.)"""
     from gspo import checkpoint
     from test_cli import one_line_exit_2
 
@@ -225,7 +225,7 @@ def hangs_later(prompts, completions, **kw):
     p = Path({str(counter)!r})
     n = int(p.read_text()) if p.exists() else 0
     p.write_text(str(n + 1))
-    if n >= 1:
+    if n >= 2:
         time.sleep(60)
     return [0.0] * len(completions)
 ''')
