@@ -34,6 +34,18 @@ LR = 1e-3  # both trainers, constant (no warm-up): the benchmarks measure cost, 
 # --------------------------------------------------------------------------- workloads
 
 
+
+def attention(cfg, device: str, dtype) -> str:
+    """The attention implementation gspo loads `cfg.model.path` with (`model.attn_implementation`, `auto`
+    resolved as `gspo.models.choose_attention` does), so TRL and the floor load the model the same way."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from gspo.models import choose_attention
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.model.path))]
+    return choose_attention(model_class, cfg.model.attn_implementation, device, dtype)
+
 @dataclass(frozen=True)
 class Variant:
     """One CPU workload: a model and the shape of one RL step."""

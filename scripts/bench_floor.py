@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import (
-    Run, describe_work, fmt, gspo_overrides, markdown_table, pooled, ratio, run_benchmark, run_worker, versions,
+    Run, attention, describe_work, fmt, gspo_overrides, markdown_table, pooled, ratio, run_benchmark, run_worker, versions,
 )
 from bench_workers import gspo_run
 from gspo.fast_decode import FastDecoder, resolve
@@ -111,7 +111,7 @@ def floor_worker(spec: dict) -> None:
 
     cfg = compose(spec["overrides"])
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
-                                                 attn_implementation=cfg.model.attn_implementation)
+                                                 attn_implementation=attention(cfg, "cpu", torch.float32))
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     task = build_task(cfg.task)
     G, T, M, temp = cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.train.minibatches, cfg.rollout.temperature

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-import bench_common  # noqa: F401  (puts the repository on sys.path)
+import bench_common  # (also puts the repository on sys.path)
 
 
 def cuda_memory() -> dict:
@@ -75,7 +75,8 @@ def trl_args(cfg, model_dir: Path, out_dir: Path, device: str, bf16: bool):
         output_dir=str(out_dir), report_to="none", save_strategy="no", eval_strategy="no",
         use_cpu=device == "cpu", bf16=bf16, fp16=False, gradient_checkpointing=cfg.model.gradient_checkpointing,
         disable_tqdm=True, logging_steps=m, seed=cfg.seed, dataloader_num_workers=0, shuffle_dataset=False,
-        log_completions=False, model_init_kwargs={"dtype": dtype, "attn_implementation": cfg.model.attn_implementation},
+        log_completions=False,
+        model_init_kwargs={"dtype": dtype, "attn_implementation": bench_common.attention(cfg, device, dtype)},
         max_steps=cfg.train.steps * m, per_device_train_batch_size=rows // m, gradient_accumulation_steps=1,
         steps_per_generation=m, num_iterations=1, num_generations=cfg.rollout.group_size,
         max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,

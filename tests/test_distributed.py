@@ -127,6 +127,21 @@ def one_process(tmp_path_factory, cache_dir):
     return run_dir
 
 
+def assert_adam_close(b: torch.Tensor, a: torch.Tensor, lr: float, name: str) -> None:
+    """Weights after one AdamW step, 2 ranks (b) vs 1 process (a).
+
+    Adam's first step is lr * g / (|g| + eps): an element whose gradient is near eps (1e-8) moves by an
+    amount that the gradient's rounding decides (the ranks sum their halves in another order), up to
+    ~lr. Such elements are rare (1 in 256 to 1 in 1,024 seen: 1.5e-6 to 7.5e-6 off at lr 1e-3 and 0.05), so:
+    every element within 1% of lr, and all but 1% of them within 5e-6. A wrong loss scale or a missing
+    gradient would move whole tensors (the loss and the gradient norm are compared exactly elsewhere).
+    """
+    diff = (b.float() - a.float()).abs()
+    assert float(diff.max()) <= 0.01 * lr, f"{name}: max |diff| {float(diff.max()):.3g} > 1% of lr {lr}"
+    off = float((diff > 5e-6 + 1e-5 * a.float().abs()).float().mean())
+    assert off <= 0.01, f"{name}: {off:.2%} of the elements differ by more than 5e-6"
+
+
 def assert_same_run(one: Path, two: Path) -> None:
     a, b = jsonl(one / "metrics.jsonl"), jsonl(two / "metrics.jsonl")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1]
@@ -142,12 +157,9 @@ def assert_same_run(one: Path, two: Path) -> None:
                                                                          for s in sb]
     wa, wb = weights(one), weights(two)
     assert wa.keys() == wb.keys()
-    for k in wa:
-        # atol 5e-6 = 0.5% of the lr-1e-3 step: Adam's first step is ~lr * sign(grad), so an element whose
-        # gradient is near Adam's eps moves by a rounding-dependent amount (1.5e-6 seen on one expert
-        # weight of 1,024); a wrong loss scale would move whole tensors by ~lr
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=5e-6, msg=lambda m: f"{k}: {m}")
     cfg = OmegaConf.load(one / "config.yaml")
+    for k in wa:
+        assert_adam_close(wb[k], wa[k], lr=cfg.train.lr, name=k)
     base = load_file(base_model(cfg, build_task(cfg.task)) / "model.safetensors")
     assert max((wa[k] - base[k]).abs().max().item() for k in wa if k in base) > 1e-4  # the step moved the weights
 

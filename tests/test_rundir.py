@@ -37,7 +37,9 @@ def test_claim_takes_the_next_free_name(tmp_path):
     assert rundir.claim(tmp_path / "a" / "12-00-00") == tmp_path / "a" / "12-00-00-3"
 
 
-def test_two_runs_started_in_the_same_second_get_their_own_directories(tmp_path, cache_dir, monkeypatch):
+@pytest.fixture
+def frozen_clock(tmp_path, monkeypatch):
+    """Hydra's clock stopped at 2026-01-01 12:00:00 (its run directories have one-second resolution), cwd tmp_path."""
     import hydra.core.utils
 
     class Frozen(dt.datetime):
@@ -47,6 +49,9 @@ def test_two_runs_started_in_the_same_second_get_their_own_directories(tmp_path,
 
     monkeypatch.setattr(hydra.core.utils, "datetime", Frozen)
     monkeypatch.chdir(tmp_path)
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_directories(tmp_path, cache_dir, frozen_clock):
     for seed in (0, 1):
         res = runner.invoke(app, ["train", *tiny(cache_dir, **{"train.steps": 1, "seed": seed})])
         assert res.exit_code == 0, res.output
@@ -120,16 +125,7 @@ def test_compare_flags_a_run_whose_metrics_repeat_steps(tmp_path):
     assert res.exit_code == 2 and "repeats steps" in res.output
 
 
-def test_two_sweeps_started_in_the_same_second_get_their_own_sweep_directories(tmp_path, monkeypatch):
-    import hydra.core.utils
-
-    class Frozen(dt.datetime):
-        @classmethod
-        def now(cls, tz=None):
-            return cls(2026, 1, 1, 12, 0, 0)
-
-    monkeypatch.setattr(hydra.core.utils, "datetime", Frozen)
-    monkeypatch.chdir(tmp_path)
+def test_two_sweeps_started_in_the_same_second_get_their_own_sweep_directories(tmp_path, frozen_clock):
     first, second = (rundir.run_dir_overrides(["seed=0,1"], multirun=True) for _ in range(2))
     assert first == ["hydra.sweep.dir=outputs/multirun/2026-01-01/12-00-00"]
     assert second == ["hydra.sweep.dir=outputs/multirun/2026-01-01/12-00-00-2"]
