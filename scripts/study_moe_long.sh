@@ -37,56 +37,23 @@ CELLS=(
   "dense_long gspo none gspo"
 )
 
-finished() {  # finished RUN_DIR: exit 0 when the run's summary says it finished
-  python - "$1/summary.json" <<'EOF'
-import json, sys
-try:
-    sys.exit(0 if json.load(open(sys.argv[1])).get("status") == "finished" else 1)
-except (OSError, ValueError):
-    sys.exit(1)
-EOF
+# shellcheck source=scripts/study_lib.sh
+source "$(dirname "$0")/study_lib.sh"
+cell() {  # cell EXPERIMENT ALGO REPLAY NAME SEED
+  run_one "$1 $4 seed $5" "$OUT/$1/$4/seed$5" "+experiment=$1" "algo=$2" "moe.routing_replay=$3" "seed=$5" algo.beta=0 \
+    rollout.old_logprobs=recompute
 }
-
-run_one() {  # run_one EXPERIMENT ALGO REPLAY NAME SEED
-  local exp=$1 algo=$2 replay=$3 name=$4 seed=$5
-  local dir="$OUT/$exp/$name/seed$seed" log="$OUT/logs/$exp-$name-seed$seed.log"
-  if finished "$dir"; then
-    echo "skip  $exp $name seed $seed (finished)"
-    return 0
-  fi
-  local cmd=(train "+experiment=$exp" "algo=$algo" "moe.routing_replay=$replay" "seed=$seed" algo.beta=0
-             rollout.old_logprobs=recompute hardware.threads=1 logger.progress=false "hydra.run.dir=$dir")
-  if compgen -G "$dir/checkpoints/step_*/trainer_state.pt" >/dev/null; then
-    echo "resume $exp $name seed $seed"
-    cmd=(train "resume=$dir")  # the run's own config: continues after its last checkpoint
-  else
-    rm -rf "$dir"  # no checkpoint yet: start it again from scratch
-    echo "start $exp $name seed $seed"
-  fi
-  # shellcheck disable=SC2086  # EXTRA and GSPO are word lists
-  if $GSPO "${cmd[@]}" $EXTRA >>"$log" 2>&1; then
-    echo "done  $exp $name seed $seed: $(grep -h 'held-out accuracy' "$log" || true)"
-  else
-    echo "FAILED $exp $name seed $seed (exit $?): see $log"
-  fi
-}
-export -f finished run_one
-export OUT EXTRA GSPO
+export -f cell
 
 mkdir -p "$OUT/logs"
 start=$(date +%s)
-# The warm-started bases first, one per experiment (in parallel, one thread each like the runs:
-# the thread count changes float rounding, hence the base), so the runs never race to build them.
-# shellcheck disable=SC2086
-printf '%s\n' moe_long dense_long | xargs -P "$JOBS" -I{} python -c \
-  'import sys, torch; from gspo.config import compose; from gspo.models import base_model; from gspo.tasks import build_task
-torch.set_num_threads(1); c = compose(sys.argv[1:]); print("base:", base_model(c, build_task(c.task), log=lambda m: None))' \
-  "+experiment={}" $EXTRA
+# The warm-started bases first, one per experiment (in parallel), so the runs never race to build them.
+printf '%s\n' moe_long dense_long | xargs -P "$JOBS" -I{} bash -c 'build_base "+experiment={}"'
 for cell in "${CELLS[@]}"; do
   for ((seed = 0; seed < SEEDS; seed++)); do
     echo "$cell $seed"
   done
-done | xargs -P "$JOBS" -L1 bash -c 'run_one "$@"' _
+done | xargs -P "$JOBS" -L1 bash -c 'cell "$@"' _
 wall=$(( $(date +%s) - start ))
 echo "study wall time: ${wall} s ($JOBS jobs at a time)" | tee -a "$OUT/wall_time.txt"
 

@@ -52,51 +52,20 @@ for cell in $CELLS; do
   [[ -n "${OVERRIDES[$cell]+x}" ]] || { echo "unknown cell '$cell'; cells: ${!OVERRIDES[*]}" >&2; exit 2; }
 done
 
-finished() {  # finished RUN_DIR: exit 0 when the run's summary says it finished
-  python - "$1/summary.json" <<'EOF'
-import json, sys
-try:
-    sys.exit(0 if json.load(open(sys.argv[1])).get("status") == "finished" else 1)
-except (OSError, ValueError):
-    sys.exit(1)
-EOF
-}
-
-run_one() {  # run_one CELL SEED OVERRIDES...
-  local cell=$1 seed=$2
+# shellcheck source=scripts/study_lib.sh
+source "$(dirname "$0")/study_lib.sh"
+cell() {  # cell CELL SEED OVERRIDES...
+  local name=$1 seed=$2
   shift 2
-  local dir="$OUT/$cell/seed$seed" log="$OUT/logs/$cell-seed$seed.log"
-  if finished "$dir"; then
-    echo "skip  $cell seed $seed (finished)"
-    return 0
-  fi
-  local cmd=(train +experiment=moe_mismatch "$@" "name=$cell" "seed=$seed" algo.beta=0 hardware.threads=1
-             logger.progress=false "hydra.run.dir=$dir")
-  if compgen -G "$dir/checkpoints/step_*/trainer_state.pt" >/dev/null; then
-    echo "resume $cell seed $seed"
-    cmd=(train "resume=$dir")  # the run's own config: continues after its last checkpoint
-  else
-    rm -rf "$dir"  # no checkpoint yet: start it again from scratch
-    echo "start $cell seed $seed"
-  fi
-  # shellcheck disable=SC2086  # EXTRA and GSPO are word lists
-  if $GSPO "${cmd[@]}" $EXTRA >>"$log" 2>&1; then
-    echo "done  $cell seed $seed: $(grep -h 'held-out accuracy' "$log" | tail -1 || true)"
-  else
-    echo "FAILED $cell seed $seed (exit $?): see $log"
-  fi
+  run_one "$name seed $seed" "$OUT/$name/seed$seed" +experiment=moe_mismatch "$@" "name=$name" "seed=$seed" algo.beta=0
 }
-export -f finished run_one
-export OUT EXTRA GSPO
+export -f cell
 
 mkdir -p "$OUT/logs"
 start=$(date +%s)
-# The warm-started base first (one thread, like the runs: the thread count changes float rounding, hence
-# the base), then the mismatch of the starting policy, before any update, for each sampler precision.
-# shellcheck disable=SC2086
-python -c 'import sys, torch; from gspo.config import compose; from gspo.models import base_model; from gspo.tasks import build_task
-torch.set_num_threads(1); c = compose(sys.argv[1:]); print("base:", base_model(c, build_task(c.task), log=lambda m: None))' \
-  +experiment=moe_mismatch $EXTRA
+# The warm-started base first, then the mismatch of the starting policy, before any update, for each
+# sampler precision.
+build_base +experiment=moe_mismatch
 for dtype in bfloat16 float16; do
   if [[ ! -s "$OUT/probe_$dtype.json" ]]; then
     # shellcheck disable=SC2086
@@ -109,7 +78,7 @@ for cell in $CELLS; do
   for ((seed = 0; seed < SEEDS; seed++)); do
     echo "$cell $seed ${OVERRIDES[$cell]}"
   done
-done | xargs -P "$JOBS" -L1 bash -c 'run_one "$@"' _
+done | xargs -P "$JOBS" -L1 bash -c 'cell "$@"' _
 wall=$(( $(date +%s) - start ))
 echo "study wall time: ${wall} s ($JOBS jobs at a time; cells: $CELLS)" | tee -a "$OUT/wall_time.txt"
 
