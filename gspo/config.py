@@ -167,8 +167,8 @@ class RolloutConfig:
     # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step
     dtype: Optional[str] = None
     # hf | fast | auto: the decode engine; fast = gspo/fast_decode.py (Qwen3, Qwen3-MoE; same samples as hf),
-    # auto = fast where it supports the model; both fall back to hf elsewhere (a warning says why, once)
-    engine: str = "hf"
+    # auto (default) = fast where it supports the model, quietly hf elsewhere; fast says why when it falls back
+    engine: str = "auto"
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
     # forward pass of the trainer; auto = sampler when sampler and trainer are the same float32 model, else recompute
     old_logprobs: str = "auto"

@@ -73,10 +73,11 @@ def unsupported(model: torch.nn.Module, compile: bool = False) -> Optional[str]:
 
 
 def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
-    """`hf` or `fast` for this model: `fast`/`auto` fall back to `hf` where unsupported (a warning, once per reason).
+    """`hf` or `fast` for this model: `fast`/`auto` fall back to `hf` where unsupported (`fast`: a warning, once per reason).
 
-    `auto` picks `fast` wherever it is supported: its equality tests against `hf` pass for both
-    families (tests/test_fast_decode.py). Which engine is faster is measured in docs/benchmarks.md.
+    `auto` (the default) picks `fast` wherever it is supported: its equality tests against `hf` pass
+    for both families (tests/test_fast_decode.py), and it was faster on every CPU benchmark
+    (docs/benchmarks.md).
     """
     if engine not in ENGINES:
         raise ValueError(f"rollout.engine={engine!r}: expected one of {', '.join(ENGINES)}")
@@ -85,7 +86,7 @@ def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
     why = unsupported(model, compile)
     if why is None:
         return "fast"
-    if why not in _LOGGED:
+    if engine == "fast" and why not in _LOGGED:  # asked for by name: say why not; `auto` (the default) falls back quietly
         _LOGGED.add(why)
         warnings.warn(f"rollout.engine={engine}: sampling with the hf engine: {why}", stacklevel=2)
     return "hf"

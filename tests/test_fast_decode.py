@@ -135,7 +135,8 @@ def test_unsupported_models_fall_back_to_hf_with_the_reason_said_once(recwarn):
     assert fast_decode.resolve("fast", model, compile=True) == "hf"
     assert fast_decode.resolve("fast", torch.nn.Linear(2, 2)) == "hf"
     handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
-    assert fast_decode.resolve("auto", model) == "hf"
+    assert fast_decode.resolve("auto", model) == "hf"  # the default falls back quietly
+    assert fast_decode.resolve("fast", model) == "hf"  # asked for by name: says why not
     handle.remove()
     said = [str(w.message) for w in recwarn]
     assert len(said) == 3 and "compile" in said[0] and "Linear is not a supported family" in said[1]
@@ -196,8 +197,9 @@ def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path):
 
     model = adapters.apply(_model("qwen3_moe"), OmegaConf.structured(LoraConfig(r=4)), tmp_path)
     fast_decode._LOGGED.clear()
+    assert fast_decode.resolve("auto", model) == "hf"
     with pytest.warns(UserWarning, match="peft"):
-        assert fast_decode.resolve("auto", model) == "hf"
+        assert fast_decode.resolve("fast", model) == "hf"
     copy = _Copy(model, torch.float32).module
     assert fast_decode.resolve("auto", copy) == "fast"
     _assert_same(*[generate(copy, TOK, PROMPTS, 4, 80, temperature=0.7, generator=_gens(1), engine=e)
