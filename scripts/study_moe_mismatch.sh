@@ -13,9 +13,11 @@
 #     gspo_wide      GSPO at the 10x wider clip range (3e-3, 4e-3) that was level with GRPO on moe_long
 #     grpo_fp16      GRPO, fp16 sampler (Precision-RL's claim)
 #     gspo_fp16      GSPO, fp16 sampler
+#     grpo_fp32      GRPO, float32 sampler (the trainer's precision: no mismatch; the control for the others)
 #   x SEEDS seeds each (default 5); then `gspo compare --by name --baseline grpo` (Welch 95% intervals).
 #   Before the runs, scripts/probe_mismatch.py measures the mismatch of the starting policy (bf16 and fp16
-#   samplers): OUT/probe_bfloat16.json, OUT/probe_float16.json.
+#   samplers): OUT/probe_bfloat16.json, OUT/probe_float16.json (PROBE_BATCHES=0 skips them: a sweep of
+#   learning rates needs them once, not per OUT).
 #
 # Budget: 50 runs of the preset's 200 steps each on the wide MoE are more than 3 hours on 2 cores; size
 # the study from a 1-seed pilot's s/step (the compare table shows it) with EXTRA="train.steps=N" or CELLS.
@@ -46,6 +48,7 @@ declare -A OVERRIDES=(
   [gspo_wide]="algo=gspo algo.eps_low=3e-3 algo.eps_high=4e-3"
   [grpo_fp16]="algo=grpo rollout.dtype=float16"
   [gspo_fp16]="algo=gspo rollout.dtype=float16"
+  [grpo_fp32]="algo=grpo rollout.dtype=float32"
 )
 CELLS=${CELLS:-"grpo grpo_R2 grpo_R3 grpo_tis grpo_icepop gspo gspo_sampler gspo_wide grpo_fp16 gspo_fp16"}
 for cell in $CELLS; do
@@ -67,6 +70,7 @@ start=$(date +%s)
 # sampler precision.
 build_base +experiment=moe_mismatch
 for dtype in bfloat16 float16; do
+  ((PROBE_BATCHES > 0)) || break
   if [[ ! -s "$OUT/probe_$dtype.json" ]]; then
     # shellcheck disable=SC2086
     python "$(dirname "$0")/probe_mismatch.py" +experiment=moe_mismatch "rollout.dtype=$dtype" hardware.threads=1 $EXTRA \
