@@ -4,6 +4,9 @@ Every task splits its problem space into a training part and a held-out part by 
 stable hash of the problem's *canonical form* (`Task.canonical`: `12+34=` and `34+12=`
 are one problem), so training never samples a held-out problem or an equivalent of one,
 and the held-out evaluation set is the same for every run, seed and algorithm.
+
+The package also holds the reward functions (`rewards`) and the time limit on untrusted
+reward and verifier code (`timeouts`). Imports only `gspo.config`.
 """
 
 from __future__ import annotations
