@@ -19,8 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gspo.config import CONF_DIR, _register_resolvers, load_run_config, register_configs, resume_overrides
-from gspo.errors import ConfigError, ReportedError
+from gspo.config.errors import ConfigError, ReportedError
+from gspo.config.loading import _register_resolvers, load_run_config, resume_overrides
+from gspo.config.schema import CONF_DIR, register_configs
 
 register_configs()
 _register_resolvers()
@@ -48,8 +49,8 @@ def hydra_train(cfg: DictConfig) -> float:
 def _train_job(cfg: DictConfig, hc) -> float:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from gspo import distributed, preemption, resume, rundir
-    from gspo.trainer import train
+    from gspo.train import distributed, preemption, resume, rundir
+    from gspo.train.trainer import train
 
     run_dir, before = Path(hc.runtime.output_dir), None
     if cfg.resume:  # continue the stopped run in its own directory, with its own config

@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from hydra.errors import HydraException
-
-from gspo import rundir
-from gspo.resume import check as check_resume
-from gspo.checks import check_machine
-from gspo.config import (GROUPS, _explain, compose, group_options, load_run_config, resume_overrides, resume_target,
-                         sweep_combinations)
-from gspo.errors import ConfigError, ReportedError, tidy_warnings
+from gspo.config.checks import check_machine
+from gspo.config.errors import ConfigError, ReportedError, tidy_warnings
+from gspo.config.loading import _explain, compose, load_run_config, resume_overrides, resume_target, sweep_combinations
+from gspo.config.schema import GROUPS, group_options
+from gspo.train import rundir
+from gspo.train.resume import check as check_resume
 
 
 def _groups_help() -> str:
@@ -65,7 +64,7 @@ TRAIN_HELP = f"""Train with Hydra OVERRIDES (KEY=VALUE or GROUP=OPTION).
 Examples:
 
 \b{TRAIN_EXAMPLES}
-Every key, its meaning and what it accepts: docs/contracts.md and gspo/config.py.
+Every key, its meaning and what it accepts: docs/contracts.md and gspo/config/schema.py.
 
 {_groups_help()}
 """
@@ -110,7 +109,8 @@ def _runs_here(overrides: list[str]) -> bool:
 
 def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: bool) -> list:
     """Every check that needs no work, for each job; raises ConfigError. Returns the jobs' configs."""
-    from gspo.distributed import check as check_distributed
+    from gspo.train.checks import check  # imports torch and the registries: not for `gspo --help`
+    from gspo.train.distributed import check as check_distributed
 
     resume = resume_target(overrides)
     if resume and multirun:
@@ -127,6 +127,7 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
         cfgs = [compose(combo) for combo in (sweep_combinations(overrides) if multirun else [overrides])]
     machine = _runs_here(overrides) and not _PRINT_ONLY_FLAGS.intersection(hydra_flags)
     for cfg in cfgs:
+        check(cfg)  # registries, LoRA, data file, reward functions, sampler
         check_distributed(cfg)  # e.g. prompts that do not split over hardware.nproc
         if machine:
             check_machine(cfg)
@@ -189,7 +190,7 @@ def eval(
     overrides: Optional[List[str]] = typer.Argument(None, help="Config overrides, e.g. task.eval_size=500 eval.pass_k=4"),
     examples: int = typer.Option(5, help="Example completions to print."),
 ) -> None:
-    from gspo.evaluate import run_eval
+    from gspo.results.evaluate import run_eval
 
     try:
         run_eval(target, list(overrides or []), examples=examples)
@@ -205,8 +206,8 @@ def compare(
     threshold: Optional[float] = typer.Option(None, help="Accuracy target for 'steps to target' (default: halfway from base to best)."),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="A group to compare every other group with (difference of means, Welch 95% interval)."),
 ) -> None:
-    from gspo.compare import compare as run_compare
-    from gspo.compare import print_report
+    from gspo.results.compare import compare as run_compare
+    from gspo.results.compare import print_report
 
     try:
         result = run_compare(paths, by=by, out=out, threshold=threshold, baseline=baseline)

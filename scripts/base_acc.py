@@ -12,10 +12,11 @@ import tempfile
 
 import torch
 
-from gspo.config import compose
-from gspo.evaluate import evaluate, heldout_problems
-from gspo.models import base_model, load_pretrained
+from gspo.config.loading import compose
+from gspo.models.build import load_pretrained
 from gspo.tasks import build_task
+from gspo.train.heldout import evaluate, heldout_problems
+from gspo.train.warm_start import base_model
 
 
 def main(threads: int, overrides: list[str]) -> dict:

@@ -1,7 +1,7 @@
 """Shared parts of the benchmarks (scripts/bench_*.py): workloads, models, subprocess runs, tables.
 
 One source of truth for the work: a list of gspo Hydra overrides. `gspo train` runs them as
-they are; the TRL and floor workers compose the same list (`gspo.config.compose`) and take
+they are; the TRL and floor workers compose the same list (`gspo.config.loading.compose`) and take
 their batch, lengths, clip range, learning rate, task and reward from it. So an override
 the lead adds with `--override KEY=VALUE` reaches every side that has an equivalent, and a
 setting TRL cannot express stops the run with a message instead of comparing unlike work.
@@ -37,11 +37,11 @@ LR = 1e-3  # both trainers, constant (no warm-up): the benchmarks measure cost, 
 
 def attention(cfg, device: str, dtype) -> str:
     """The attention implementation gspo loads `cfg.model.path` with (`model.attn_implementation`, `auto`
-    resolved as `gspo.models.choose_attention` does), so TRL and the floor load the model the same way."""
+    resolved as `gspo.models.build.choose_attention` does), so TRL and the floor load the model the same way."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from gspo.models import choose_attention
+    from gspo.models.build import choose_attention
 
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(cfg.model.path))]
     return choose_attention(model_class, cfg.model.attn_implementation, device, dtype)
@@ -198,23 +198,23 @@ def qwen3_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int
 def prepare_model(a) -> Path:
     """The checkpoint directory of the variant's model (built once, cached), loaded by both trainers by path.
 
-    toy:   gspo's own warm-started tiny Qwen3-MoE (`gspo.models.base_model`, default model preset).
+    toy:   gspo's own warm-started tiny Qwen3-MoE (`gspo.train.warm_start.base_model`, default model preset).
     long:  the same architecture (gspo's `qwen3-moe` preset), random weights, `never_ending_tokenizer`.
     vocab: Qwen3 dense, `--vocab-size` rows, `--layers` x `--hidden`, random weights, tied embeddings
            (as Qwen3-0.6B), `never_ending_tokenizer` filled to the vocabulary.
     """
-    from gspo.config import compose
+    from gspo.config.loading import compose
     from gspo.tasks import build_task
 
     kind = VARIANTS[a.variant].model
     base_cfg = compose([f"cache_dir={CACHE}", f"rollout.max_new_tokens={a.max_new_tokens}"])
     task = build_task(base_cfg.task)
     if kind == "toy":
-        from gspo.models import base_model
+        from gspo.train.warm_start import base_model
 
         return base_model(base_cfg, task).resolve()
     if kind == "long":
-        from gspo.models import build_model
+        from gspo.models.build import build_model
 
         def build_long():
             tok = never_ending_tokenizer(task.alphabet)

@@ -30,12 +30,22 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from bench_common import (
-    Run, attention, describe_work, fmt, gspo_overrides, markdown_table, pooled, ratio, run_benchmark, run_worker, versions,
+    Run,
+    attention,
+    describe_work,
+    fmt,
+    gspo_overrides,
+    markdown_table,
+    pooled,
+    ratio,
+    run_benchmark,
+    run_worker,
+    versions,
 )
 from bench_workers import gspo_run
-from gspo.fast_decode import FastDecoder, resolve
+
+from gspo.rollout.fast_decode import FastDecoder, resolve
 
 HERE = Path(__file__).resolve()
 WORKERS = HERE.parent / "bench_workers.py"
@@ -60,7 +70,7 @@ def sample(model, ids: torch.Tensor, mask: torch.Tensor, max_new: int, eos: int,
            temperature: float, gen: torch.Generator, engine: str = "hf") -> tuple[torch.Tensor, torch.Tensor]:
     """(completion ids (N, T'), completion mask (N, T'): 1 up to and including each row's first EOS).
 
-    `engine` `fast`: the decode steps through gspo's fast engine (gspo/fast_decode.py), as gspo's
+    `engine` `fast`: the decode steps through gspo's fast engine (gspo/rollout/fast_decode.py), as gspo's
     sampler runs them under `rollout.engine=fast`, so the floor stays the plainest code on the same engine.
     """
     n, p = ids.shape
@@ -106,7 +116,7 @@ def floor_worker(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo.config import compose
+    from gspo.config.loading import compose
     from gspo.tasks import build_task
 
     cfg = compose(spec["overrides"])

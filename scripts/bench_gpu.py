@@ -8,7 +8,7 @@ filled to the vocabulary, with an EOS one past it, so every completion runs to f
          32 heads / 4 kv heads, head_dim 128, vocab 151,936
 Measurements (`--parts`), one table each, all of them also in a JSON file (`--out`), written
 after every measurement so a run cut short still returns what it finished:
-  rollout   tokens/s of gspo's sampler (`gspo.rollout.generate`) and of `model.generate()`:
+  rollout   tokens/s of gspo's sampler (`gspo.rollout.generate.generate`) and of `model.generate()`:
             same model, same left-padded batch, same lengths, sampling at temperature 1
   step      time per RL step: `gspo train hardware=gpu model=hf model.path=DIR ...` vs TRL's
             GRPOTrainer with the same GSPO settings, bf16 weights on both, alternating subprocesses
@@ -36,10 +36,18 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_common import (
-    ROOT, WorkerFailed, cached_model_dir, fmt, gspo_overrides, markdown_table, random_model, ratio, run_worker,
-    versions, work_dir,
+    ROOT,
+    WorkerFailed,
+    cached_model_dir,
+    fmt,
+    gspo_overrides,
+    markdown_table,
+    random_model,
+    ratio,
+    run_worker,
+    versions,
+    work_dir,
 )
 from bench_workers import gspo_run
 
@@ -76,7 +84,7 @@ def problems_for(a) -> list:
     """The step's prompts: the addition task's training prompts, as `gspo train` draws them."""
     import random
 
-    from gspo.config import compose
+    from gspo.config.loading import compose
     from gspo.tasks import build_task
 
     task = build_task(compose([]).task)
@@ -85,7 +93,7 @@ def problems_for(a) -> list:
 
 def build(name: str, a) -> Path:
     """The model's checkpoint directory (random weights in `--dtype`, built on the device, cached)."""
-    from gspo.config import compose
+    from gspo.config.loading import compose
     from gspo.tasks import build_task
 
     about, shape, moe = (TINY if a.tiny else MODELS)[name]
@@ -96,7 +104,7 @@ def build(name: str, a) -> Path:
 
 
 def load(model_dir: Path, dtype: str, device: str):
-    from gspo.models import load_pretrained
+    from gspo.models.build import load_pretrained
 
     model, tok = load_pretrained(model_dir, DTYPES[dtype])
     return model.to(device).eval(), tok
@@ -113,7 +121,7 @@ def completion_tokens(comp: torch.Tensor, eos: int) -> int:
 
 def bench_rollout(model, tok, a) -> dict:
     """gspo's sampler vs `model.generate()` on the same batch: median seconds per call, tokens/s, peak memory."""
-    from gspo.rollout import encode_prompts, generate, left_pad
+    from gspo.rollout.generate import encode_prompts, generate, left_pad
 
     prompts = [p.prompt for p in problems_for(a)]
     encoded = encode_prompts(tok, prompts)
@@ -135,7 +143,7 @@ def bench_rollout(model, tok, a) -> dict:
         return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0, compile=True)
                    .completion_mask.sum())
 
-    def gspo_fast() -> int:  # gspo/fast_decode.py: `rollout.engine=fast`
+    def gspo_fast() -> int:  # gspo/rollout/fast_decode.py: `rollout.engine=fast`
         return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0, engine="fast")
                    .completion_mask.sum())
 
@@ -171,7 +179,7 @@ def replay_logprobs(model, rollout) -> torch.Tensor:
     """Log-probs (N, T) of the rollout's completion tokens computed the way the sampler computes them:
     a prefill of the prompt, then one token at a time over the KV cache (float32 log-softmax of each
     step's last logits). Used when the Rollout carries no sampler log-probs of its own."""
-    from gspo.rollout import position_ids
+    from gspo.rollout.generate import position_ids
 
     p, comp = rollout.prompt_len, rollout.completion_ids
     n, t = comp.shape
@@ -210,8 +218,8 @@ def mismatch_stats(sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Ten
 
 
 def bench_mismatch(model_dir: Path, a) -> dict:
-    """Sample a batch with gspo's sampler, then compare its log-probs with `gspo.rollout.token_logprobs`."""
-    from gspo.rollout import generate, token_logprobs
+    """Sample a batch with gspo's sampler, then compare its log-probs with `gspo.rollout.generate.token_logprobs`."""
+    from gspo.rollout.generate import generate, token_logprobs
 
     prompts = [p.prompt for p in problems_for(a)]
     out = {}

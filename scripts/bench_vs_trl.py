@@ -28,7 +28,16 @@ import statistics
 from pathlib import Path
 
 from bench_common import (
-    Run, describe_work, fmt, gspo_overrides, markdown_table, pooled, ratio, run_benchmark, run_worker, versions,
+    Run,
+    describe_work,
+    fmt,
+    gspo_overrides,
+    markdown_table,
+    pooled,
+    ratio,
+    run_benchmark,
+    run_worker,
+    versions,
 )
 from bench_workers import gspo_run
 

@@ -59,7 +59,7 @@ def trl_args(cfg, model_dir: Path, out_dir: Path, device: str, bf16: bool):
     from transformers import AutoConfig
     from trl import GRPOConfig
 
-    from gspo.losses import get_loss
+    from gspo.algos.losses import get_loss
 
     algo = cfg.algo
     level = {"gspo": "sequence", "grpo": "token"}.get(algo.loss)
@@ -103,9 +103,9 @@ def trl_worker(spec: dict) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from gspo.config import compose
-    from gspo.rewards import score
+    from gspo.config.loading import compose
     from gspo.tasks import Problem, build_task
+    from gspo.tasks.rewards import score
 
     cfg = compose(spec["overrides"])
     model_dir, out = Path(cfg.model.path), Path(spec["out"])

@@ -31,9 +31,9 @@ def check(model_type: str) -> tuple[str, str]:
     import test_families as tf
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gspo.logprobs import check_head
-    from gspo.models import char_tokenizer, choose_attention, normalise_config
-    from gspo.rollout import encode_prompts, generate, left_pad, position_ids, token_logprobs
+    from gspo.models.build import char_tokenizer, choose_attention, normalise_config
+    from gspo.models.logprobs import check_head
+    from gspo.rollout.generate import encode_prompts, generate, left_pad, position_ids, token_logprobs
 
     tok = char_tokenizer(tf.ALPHABET)
     try:

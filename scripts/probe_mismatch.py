@@ -19,13 +19,15 @@ import random
 
 import torch
 
-from gspo import distributed, moe
-from gspo.config import compose
-from gspo.mismatch import mismatch_metrics, routing_mismatch
-from gspo.models import base_model, load_pretrained
-from gspo.rollout import generate, token_logprobs
-from gspo.sampler import Sampler
+from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
+from gspo.config.loading import compose
+from gspo.models import moe
+from gspo.models.build import load_pretrained
+from gspo.rollout.generate import generate, token_logprobs
+from gspo.rollout.sampler import Sampler
 from gspo.tasks import build_task
+from gspo.train import distributed
+from gspo.train.warm_start import base_model
 
 CLIP_RANGES = {"gspo_paper": (3e-4, 4e-4), "gspo_wide": (3e-3, 4e-3), "grpo": (0.2, 0.2)}
 

@@ -43,7 +43,7 @@ run_one() {
 
 build_base() {
   # shellcheck disable=SC2086
-  python -c 'import sys, torch; from gspo.config import compose; from gspo.models import base_model; from gspo.tasks import build_task
+  python -c 'import sys, torch; from gspo.config.loading import compose; from gspo.tasks import build_task; from gspo.train.warm_start import base_model
 torch.set_num_threads(1); c = compose(sys.argv[1:]); print("base:", base_model(c, build_task(c.task), log=lambda m: None))' \
     "$@" $EXTRA
 }

@@ -5,19 +5,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny
 from omegaconf import OmegaConf
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from gspo import adapters, checkpoint, moe
-from gspo.config import LoraConfig, compose
-from gspo.errors import ConfigError
-from gspo.models import build_model, char_tokenizer
-from gspo.rollout import generate, token_logprobs
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.config.schema import LoraConfig
+from gspo.models import adapters, moe
+from gspo.models.build import build_model, char_tokenizer
+from gspo.rollout.generate import generate, token_logprobs
 from gspo.tasks import build_task
-
-from conftest import tiny
+from gspo.train import checkpoint
+from gspo.train.checks import check
 
 # the tiny shapes of conftest.tiny: hidden 32, 2 heads x 16 (q: 32 wide), 1 kv head x 16, 2 layers
 H, Q, KV, LAYERS, E, I_MOE, I_DENSE = 32, 32, 16, 2, 8, 32, 64
@@ -82,7 +84,7 @@ def test_adapted_experts_change_the_output_and_disabling_restores_the_base(tmp_p
                                             ("target_modules", "[router]")])
 def test_a_target_naming_a_router_is_refused_up_front(field, targets):
     with pytest.raises(ConfigError, match="names an MoE router; routers are never adapted"):
-        compose(["model.lora.r=4", f"model.lora.{field}={targets}"])
+        check(compose(["model.lora.r=4", f"model.lora.{field}={targets}"]))
 
 
 def test_a_router_reached_anyway_is_refused_after_wrapping(tmp_path):
@@ -102,7 +104,7 @@ def test_a_router_reached_anyway_is_refused_after_wrapping(tmp_path):
 def test_bad_lora_values_are_refused_up_front(override, message):
     extra = ["model.lora.r=4"] if "r=" not in override and "save_merged" not in override else []
     with pytest.raises(ConfigError, match=message):
-        compose([override, *extra])
+        check(compose([override, *extra]))
 
 
 def test_dropout_is_fine_on_a_dense_model(tmp_path):
@@ -119,7 +121,7 @@ def test_targets_that_name_nothing_list_the_modules(tmp_path):
 
 def test_lora_and_full_runs_share_the_warm_started_base(cache_dir):
     """The warm-start cache key leaves model.lora out: a LoRA run and a full run start from the same weights."""
-    from gspo.models import _base_key
+    from gspo.train.warm_start import _base_key
 
     full = compose(tiny(cache_dir))
     assert _base_key(full) == _base_key(compose(tiny(cache_dir, **{"model.lora.r": 8, "model.lora.alpha": 4})))
@@ -152,20 +154,21 @@ def rollout_for(model, tokenizer, cfg):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, cache_dir):
     """A 2-step LoRA run on the tiny MoE with the KL term on, no copy of the model allowed, merged export at the end."""
-    import gspo.trainer as trainer
+    import gspo.train.setup as setup
+    import gspo.train.trainer as trainer
 
     run_dir = tmp_path_factory.mktemp("lora")
     seen = []
-    apply, frozen = adapters.apply, trainer._frozen_copy
+    apply, frozen = adapters.apply, setup._frozen_copy
     adapters.apply = lambda *a, **kw: seen.append(apply(*a, **kw)) or seen[-1]
-    trainer._frozen_copy = lambda m: pytest.fail("the LoRA path must not copy the model for the reference")
+    setup._frozen_copy = lambda m: pytest.fail("the LoRA path must not copy the model for the reference")
     try:
         cfg = compose(tiny(cache_dir, algo="grpo", **{"model.lora.r": 4, "model.lora.save_merged": True,
                                                       "train.lr": 0.05, "moe.routing_replay": "R2"}))
         assert cfg.algo.beta > 0
         summary = trainer.train(cfg, run_dir)
     finally:
-        adapters.apply, trainer._frozen_copy = apply, frozen
+        adapters.apply, setup._frozen_copy = apply, frozen
     return run_dir, cfg, seen[0], summary
 
 
@@ -212,8 +215,8 @@ def test_saved_adapter_reloads_with_peft_to_the_same_logprobs(lora_run):
 
 
 def test_eval_and_compare_work_on_a_lora_run(lora_run):
-    from gspo.compare import compare
-    from gspo.evaluate import run_eval
+    from gspo.results.compare import compare
+    from gspo.results.evaluate import run_eval
 
     run_dir = lora_run[0]
     res = run_eval(str(run_dir), [], examples=1, pass_k=1)
@@ -227,7 +230,7 @@ def test_eval_and_compare_work_on_a_lora_run(lora_run):
 
 def test_resume_of_a_lora_run_continues_exactly(tmp_path, cache_dir):
     """2 steps, stop, resume to 3 == 3 steps straight: same adapter, same metrics."""
-    from gspo.trainer import train
+    from gspo.train.trainer import train
 
     over = {"model.lora.r": 4, "model": "qwen3-tiny", "train.lr": 0.05}
     train(compose(tiny(cache_dir, **over, **{"train.steps": 3})), tmp_path / "straight")
@@ -242,7 +245,7 @@ def test_resume_of_a_lora_run_continues_exactly(tmp_path, cache_dir):
 
 
 def test_gradient_checkpointing_still_reaches_the_adapters(tmp_path, cache_dir, captured):
-    from gspo.trainer import train
+    from gspo.train.trainer import train
 
     over = {"model.lora.r": 4, "model.gradient_checkpointing": True, "train.steps": 1, "train.lr": 0.05}
     assert train(compose(tiny(cache_dir, **over)), tmp_path)["status"] == "finished"
@@ -255,7 +258,7 @@ def test_lora_on_two_ranks_computes_what_one_process_computes(strategy, tmp_path
     """GRPO with the KL term (reference = adapters off) and LoRA: 2 gloo ranks == 1 process, adapter for adapter."""
     from test_distributed import assert_adam_close, cli, jsonl, small
 
-    from gspo.trainer import train
+    from gspo.train.trainer import train
 
     over = small(cache_dir, **{"model.lora.r": 4, "train.lr": 0.05})
     train(compose(over), tmp_path / "one")
@@ -276,9 +279,9 @@ def test_a_run_saved_before_these_keys_existed_still_loads(tmp_path, cache_dir):
     """config.yaml of an older run has no model.lora / task.*_column / reward.fn: eval and resume fill the defaults."""
     import yaml
 
-    from gspo.config import load_run_config
-    from gspo.evaluate import run_eval
-    from gspo.trainer import train
+    from gspo.config.loading import load_run_config
+    from gspo.results.evaluate import run_eval
+    from gspo.train.trainer import train
 
     train(compose(tiny(cache_dir, model="qwen3-tiny", **{"train.steps": 1})), tmp_path)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())

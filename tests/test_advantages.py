@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gspo.advantages import compute_advantages, register_advantage
+from gspo.algos.advantages import compute_advantages, register_advantage
 
 # group 0: one right answer of four; group 1: rewards 0, 0.1, 1, 1 (TinyZero-style partial credit)
 R = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.1, 1.0, 1.0])

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny
 from typer.testing import CliRunner
 
 from cli.main import TRAIN_EXAMPLES, app
-from gspo.config import compose
-from gspo.errors import ConfigError
-from gspo.trainer import train
-
-from conftest import tiny
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.train.trainer import train
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +57,7 @@ def test_config_error_inside_the_hydra_job_is_one_line_and_exit_2(in_tmp, monkey
     def refuses(cfg, run_dir):
         raise ConfigError("reward.fn=mine.py:score: raised KeyError on sample 3")
 
-    monkeypatch.setattr("gspo.trainer.train", refuses)
+    monkeypatch.setattr("gspo.train.trainer.train", refuses)
     res = runner.invoke(app, ["train", *tiny(cache_dir)])
     one_line_exit_2(res, "reward.fn=mine.py:score")
 
@@ -72,7 +71,7 @@ def test_config_error_in_one_job_of_a_sweep_names_the_job(in_tmp, monkeypatch, c
             raise ConfigError("bad data for this seed")
         return {}
 
-    monkeypatch.setattr("gspo.trainer.train", refuses_seed_1)
+    monkeypatch.setattr("gspo.train.trainer.train", refuses_seed_1)
     res = runner.invoke(app, ["train", "-m", "seed=0,1,2", *tiny(cache_dir)])
     line = one_line_exit_2(res, "bad data for this seed", "seed=1")
     assert "job 1" in line
@@ -86,10 +85,10 @@ def test_a_worker_that_refused_its_config_exits_2_without_a_traceback(in_tmp, mo
 
     def launch(cfg, run_dir):
         print("gspo: error: task.path=x.jsonl: line 3 lacks a 'prompt' field", file=sys.stderr)  # what the worker printed
-        raise ChildFailedError("gspo.distributed", {1: ProcessFailure(1, 1234, 2, "<N/A>"),
+        raise ChildFailedError("gspo.train.distributed", {1: ProcessFailure(1, 1234, 2, "<N/A>"),
                                                     0: ProcessFailure(0, 1233, -15, "<N/A>")})
 
-    monkeypatch.setattr("gspo.distributed.launch", launch)
+    monkeypatch.setattr("gspo.train.distributed.launch", launch)
     res = runner.invoke(app, ["train", "hardware=cpu-ddp", *tiny(cache_dir)])
     one_line_exit_2(res, "task.path=x.jsonl")
 
@@ -98,9 +97,9 @@ def test_a_worker_crash_is_still_a_failure_not_a_config_error(in_tmp, monkeypatc
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     def launch(cfg, run_dir):
-        raise ChildFailedError("gspo.distributed", {0: ProcessFailure(0, 1233, 1, "<N/A>")})
+        raise ChildFailedError("gspo.train.distributed", {0: ProcessFailure(0, 1233, 1, "<N/A>")})
 
-    monkeypatch.setattr("gspo.distributed.launch", launch)
+    monkeypatch.setattr("gspo.train.distributed.launch", launch)
     res = runner.invoke(app, ["train", "hardware=cpu-ddp", *tiny(cache_dir)])
     assert res.exit_code == 1 and isinstance(res.exception, ChildFailedError)
 

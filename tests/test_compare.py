@@ -11,15 +11,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from gspo.compare import (
-    CompareError,
-    Run,
-    aggregate,
-    compare,
-    detect_collapse,
-    load_runs,
-    print_report,
-)
+from gspo.results.compare import CompareError, Run, compare, detect_collapse, load_runs, print_report
+from gspo.results.groups import aggregate
 
 BASE_CFG = {
     "algo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.2},
@@ -186,7 +179,7 @@ def test_short_noisy_runs_are_not_collapsed():
 
 
 def test_reward_noise_by_hand():
-    from gspo.compare import reward_noise
+    from gspo.results.compare import reward_noise
 
     # |diffs| = 0.2, 0.2, 0.2, 0.6 -> median 0.2 -> sigma = 0.2 / (0.6745 * sqrt 2)
     assert reward_noise(np.array([0.1, 0.3, 0.1, 0.3, 0.9])) == pytest.approx(0.2 / (0.6745 * math.sqrt(2)))
@@ -397,9 +390,9 @@ def test_figure_bands_stay_in_range_units_match_the_table_and_styles_are_labelle
     table shows them; the KL and clip panels say which line style is which metric."""
     from matplotlib.collections import PolyCollection
 
-    from gspo.compare import Stat
-    from gspo.plots import figure
-    from gspo.report import COLUMNS
+    from gspo.results.groups import Stat
+    from gspo.results.plots import figure
+    from gspo.results.report import COLUMNS
 
     root = tmp_path / "runs"
     for seed, vol in ((0, 0.001), (1, 0.2), (2, 0.0)):

@@ -5,8 +5,10 @@ from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config import GROUPS, compose, group_options, sweep_combinations
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose, sweep_combinations
+from gspo.config.schema import GROUPS, group_options
+from gspo.train.checks import check
 
 runner = CliRunner()
 
@@ -177,7 +179,7 @@ BAD_VALUES = [
 @pytest.mark.parametrize("overrides,needle", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
 def test_bad_values_are_refused_naming_key_value_and_what_is_allowed(overrides, needle):
     with pytest.raises(ConfigError) as e:
-        compose(overrides)
+        check(compose(overrides))
     msg = str(e.value)
     assert needle in msg and "\n" not in msg and "must be" in msg, msg
 
@@ -192,7 +194,7 @@ def test_bad_values_through_the_cli_are_one_line_and_exit_2():
 
 def test_temperature_zero_says_why():
     with pytest.raises(ConfigError, match="greedy"):
-        compose(["rollout.temperature=0"])
+        check(compose(["rollout.temperature=0"]))
 
 
 def test_the_edges_of_what_is_allowed_compose():
@@ -203,13 +205,13 @@ def test_the_edges_of_what_is_allowed_compose():
 
 def test_eval_temperature_is_gone_and_says_where_it_went():
     with pytest.raises(ConfigError, match="rollout.temperature"):
-        compose(["eval.temperature=0.7"])
+        check(compose(["eval.temperature=0.7"]))
 
 
 def test_an_old_run_config_with_eval_temperature_still_loads(tmp_path, capsys):
     import yaml
 
-    from gspo.config import load_run_config
+    from gspo.config.loading import load_run_config
 
     saved = yaml.safe_load(OmegaConf.to_yaml(compose([]), resolve=True))
     saved["eval"]["temperature"] = 0.7  # written by gspo before eval.temperature was removed
@@ -220,7 +222,7 @@ def test_an_old_run_config_with_eval_temperature_still_loads(tmp_path, capsys):
 
 
 def test_a_saved_run_config_refuses_unknown_keys(tmp_path):
-    from gspo.config import load_run_config
+    from gspo.config.loading import load_run_config
 
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose([]), resolve=True))
     with pytest.raises(ConfigError, match="train.stepz"):
@@ -232,7 +234,7 @@ def test_a_saved_run_config_refuses_unknown_keys(tmp_path):
 def test_cuda_is_checked_against_the_machine(monkeypatch):
     import torch
 
-    from gspo.checks import check_machine
+    from gspo.config.checks import check_machine
 
     cfg = compose(["hardware=gpu"])  # composing for another machine is fine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -5,16 +5,17 @@ import random
 import warnings
 
 import pytest
+from conftest import tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config import TaskConfig, compose
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.config.schema import TaskConfig
 from gspo.tasks import Problem, Verdict, build_task
 from gspo.tasks.data import SMALL_HELDOUT, check_answer, final_answer, normalise
-
-from conftest import tiny
+from gspo.train.checks import check
 
 # small files are the point of several tests here; the warning itself is tested where it matters
 pytestmark = pytest.mark.filterwarnings("ignore:task.path=.*held-out problems:UserWarning")
@@ -200,10 +201,10 @@ def test_chat_prompts_need_a_chat_template(tmp_path, cache_dir):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)}
                                               for i in range(40)])
     with pytest.raises(ConfigError, match="chat messages, which need a tokenizer with a chat template; model=qwen3-tiny"):
-        compose(tiny(cache_dir, model="qwen3-tiny", task="data", **{"task.path": path}))
+        check(compose(tiny(cache_dir, model="qwen3-tiny", task="data", **{"task.path": path})))
     plain = write_jsonl(tmp_path / "p.jsonl", rows(40))
     with pytest.raises(ConfigError, match="task.system_prompt is set"):
-        compose(tiny(cache_dir, task="data", **{"task.path": plain, "task.system_prompt": "S"}))
+        check(compose(tiny(cache_dir, task="data", **{"task.path": plain, "task.system_prompt": "S"})))
     model_dir = tmp_path / "m"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
@@ -211,13 +212,13 @@ def test_chat_prompts_need_a_chat_template(tmp_path, cache_dir):
     (model_dir / "tokenizer.json").write_text("{}")
     (model_dir / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"the tokenizer in model.path=.* has none"):
-        compose(["model=hf", f"model.path={model_dir}", "task=data", f"task.path={path}"])
+        check(compose(["model=hf", f"model.path={model_dir}", "task=data", f"task.path={path}"]))
 
 
 def test_eval_reports_the_true_number_of_problems(tmp_path, cache_dir):
     """20 rows hold out 2-3 problems: summary.json and eval.json say so, not task.eval_size=200."""
-    from gspo.evaluate import run_eval
-    from gspo.trainer import train
+    from gspo.results.evaluate import run_eval
+    from gspo.train.trainer import train
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(20)])
     with pytest.warns(UserWarning, match="held-out problems"):

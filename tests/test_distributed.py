@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from gspo import checkpoint, distributed
-from gspo.config import compose
-from gspo.errors import ConfigError
-from gspo.models import base_model
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
 from gspo.tasks import build_task
-from gspo.trainer import train
-
-from conftest import tiny
+from gspo.train import checkpoint, distributed
+from gspo.train.trainer import train
+from gspo.train.warm_start import base_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,8 +64,8 @@ def test_a_group_samples_the_same_completions_in_any_batch():
     """Per-group generators: sampling 4 prompts at once = sampling them 2 and 2 (different padding, lengths)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from gspo.models import char_tokenizer
-    from gspo.rollout import generate
+    from gspo.models.build import char_tokenizer
+    from gspo.rollout.generate import generate
 
     tok = char_tokenizer("0123456789+=")
     torch.manual_seed(0)
@@ -226,7 +225,7 @@ def test_load_balancing_loss_summed_over_ranks_is_the_one_process_loss():
     and so are the gradients (what DDP's average of world x share computes)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    from gspo.moe import load_balancing_loss
+    from gspo.models.moe import load_balancing_loss
 
     g = torch.Generator().manual_seed(0)
     L, B, T, E, k = 2, 4, 5, 6, 2
@@ -288,8 +287,8 @@ def test_a_checkpoint_resumes_under_another_world_size(tmp_path, cache_dir):
 def test_hf_checkpoint_with_chat_template_and_gradient_checkpointing(tmp_path, cache_dir):
     """`model=hf model.path=DIR` on a Qwen3 checkpoint saved here, with a chat template (what a real
     Qwen3 tokenizer has) and gradient checkpointing on."""
-    from gspo.models import load_pretrained
-    from gspo.rollout import encode_prompts
+    from gspo.models.build import load_pretrained
+    from gspo.rollout.generate import encode_prompts
 
     cfg = compose(small(cache_dir))
     model, tok = load_pretrained(base_model(cfg, build_task(cfg.task)))

@@ -4,12 +4,12 @@ import json
 from math import comb
 
 import pytest
-
-from gspo.config import compose
-from gspo.evaluate import pass_at_k, run_eval
-from gspo.trainer import train
-
 from conftest import tiny
+
+from gspo.config.loading import compose
+from gspo.results.evaluate import run_eval
+from gspo.train.heldout import pass_at_k
+from gspo.train.trainer import train
 
 
 def test_pass_at_k_by_hand():
@@ -60,7 +60,7 @@ def test_eval_reports_the_number_of_problems_it_scored_and_warns_when_short(cach
 
 
 def test_eval_of_an_empty_held_out_split_is_refused(cache_dir):
-    from gspo.errors import ConfigError
+    from gspo.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="task.eval_fraction"):
         run_eval(None, tiny(cache_dir, **{"task.digits": 1, "task.eval_fraction": 0.0001}), examples=0, pass_k=1)
@@ -68,8 +68,9 @@ def test_eval_of_an_empty_held_out_split_is_refused(cache_dir):
 
 def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, cache_dir, monkeypatch):
     """Both sample pass@k at rollout.temperature, the temperature the policy is trained at."""
-    import gspo.evaluate
-    import gspo.trainer
+    import gspo.results.evaluate
+    import gspo.train.heldout
+    import gspo.train.setup
 
     seen = []
 
@@ -77,9 +78,9 @@ def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, ca
         seen.append(kwargs.get("temperature", args[6] if len(args) > 6 else None))
         return real(*args, **kwargs)
 
-    real = gspo.evaluate.evaluate
-    monkeypatch.setattr(gspo.trainer, "evaluate", spy)
-    monkeypatch.setattr(gspo.evaluate, "evaluate", spy)
+    real = gspo.train.heldout.evaluate
+    monkeypatch.setattr(gspo.train.setup, "evaluate", spy)
+    monkeypatch.setattr(gspo.results.evaluate, "evaluate", spy)
     over = {"train.steps": 1, "eval.pass_k": 1, "rollout.temperature": 0.7, "task.eval_size": 4}
     train(compose(tiny(cache_dir, **over)), tmp_path)
     run_eval(str(tmp_path), [], examples=0, pass_k=1)

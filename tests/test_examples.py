@@ -15,7 +15,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from gspo.models import char_tokenizer
+from gspo.models.build import char_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -49,7 +49,7 @@ def user_checkpoint(path: Path) -> Path:
 
 def teach_the_answer_format(model, tok, rows, steps: int = 25) -> None:
     """A few supervised steps towards `#### N`, so that sampled rewards differ and RL has a gradient."""
-    from gspo.rollout import encode_prompts
+    from gspo.rollout.generate import encode_prompts
 
     prompts = encode_prompts(tok, [r["messages"] for r in rows])
     targets = [tok(r["answer"].rsplit("\n", 1)[-1], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

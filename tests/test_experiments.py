@@ -8,8 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config import compose, group_options
-from gspo.shaping import overlong_penalty
+from gspo.algos.shaping import overlong_penalty
+from gspo.config.loading import compose
+from gspo.config.schema import group_options
 from gspo.tasks import build_task
 
 runner = CliRunner()
@@ -31,7 +32,7 @@ def test_experiments_compose_and_differ_only_in_the_model():
 
 
 def test_moe_mismatch_is_the_wide_moe_sampled_in_bf16_and_trained_in_float32():
-    from gspo.sampler import old_logprobs_mode
+    from gspo.rollout.sampler import old_logprobs_mode
 
     cfg, long = compose(["+experiment=moe_mismatch"]), compose(["+experiment=moe_long"])
     m = cfg.model

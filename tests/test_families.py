@@ -20,13 +20,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from gspo import moe
-from gspo.config import compose
-from gspo.errors import ConfigError
-from gspo.logprobs import check_head
-from gspo.models import char_tokenizer, choose_attention, load_pretrained, normalise_config
-from gspo.rollout import generate, left_pad, position_ids, token_logprobs
-from gspo.trainer import train
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.models import moe
+from gspo.models.build import char_tokenizer, choose_attention, load_pretrained, normalise_config
+from gspo.models.logprobs import check_head
+from gspo.rollout.generate import generate, left_pad, position_ids, token_logprobs
+from gspo.train.trainer import train
 
 ALPHABET = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz:,.?\n#<>"
 # Set where a config class has the key: 2 layers, width 32, 4 experts top-2 in 2 groups (one picked).
@@ -278,10 +278,10 @@ def test_issue_15_failures_train_under_r3(family, tmp_path, cache_dir, capsys):
 
 
 def test_an_explicit_attention_the_class_refuses_is_one_line(tmp_path, cache_dir):
+    from test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
-    from test_cli import one_line_exit_2
 
     path = tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss")
     res = CliRunner().invoke(app, ["train", *run_config(path, cache_dir, **{"model.attn_implementation": "sdpa"}),

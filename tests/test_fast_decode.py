@@ -9,17 +9,19 @@ import math
 
 import pytest
 import torch
+from conftest import tiny
 from omegaconf import OmegaConf
+from test_train import read_metrics
 from typer.testing import CliRunner
 
 from cli.main import app
-from conftest import tiny
-from test_train import read_metrics
-from gspo import fast_decode, moe
-from gspo.config import ModelConfig, compose
-from gspo.models import build_model, char_tokenizer
-from gspo.rollout import generate
-from gspo.trainer import train
+from gspo.config.loading import compose
+from gspo.config.schema import ModelConfig
+from gspo.models import moe
+from gspo.models.build import build_model, char_tokenizer
+from gspo.rollout import fast_decode
+from gspo.rollout.generate import generate
+from gspo.train.trainer import train
 
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["1+2=", "33+44+5=", "7=", "12+345+6789="]  # lengths 4..12: left padding up to 8 columns
@@ -190,10 +192,10 @@ def test_a_bad_engine_is_one_line_and_exit_2():
 
 def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path):
     """peft's adapters sit outside the base modules' weights: the LoRA policy itself falls back, while
-    the separate sampler's merged copy (rollout.dtype, gspo/sampler.py) is a plain model the engine runs."""
-    from gspo import adapters
-    from gspo.config import LoraConfig
-    from gspo.sampler import _Copy
+    the separate sampler's merged copy (rollout.dtype, gspo/rollout/sampler.py) is a plain model the engine runs."""
+    from gspo.config.schema import LoraConfig
+    from gspo.models import adapters
+    from gspo.rollout.sampler import _Copy
 
     model = adapters.apply(_model("qwen3_moe"), OmegaConf.structured(LoraConfig(r=4)), tmp_path)
     fast_decode._LOGGED.clear()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gspo.logging import MetricsLogger, truncate_jsonl
+from gspo.train.logging import MetricsLogger, truncate_jsonl
 
 
 def cfg(wandb: bool = False, samples_every: int = 2, **wandb_cfg) -> dict:

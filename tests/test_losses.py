@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from gspo.kl import kl_penalty
-from gspo.losses import aggregate, policy_loss, register_loss
+from gspo.algos.kl import kl_penalty
+from gspo.algos.losses import aggregate, policy_loss, register_loss
 
 F64 = torch.float64
 LENGTHS = [4, 2, 3]  # unequal completion lengths; T = 5 leaves padding on every row
@@ -477,9 +477,9 @@ def test_kl_old_by_hand():
 def test_every_algo_preset_fits_the_schema_and_the_registries():
     from omegaconf import OmegaConf
 
-    from gspo.advantages import ADVANTAGES
-    from gspo.config import CONF_DIR, AlgoConfig
-    from gspo.losses import HYPER_NAMES, LOSSES
+    from gspo.algos.advantages import ADVANTAGES
+    from gspo.algos.losses import HYPER_NAMES, LOSSES
+    from gspo.config.schema import CONF_DIR, AlgoConfig
 
     presets = sorted((CONF_DIR / "algo").glob("*.yaml"))
     assert {p.stem for p in presets} >= {"grpo", "gspo", "gspo_token", "dapo", "dr_grpo", "gmpo", "cispo",

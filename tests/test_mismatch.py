@@ -4,11 +4,18 @@ import math
 
 import pytest
 import torch
-
-from gspo.losses import policy_loss
-from gspo.mismatch import (CORRECTIONS, MismatchBatch, active, correction_weights, mismatch_metrics,
-                           routing_mismatch, tis_weights)
 from omegaconf import OmegaConf
+
+from gspo.algos.losses import policy_loss
+from gspo.algos.mismatch import (
+    CORRECTIONS,
+    MismatchBatch,
+    active,
+    correction_weights,
+    mismatch_metrics,
+    routing_mismatch,
+    tis_weights,
+)
 
 # two sequences: 3 tokens and 2 tokens (+1 padding); d = trainer - sampler per token
 TRAINER = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]])

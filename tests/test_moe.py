@@ -1,4 +1,4 @@
-"""Tests for gspo.moe: routing capture / replay on a tiny Qwen3-MoE, and the routing statistics."""
+"""Tests for gspo.models.moe: routing capture / replay on a tiny Qwen3-MoE, and the routing statistics."""
 
 from __future__ import annotations
 
@@ -7,12 +7,23 @@ import math
 import pytest
 import torch
 from transformers import (
-    MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
-from gspo.errors import ConfigError
-from gspo.moe import (
-    capture_routing, expert_load, find_routers, is_moe, moe_metrics, replay_routing, router_shift,
+from gspo.config.errors import ConfigError
+from gspo.models.moe import (
+    capture_routing,
+    expert_load,
+    find_routers,
+    is_moe,
+    moe_metrics,
+    replay_routing,
+    router_shift,
     routing_volatility,
 )
 
@@ -338,10 +349,11 @@ def test_the_loops_moe_component_is_a_no_op_on_a_dense_model():
     """The loop calls MoEStep at fixed points whatever the model; for a dense one nothing happens."""
     from omegaconf import OmegaConf
 
-    from gspo.config import ModelConfig, compose
-    from gspo.models import build_model, char_tokenizer
-    from gspo.moe_step import MoEStep
-    from gspo.rollout import generate, token_logprobs
+    from gspo.config.loading import compose
+    from gspo.config.schema import ModelConfig
+    from gspo.models.build import build_model, char_tokenizer
+    from gspo.rollout.generate import generate, token_logprobs
+    from gspo.train.moe_step import MoEStep
 
     TOK = char_tokenizer("0123456789+=")
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "d", "arch": "qwen3"}),
@@ -362,7 +374,7 @@ def test_the_loops_moe_component_is_a_no_op_on_a_dense_model():
 
 # ----------------------------------------------------------------------------- scoring rules
 def test_scoring_weights_and_distribution_hand_computed():
-    from gspo.moe import Scoring
+    from gspo.models.moe import Scoring
 
     logits = torch.tensor([[0.0, math.log(3.0), -math.log(3.0)]])  # sigmoids 1/2, 3/4, 1/4
     idx = torch.tensor([[1, 0]])
@@ -379,7 +391,7 @@ def test_scoring_weights_and_distribution_hand_computed():
 
 
 def test_scoring_gradients_match_autograd_of_the_formula():
-    from gspo.moe import Scoring
+    from gspo.models.moe import Scoring
 
     torch.manual_seed(0)
     z = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
@@ -404,7 +416,7 @@ def test_scoring_read_off_a_sigmoid_group_limited_router():
     """DeepSeek-V3's router (bias-corrected, group-limited choice; sigmoid weights, renormalised, x 2.5)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from gspo.moe import Scoring
+    from gspo.models.moe import Scoring
 
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(
@@ -429,7 +441,7 @@ def test_scoring_read_off_a_sigmoid_group_limited_router():
 
 def test_load_balancing_loss_of_a_sigmoid_router_hand_computed():
     """Normalised affinities as P, the router's own pick as f: E * sum_e f_e P_e."""
-    from gspo.moe import Scoring, load_balancing_loss
+    from gspo.models.moe import Scoring, load_balancing_loss
 
     logits = torch.tensor([[0.0, math.log(3.0), -math.log(3.0)], [0.0, 0.0, 0.0]])  # P rows (1/3, 1/2, 1/6), (1/3,)*3
     chosen = torch.tensor([[0], [2]])  # not the top-1 of P: the router's own (bias-corrected) pick counts

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import gspo
-from gspo.errors import tidy_warnings
+from gspo.config.errors import tidy_warnings
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_real_warning_through_the_warnings_module(tidy, capsys):
 
 
 def test_eval_title_keeps_a_long_path_on_one_line(monkeypatch, capsys):
-    from gspo.evaluate import _print_eval
+    from gspo.results.evaluate import _print_eval
 
     monkeypatch.setenv("COLUMNS", "40")
     path = "outputs/2026-11-23/08-38-17/checkpoints/step_000200"

@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-import gspo.trainer as trainer
+import gspo.train.trainer as trainer
 from cli.main import app
-from gspo import checkpoint, preemption
-from gspo.config import compose
-from gspo.trainer import train
-
-from conftest import tiny
+from gspo.config.loading import compose
+from gspo.train import checkpoint, preemption
+from gspo.train.trainer import train
 
 REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/")

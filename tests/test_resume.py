@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny
 from safetensors.torch import load_file
 
-from gspo import checkpoint
-from gspo.config import compose
-from gspo.trainer import train
-
-from conftest import tiny
+from gspo.config.loading import compose
+from gspo.train import checkpoint
+from gspo.train.trainer import train
 
 REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/")  # wall-clock metrics differ between any two runs
@@ -111,7 +110,7 @@ def test_warmup_counts_rl_steps(tmp_path, cache_dir):
 
 def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_path, cache_dir, monkeypatch):
     """DAPO drops groups that are all right or all wrong, even when format or length make their rewards differ."""
-    import gspo.trainer as trainer
+    import gspo.train.trainer as trainer
 
     def score(task, cfg, texts, rows, ill_formed=None, **kwargs):  # nothing correct, but rewards differ within each group
         n = len(texts)
@@ -129,11 +128,11 @@ def test_r3_old_policy_pass_routes_as_the_sampler_did(cache_dir):
     weights the update's ratio is 1 even where live routing would differ (bf16 routing flips)."""
     from omegaconf import OmegaConf
 
-    from gspo import moe
-    from gspo.config import ModelConfig
-    from gspo.models import build_model, char_tokenizer
-    from gspo.moe_step import MoEStep
-    from gspo.rollout import generate, token_logprobs
+    from gspo.config.schema import ModelConfig
+    from gspo.models import moe
+    from gspo.models.build import build_model, char_tokenizer
+    from gspo.rollout.generate import generate, token_logprobs
+    from gspo.train.moe_step import MoEStep
 
     tok = char_tokenizer("0123456789+=")
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "m"}), len(tok), tok, 0).eval()
@@ -167,10 +166,10 @@ def test_keep_checkpoints_keeps_the_newest_n(tmp_path, cache_dir):
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(tmp_path, cache_dir, monkeypatch):
     """No space left while step 2's checkpoint is written: one line naming the path and the error, exit 2;
     step 1's checkpoint and the metrics up to step 2 are intact, no half-written directory is left."""
+    from test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
-    from test_cli import one_line_exit_2
 
     real, calls = checkpoint.torch.save, []
 
@@ -225,10 +224,10 @@ def test_wall_s_counts_a_restart_from_step_0(tmp_path, cache_dir):
 
 
 def test_resume_refuses_keys_that_change_the_experiment(tmp_path, cache_dir, monkeypatch):
+    from test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
-    from test_cli import one_line_exit_2
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"

@@ -5,16 +5,17 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config import RewardConfig, TaskConfig, compose
-from gspo.errors import ConfigError
-from gspo.rewards import RewardError, score
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.config.schema import RewardConfig, TaskConfig
 from gspo.tasks import Problem, Verdict, build_task
-
-from conftest import tiny
+from gspo.tasks.rewards import RewardError, score
+from gspo.train.checks import check
 
 FNS = '''
 import math
@@ -150,16 +151,16 @@ def test_a_failing_function_is_named_with_the_sample(fns, name, message):
 def test_load_failures_are_caught_before_work(fns, tmp_path, override, message):
     (tmp_path / "broken.py").write_text("undefined_name\n")
     with pytest.raises(ConfigError, match=message):
-        compose(["reward=python", override.format(d=tmp_path)])
+        check(compose(["reward=python", override.format(d=tmp_path)]))
 
 
 def test_weights_must_match_the_functions(fns):
     with pytest.raises(ConfigError, match=r"reward.weights has 1 values for 2 reward.fn function\(s\)"):
-        compose(["reward=python", f"reward.fn=[{fns}:exact,{fns}:length]", "reward.weights=[1.0]"])
+        check(compose(["reward=python", f"reward.fn=[{fns}:exact,{fns}:length]", "reward.weights=[1.0]"]))
     with pytest.raises(ConfigError, match=r"reward=python needs reward.fn=FILE.py:NAME"):
-        compose(["reward=python"])
+        check(compose(["reward=python"]))
     with pytest.raises(ConfigError, match="reward.fn is set but reward=tinyzero"):
-        compose([f"reward.fn={fns}:exact"])
+        check(compose([f"reward.fn={fns}:exact"]))
 
 
 def test_cli_refuses_a_missing_function_in_one_line(fns, cache_dir):
@@ -170,7 +171,7 @@ def test_cli_refuses_a_missing_function_in_one_line(fns, cache_dir):
 
 def test_each_function_is_logged_and_a_failure_keeps_the_finished_steps(tmp_path, cache_dir):
     """The probe and step 1 score fine, step 2's call raises: the error names the function, steps 0-1 stay on disk."""
-    from gspo.trainer import train
+    from gspo.train.trainer import train
 
     counter = tmp_path / "calls"
     (tmp_path / "fns.py").write_text(f'''
@@ -214,8 +215,9 @@ def test_the_shipped_reward_file():
 def test_a_hanging_function_ends_the_run_in_one_line_and_keeps_the_finished_steps(tmp_path, cache_dir, monkeypatch):
     """reward.timeout_s: step 2's call never returns; one line names the limit and where the function is stuck,
     exit 2; steps 0-1 and step 1's checkpoint are on disk. (Call 0 is the up-front probe, call 1 step 1's.)"""
-    from gspo import checkpoint
     from test_cli import one_line_exit_2
+
+    from gspo.train import checkpoint
 
     counter = tmp_path / "calls"
     (tmp_path / "slow.py").write_text(f'''
@@ -242,13 +244,13 @@ def hangs_later(prompts, completions, **kw):
 def test_the_time_limit_covers_the_tasks_verifier(monkeypatch):
     import time
 
-    import gspo.rewards
-    from gspo import timeouts
+    import gspo.tasks.rewards
+    from gspo.tasks import timeouts
 
     def verifier_that_hangs(task, text, problem, bad):
         time.sleep(30)
 
-    monkeypatch.setattr(gspo.rewards, "judge", verifier_that_hangs)
+    monkeypatch.setattr(gspo.tasks.rewards, "judge", verifier_that_hangs)
     with pytest.raises(timeouts.ScoringTimeout, match=r"reward.timeout_s=0.2: scoring .* stuck in verifier_that_hangs\(\)"):
         timeouts.call(lambda: score(addition(), OmegaConf.structured(RewardConfig(name="tinyzero")), ["1"], PROBS[:1]),
                       0.2, "scoring")
@@ -261,13 +263,13 @@ def test_a_verifier_that_hangs_in_the_base_evaluation_ends_the_run(tmp_path, cac
     """The held-out evaluation (step 0, before any RL step) verifies under the same limit."""
     import time
 
-    import gspo.evaluate
-    from gspo.timeouts import ScoringTimeout
-    from gspo.trainer import train
+    import gspo.train.heldout
+    from gspo.tasks.timeouts import ScoringTimeout
+    from gspo.train.trainer import train
 
     def verifier_that_hangs(task, text, problem, bad):
         time.sleep(30)
 
-    monkeypatch.setattr(gspo.evaluate, "judge", verifier_that_hangs)
+    monkeypatch.setattr(gspo.train.heldout, "judge", verifier_that_hangs)
     with pytest.raises(ScoringTimeout, match=r"reward.timeout_s=0.5: the task's verifier on \d+ held-out completions"):
         train(compose(tiny(cache_dir, **{"reward.timeout_s": 0.5})), tmp_path)

@@ -12,15 +12,15 @@ import re
 
 import pytest
 import torch
+from conftest import tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config import RewardConfig, compose
-from gspo.rewards import RewardError, probe, score, trainer_state
+from gspo.config.loading import compose
+from gspo.config.schema import RewardConfig
 from gspo.tasks import Problem, Verdict, build_task
-
-from conftest import tiny
+from gspo.tasks.rewards import RewardError, probe, score, trainer_state
 
 # In the spirit of TRL's documentation ("Using a custom reward function"): each takes what it needs by keyword.
 FNS = '''

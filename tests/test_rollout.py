@@ -6,9 +6,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gspo.config import ModelConfig
-from gspo.models import build_model, char_tokenizer
-from gspo.rollout import cat_rollouts, generate, token_logprobs
+from gspo.config.schema import ModelConfig
+from gspo.models.build import build_model, char_tokenizer
+from gspo.rollout.generate import cat_rollouts, generate, token_logprobs
 
 TOK = char_tokenizer("0123456789+=")
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
@@ -98,9 +98,9 @@ def test_cat_rollouts_repads_prompts_and_completions():
 
 def test_special_token_inside_a_completion_is_ill_formed():
     """`1<pad>25` must not be scored as `125`: the verifier judges what the model wrote."""
-    from gspo.rewards import score
     from gspo.tasks import Problem
     from gspo.tasks.arithmetic import Addition
+    from gspo.tasks.rewards import score
 
     script = [tok("1") + [PAD] + tok("25") + [EOS], tok("125") + [EOS]]
     r = generate(ScriptedLM(script), TOK, ["100+25=", "100+25="], group_size=1, max_new_tokens=5, greedy=True)
@@ -117,7 +117,7 @@ def test_special_token_inside_a_completion_is_ill_formed():
 
 def test_inverse_cdf_sampling_draws_the_softmax_distribution():
     """`_sample` with uniforms draws token v with probability softmax(logits / temp)_v, never a token top-p removed."""
-    from gspo.rollout import _sample
+    from gspo.rollout.generate import _sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]]))  # the last token has probability 0
     u = torch.rand(200_000, generator=torch.Generator().manual_seed(0))

@@ -12,17 +12,16 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tiny
+from test_cli import one_line_exit_2
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo import rundir
-from gspo.config import compose
-from gspo.errors import ConfigError
-from gspo.runs import load_runs
-from gspo.trainer import train
-
-from conftest import tiny
-from test_cli import one_line_exit_2
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.results.runs import load_runs
+from gspo.train import rundir
+from gspo.train.trainer import train
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""A sampler that is not the trainer (`rollout.dtype`, gspo/sampler.py): the copy, its sync, LoRA merging,
+"""A sampler that is not the trainer (`rollout.dtype`, gspo/rollout/sampler.py): the copy, its sync, LoRA merging,
 where the old log-probs come from, top-p, and on a MoE which routing R2 and R3 replay."""
 
 from __future__ import annotations
@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny
 from omegaconf import OmegaConf
 
-from gspo import adapters
-from gspo.config import compose
-from gspo.errors import ConfigError
-from gspo.mismatch import mismatch_metrics, routing_mismatch
-from gspo.models import build_model, char_tokenizer
-from gspo.moe_step import MoEStep
-from gspo.rollout import generate, token_logprobs
-from gspo.sampler import Sampler, _Copy, old_logprobs_mode, separate
-from gspo.trainer import train
-
-from conftest import tiny
+from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.models import adapters
+from gspo.models.build import build_model, char_tokenizer
+from gspo.rollout.generate import generate, token_logprobs
+from gspo.rollout.sampler import Sampler, _Copy, old_logprobs_mode, separate
+from gspo.train.checks import check
+from gspo.train.moe_step import MoEStep
+from gspo.train.trainer import train
 
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55="]
@@ -53,14 +53,14 @@ def test_the_sampler_and_the_old_logprobs_follow_the_dtypes():
 
 def test_bad_combinations_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="rollout.dtype"):
-        compose(["rollout.dtype=bf16"])
+        check(compose(["rollout.dtype=bf16"]))
     with pytest.raises(ConfigError, match="rollout.dtype=float32.*fsdp"):
-        compose(["hardware=gpu-fsdp", "rollout.dtype=float32"])
+        check(compose(["hardware=gpu-fsdp", "rollout.dtype=float32"]))
     with pytest.raises(ConfigError, match="rollout.mask=token.*recompute"):
-        compose(["rollout.mask=token"])  # float32 sampler = trainer: there is nothing to mask
-    compose(["rollout.mask=token", "rollout.tis=token", "rollout.dtype=bfloat16"])  # auto recomputes: allowed
+        check(compose(["rollout.mask=token"]))  # float32 sampler = trainer: there is nothing to mask
+    check(compose(["rollout.mask=token", "rollout.tis=token", "rollout.dtype=bfloat16"]))  # auto recomputes: allowed
     with pytest.raises(ConfigError, match="rollout.mask_low"):
-        compose(["rollout.mask=geometric", "rollout.dtype=bfloat16", "rollout.mask_low=1.1", "rollout.mask_high=1.0"])
+        check(compose(["rollout.mask=geometric", "rollout.dtype=bfloat16", "rollout.mask_low=1.1", "rollout.mask_high=1.0"]))
 
 
 def test_the_copy_is_cast_and_synced_from_the_trainer():

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from gspo.shaping import dynamic_sampling, informative_groups, overlong_penalty
+from gspo.algos.shaping import dynamic_sampling, informative_groups, overlong_penalty
 
 
 def test_overlong_penalty_by_hand():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from gspo.stats import betainc, mean_ci, t_cdf, t_quantile, welch
+from gspo.results.stats import betainc, mean_ci, t_cdf, t_quantile, welch
 
 
 def test_t_quantile_closed_forms():

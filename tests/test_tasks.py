@@ -10,10 +10,10 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from gspo.config import RewardConfig, TaskConfig
-from gspo.rewards import RewardError, score
+from gspo.config.schema import RewardConfig, TaskConfig
 from gspo.tasks import Problem, Verdict, build_task, canonical, is_heldout
 from gspo.tasks.reasoning import final_answer, scratchpad_sum
+from gspo.tasks.rewards import RewardError, score
 
 GENERATED = ["addition", "countdown", "long_addition", "chain"]
 PRESETS = {"long_addition": {"digits": 4}, "chain": {"num_operands": 7}}  # as in conf/task/*.yaml

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny
 from transformers import AutoModelForCausalLM
 
-from gspo import checkpoint
-from gspo.config import compose, group_options
-from gspo.trainer import train
-
-from conftest import tiny
+from gspo.config.loading import compose
+from gspo.config.schema import group_options
+from gspo.train import checkpoint
+from gspo.train.trainer import train
 
 STEP_KEYS = {
     "reward/mean", "reward/std", "reward/frac_zero_std", "reward/tinyzero/mean", "clip/frac_low", "clip/frac_high",

@@ -3,9 +3,10 @@
 
 from omegaconf import OmegaConf
 
-from gspo.config import ModelConfig, WarmStartConfig
-from gspo.models import build_model, char_tokenizer, warm_start
+from gspo.config.schema import ModelConfig, WarmStartConfig
+from gspo.models.build import build_model, char_tokenizer
 from gspo.tasks import Problem, Verdict
+from gspo.train.warm_start import warm_start
 
 
 class Echo:
@@ -45,11 +46,11 @@ def test_warm_start_stops_at_the_target_accuracy():
 
 def test_checks_come_five_times_as_often_from_half_the_target(monkeypatch):
     """Coarse checks overshoot (52.5% for a 40% target, 25 steps apart): from half the target, every 5 steps."""
-    import gspo.models
+    import gspo.train.warm_start
 
     accuracies = iter([0.10, 0.19, 0.20, 0.30, 0.39, 0.41, 0.9])
     seen = []
-    monkeypatch.setattr(gspo.models, "_accuracy_check",
+    monkeypatch.setattr(gspo.train.warm_start, "_accuracy_check",
                         lambda *a: lambda: seen.append(next(accuracies)) or seen[-1])
     task = Echo()
     tok = char_tokenizer(task.alphabet)
@@ -85,11 +86,11 @@ def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_
     with a line naming it."""
     import json
 
-    from gspo.config import compose
-    from gspo.models import base_model
-    from gspo.tasks import build_task
-
     from conftest import tiny
+
+    from gspo.config.loading import compose
+    from gspo.tasks import build_task
+    from gspo.train.warm_start import base_model
 
     data = tmp_path / "d.jsonl"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
 
 KL_KINDS = ("k1", "k2", "k3")
 

@@ -24,8 +24,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from gspo.errors import ConfigError
-from gspo.kl import KL_KINDS, kl_penalty
+from gspo.algos.kl import KL_KINDS, kl_penalty
+from gspo.config.errors import ConfigError
 
 AGG_MODES = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 
@@ -275,7 +275,7 @@ def nll(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> 
 
 
 # GPG, arXiv 2504.02546: the plain policy gradient A log pi, averaged over all tokens; no ratio,
-# no clip (the paper updates once per rollout batch). Its own part is the advantage (gspo.advantages.gpg).
+# no clip (the paper updates once per rollout batch). Its own part is the advantage (gspo.algos.advantages.gpg).
 register_loss("gpg", agg="token_mean")(nll)
 
 

@@ -1,9 +1,11 @@
-"""Everything about a config that can be refused before work starts, refused here.
+"""What about a config can be refused from the config alone, refused here.
 
 One line naming the key, the value and what is allowed (a `ConfigError`: the CLI prints it
-and exits 2). `check` needs only the config; `check_machine` also asks this machine (a config
-may be composed here and trained elsewhere). `gspo.config.compose` and `load_run_config`
-call `check`; `gspo train` calls both for every job of a sweep before Hydra runs.
+and exits 2). `check_values` needs only the config; `check_machine` also asks this machine (a
+config may be composed here and trained elsewhere). `gspo.config.loading.compose` and
+`load_run_config` call `check_values`; `gspo.train.checks.check` adds what needs the other
+parts (registries, LoRA, data files, reward functions, the sampler), and `gspo train` runs it
+and `check_machine` for every job of a sweep before Hydra runs.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
 
 CHOICES = {
     "moe.routing_replay": ("none", "R2", "R3"),
@@ -108,7 +110,6 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "hardware.threads": (*_at_least(0), "0 = torch's default"),
     "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
     "rollout.mismatch_every": (*_at_least(0), "0 = never"),
-    "rollout.tis_cap": (*_above(0), "the largest importance weight"),
     "moe.stats_every": (*_at_least(0), "0 = never"),
     "moe.stats_rows_per_group": (*_at_least(0), "0 = all"),
     "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
@@ -141,7 +142,7 @@ def model_dir_problem(path: str | Path) -> Optional[str]:
 def _max_positions(cfg: Any) -> Optional[int]:
     """The positions the model has room for: prompt and completion must fit."""
     if cfg.model.arch != "hf":
-        from gspo.models import TINY_MAX_POSITIONS
+        from gspo.config.schema import TINY_MAX_POSITIONS
 
         return TINY_MAX_POSITIONS
     import json
@@ -176,18 +177,13 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     return None
 
 
-def check(cfg: Any) -> None:
-    """Refuse, with one line naming key, value and what is allowed, a config that cannot train.
+def check_values(cfg: Any) -> None:
+    """Refuse, with one line naming key, value and what is allowed, a config whose values cannot train.
 
-    Registry names, enumerations, ranges (RULES), limits between keys, required paths.
-    Machine-independent: `check_machine` asks this machine.
+    Missing keys, enumerations (CHOICES), ranges (RULES), limits between keys, required paths: what
+    needs only the config. `gspo.train.checks.check` adds the other parts' registries and checks.
     """
     from omegaconf import OmegaConf
-
-    from gspo.advantages import ADVANTAGES
-    from gspo.losses import LOSSES
-    from gspo.rewards import PYTHON, REWARDS
-    from gspo.tasks import TASKS, arithmetic, data, reasoning  # noqa: F401  (importing registers the tasks)
 
     missing = sorted(OmegaConf.missing_keys(cfg))
     if cfg.model.arch == "hf" and not cfg.model.path:
@@ -198,10 +194,6 @@ def check(cfg: Any) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in valid:
             raise ConfigError(f"{key}={value}: must be one of {', '.join(map(str, valid))}")
-    for key, registry in (("algo.loss", LOSSES), ("algo.advantage", ADVANTAGES), ("task.name", TASKS),
-                          ("reward.name", [*REWARDS, PYTHON])):
-        if OmegaConf.select(cfg, key) not in registry:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be one of {', '.join(sorted(registry))}")
     for key, (ok, allowed, why) in RULES.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and not ok(value):
@@ -209,19 +201,7 @@ def check(cfg: Any) -> None:
     problem = model_dir_problem(cfg.model.path) if cfg.model.arch == "hf" else None
     if problem:
         raise ConfigError(f"model.path={cfg.model.path}: {problem}")
-    from gspo import adapters, rewards
-
-    adapters.check(cfg)  # model.lora.*
-    data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
-    rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
-    from gspo.sampler import check as check_sampler, old_logprobs_mode
-
-    check_sampler(cfg)  # rollout.dtype
     r = cfg.rollout
-    for key, value in (("rollout.tis", r.tis), ("rollout.mask", r.mask)):
-        if value != "none" and old_logprobs_mode(cfg) != "recompute":
-            raise ConfigError(f"{key}={value} corrects the sampler/trainer mismatch, which exists only when the "
-                              "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
     if r.mask != "none" and r.mask_low is not None and r.mask_high is not None and r.mask_low >= r.mask_high:
         raise ConfigError(f"rollout.mask_low={r.mask_low}: must be below rollout.mask_high={r.mask_high}")
     problem = _cross_checks(cfg)

@@ -21,7 +21,7 @@ def tidy_warnings() -> None:
     import warnings
     from pathlib import Path
 
-    here = str(Path(__file__).resolve().parent)
+    here = str(Path(__file__).resolve().parent.parent)  # the gspo package
 
     def show(message, category, filename, lineno, file=None, line=None):
         ours = str(Path(filename).resolve()).startswith(here)

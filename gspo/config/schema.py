@@ -8,7 +8,6 @@ choose values; defaults live here, each with one line saying what it means.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -16,18 +15,17 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from gspo.errors import ConfigError
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("algo", "model", "task", "reward", "hardware", "logger")
+TINY_MAX_POSITIONS = 256  # positions of the models built from config (model.arch qwen3 / qwen3_moe)
 
 
 @dataclass
 class AlgoConfig:
     name: str = MISSING  # preset name; `gspo compare` groups runs by it
-    loss: str = "grpo"  # key in the gspo.losses registry
+    loss: str = "grpo"  # key in the gspo.algos.losses registry
     agg: Optional[str] = None  # aggregation override (seq_mean_token_mean | token_mean | seq_mean_token_sum_norm); None = the loss's own
-    advantage: str = "grpo"  # key in the gspo.advantages registry
+    advantage: str = "grpo"  # key in the gspo.algos.advantages registry
     eps_low: float = 0.2  # ratio clipped to [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.2
     clip_ratio_c: Optional[float] = None  # dual-clip bound for A < 0 (e.g. 3.0); None = off
@@ -66,7 +64,7 @@ class WarmStartConfig:
 
 @dataclass
 class LoraConfig:
-    r: int = 0  # LoRA rank through peft; 0 = off (full fine-tuning). See gspo/adapters.py
+    r: int = 0  # LoRA rank through peft; 0 = off (full fine-tuning). See gspo/models/adapters.py
     alpha: Optional[float] = None  # LoRA scaling is alpha / r; None = 2 * r
     dropout: float = 0.0  # dropout on the adapter input; must be 0 when MoE expert weights are adapted (peft's limit)
     target_modules: list[str] = field(default_factory=lambda: [  # Linear modules adapted, by name suffix (routers never)
@@ -166,7 +164,7 @@ class RolloutConfig:
     # float32 | bfloat16 | float16: the sampler's precision; None = the trainer's (hardware.dtype). When it
     # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step
     dtype: Optional[str] = None
-    # hf | fast | auto: the decode engine; fast = gspo/fast_decode.py (Qwen3, Qwen3-MoE; same samples as hf),
+    # hf | fast | auto: the decode engine; fast = gspo/rollout/fast_decode.py (Qwen3, Qwen3-MoE; same samples as hf),
     # auto (default) = fast where it supports the model, quietly hf elsewhere; fast says why when it falls back
     engine: str = "auto"
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
@@ -239,206 +237,6 @@ def group_options(group: str) -> list[str]:
 # --------------------------------------------------------------------------- composition
 
 
-def _suffix(name: Optional[str]) -> str:
-    return f"-{name}" if name else ""
-
-
-def _every(steps: int, points: int) -> int:
-    """An interval giving about `points` evaluations over `steps` steps (conf/config.yaml's eval.every)."""
-    return max(1, round(int(steps) / int(points)))
-
-
-def _register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("gspo.suffix"):
-        OmegaConf.register_new_resolver("gspo.suffix", _suffix)
-    if not OmegaConf.has_resolver("gspo.every"):
-        OmegaConf.register_new_resolver("gspo.every", _every)
-
-
-def compose(overrides: list[str] = ()) -> Any:
-    """The composed, validated config for `overrides` (as `gspo train` would see it).
-
-    Raises ConfigError with a message for people on any problem.
-    """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_configs()
-    _register_resolvers()
-    overrides = list(overrides)
-    _check_group_choices(overrides)
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
-    except Exception as e:  # Hydra/OmegaConf errors: keep the one line that names the problem
-        raise ConfigError(_explain(e)) from None
-    finally:
-        GlobalHydra.instance().clear()
-    from gspo.checks import check
-
-    check(cfg)
-    return cfg
-
-
-def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
-    """A run's saved config.yaml with `overrides` applied, typed by the schema and checked.
-
-    GROUP=OPTION replaces the whole group by that option's composed node (`task=countdown`);
-    KEY=VALUE sets one value (`task.eval_size=500`), after the group swaps. A key the saved
-    config or an override names that the schema does not have is an error, except the keys
-    gspo itself removed (REMOVED_KEYS), which an older run's config.yaml may still hold.
-    """
-    from omegaconf import DictConfig, OmegaConf
-
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir}: not a gspo run directory (no config.yaml there)")
-    try:
-        saved = OmegaConf.load(path)
-    except Exception as e:  # not YAML, or not a mapping
-        raise ConfigError(f"{path}: unreadable ({_explain(e)})") from None
-    if not isinstance(saved, DictConfig):
-        raise ConfigError(f"{path}: not a gspo config (a YAML mapping of keys)")
-    _drop_removed_keys(saved, path)
-    swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
-    fresh = compose(swaps) if swaps else None
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), saved)
-        for o in swaps:
-            group = o.partition("=")[0]
-            cfg[group] = fresh[group]
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides if o not in swaps]))
-    except Exception as e:  # an unknown key or a wrong type: the one line that names it
-        raise ConfigError(_explain(e)) from None
-    from gspo.checks import check
-
-    check(cfg)
-    return cfg
-
-
-# Keys gspo no longer has -> the key that replaced them. An old run's config.yaml still loads (the key
-# is dropped, with a note when its value differed); on the command line the old key names its successor.
-REMOVED_KEYS = {
-    "eval.temperature": "rollout.temperature",  # pass@k samples at the temperature the policy is trained at
-}
-
-
-def _drop_removed_keys(saved: Any, path: Path) -> None:
-    from omegaconf import OmegaConf
-
-    for old, new in REMOVED_KEYS.items():
-        parent, _, leaf = old.rpartition(".")
-        node = OmegaConf.select(saved, parent) if parent else saved
-        if node is None or leaf not in node:
-            continue
-        value = node.pop(leaf)
-        if value != OmegaConf.select(saved, new):
-            print(f"gspo: note: {path} sets {old}={value}, a key gspo no longer has; "
-                  f"{new}={OmegaConf.select(saved, new)} is used instead", file=sys.stderr)
-
-
-def sweep_combinations(overrides: list[str], limit: int = 256) -> list[list[str]]:
-    """Expand Hydra sweep syntax (`algo=grpo,gspo seed=0,1`) into the jobs' override lists."""
-    import itertools
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception as e:
-        raise ConfigError(f"cannot parse the overrides: {e}") from None
-    choices = []
-    for o in parsed:
-        key = o.get_key_element()
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
-        choices.append([f"{key}={v}" for v in values])
-    return [list(c) for c in itertools.islice(itertools.product(*choices), limit)]
-
-
-def _check_group_choices(overrides: list[str]) -> None:
-
-    for o in overrides:
-        key, _, value = o.lstrip("+~").partition("=")
-        if key == "experiment":  # a preset over several groups (conf/experiment/*.yaml), added with a +
-            valid = ", ".join(group_options("experiment"))
-            if value not in group_options("experiment"):
-                raise ConfigError(f"+experiment={value}: no such experiment. Valid experiments: {valid}")
-            if not o.startswith("+"):
-                raise ConfigError(f"{o}: an experiment is added to the config, not swapped in: write +experiment={value}")
-        if key in GROUPS and value and value not in group_options(key):
-            raise ConfigError(
-                f"{key}={value}: no such option for '{key}'. Valid options: {', '.join(group_options(key))}"
-            )
-
-
-def _explain(e: Exception) -> str:
-    import re
-
-    msgs = [str(x) for x in (e, e.__cause__) if x is not None]
-    text = "\n".join(msgs)
-    m = re.search(r"Key '([^']+)' (?:is )?not in", text) and re.search(r"full_key: (\S+)", text)
-    if m and m.group(1) in REMOVED_KEYS:
-        return f"{m.group(1)}: no longer a key; use {REMOVED_KEYS[m.group(1)]}"
-    if m:
-        parent = m.group(1).rsplit(".", 1)[0] if "." in m.group(1) else ""
-        return f"{m.group(1)}: unknown key.{_valid_keys(parent)}"
-    m = re.search(r"Could not load '(hydra/launcher/[^']+)'", text)
-    if m:
-        return f"{m.group(1)}: the Hydra launcher plugin is not installed (pip install 'gspo[cluster]')"
-    m = re.search(r"Could not find '([^']+)'", text)
-    if m:
-        group = m.group(1).rsplit("/", 1)[0]  # algo/gspoo -> algo; hydra/launcher/x -> hydra/launcher
-        return f"{m.group(1)}: no such config. Valid options for '{group}': {', '.join(group_options(group))}"
-    m = re.search(r"full_key: (\S+)", text)
-    first = msgs[-1].strip().splitlines()[0]
-    return f"{m.group(1)}: {first}" if m else first
-
-
-def _valid_keys(parent: str) -> str:
-    from omegaconf import OmegaConf
-
-    node: Any = OmegaConf.structured(Config)
-    try:
-        for part in filter(None, parent.split(".")):
-            node = node[part] if not OmegaConf.is_missing(node, part) else None
-        keys = sorted(node.keys()) if node is not None else []
-    except Exception:
-        keys = []
-    if not keys:  # a group node (algo, model, ...): its schema's fields
-        schema = {"algo": AlgoConfig, "model": ModelConfig, "task": TaskConfig, "reward": RewardConfig,
-                  "hardware": HardwareConfig, "logger": LoggerConfig}.get(parent)
-        keys = sorted(OmegaConf.structured(schema).keys()) if schema else []
-    return f" Valid keys under '{parent or 'the top level'}': {', '.join(keys)}" if keys else ""
-
-
 # --------------------------------------------------------------------------- resume
 
 
-def resume_target(overrides: list[str]) -> Optional[str]:
-    """The run directory a `resume=DIR` override names (the last one wins, as in Hydra), or None."""
-    values = [o.partition("=")[2] for o in overrides if o.partition("=")[0] == "resume"]
-    return values[-1] if values and values[-1] not in ("", "null") else None
-
-
-def resume_overrides(overrides: list[str]) -> list[str]:
-    """The KEY=VALUE overrides a resume applies to the run's own config.yaml (`train.steps=400`).
-
-    Resume continues the run's config: a group swap (`algo=grpo`), an added or removed key
-    (`+key=v`, `~key`) would make it another run, so they are refused rather than ignored.
-    Hydra's own settings (`hydra.*`, `hydra/...`) and `resume=` itself are left out.
-    """
-    kept = []
-    for o in overrides:
-        key = o.partition("=")[0]
-        if key == "resume" or key.startswith(("hydra.", "hydra/")):
-            continue
-        if key.startswith(("+", "~")) or key in GROUPS or "/" in key:
-            raise ConfigError(f"{o}: resume continues the run's own config (its config.yaml); only KEY=VALUE "
-                              "overrides of its keys apply on resume (e.g. train.steps=400). Start a new run to change it")
-        kept.append(o)
-    return kept

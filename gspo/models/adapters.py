@@ -10,7 +10,7 @@ What is adapted (`model.lora.target_modules` / `target_parameters`, matched by n
   stored as lora_A (r*E, in) and lora_B (out, r*E). peft refuses dropout there, so `model.lora.dropout`
   must be 0 on such models. Entries that name nothing in the model are skipped, so one default list
   serves dense and MoE models; a list that names nothing at all is an error;
-* MoE routers (`mlp.gate`, found by duck typing as `gspo.moe.find_routers` finds them) are NEVER adapted
+* MoE routers (`mlp.gate`, found by duck typing as `gspo.models.moe.find_routers` finds them) are NEVER adapted
   and stay frozen: adapting them would move the routing that Routing Replay and the routing statistics
   measure. A target that would reach one is refused.
 
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from gspo.errors import ConfigError
-from gspo.moe import find_routers
+from gspo.config.errors import ConfigError
+from gspo.models.moe import find_routers
 
 ADAPTER_CONFIG = "adapter_config.json"
 ROUTER_NAMES = ("gate", "router")  # module names HF MoE models give their routers (Qwen, Mixtral: gate; others: router)
@@ -42,7 +42,7 @@ def _names_router(target: str) -> bool:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.checks.check`): model.lora.* values."""
+    """Before any work (`gspo.train.checks.check`): model.lora.* values."""
     lora = cfg.model.lora
     if lora.r < 0:
         raise ConfigError(f"model.lora.r={lora.r}: the LoRA rank must be >= 0 (0 = off, full fine-tuning)")
@@ -150,7 +150,7 @@ class Reference:
             return self.model(*args, **kwargs)
 
     def get_output_embeddings(self):
-        """The LM head (never adapted): gspo.logprobs hooks it to take log-probs instead of logits."""
+        """The LM head (never adapted): gspo.models.logprobs hooks it to take log-probs instead of logits."""
         return self.model.get_output_embeddings()
 
 
@@ -200,10 +200,9 @@ def load_weights(model, adapter_dir: str | Path) -> None:
 def load(adapter_dir: str | Path, dtype: torch.dtype = torch.float32, attn: str = "auto", base_dir=None):
     """(PeftModel, tokenizer) from an adapter checkpoint; `base_dir` overrides the recorded base."""
     from peft import PeftModel
-
-    from gspo.models import load_pretrained
-
     from transformers import AutoTokenizer
+
+    from gspo.models.build import load_pretrained
 
     base, _ = load_pretrained(base_dir or base_of(adapter_dir), dtype, attn)
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)  # the run's own copy, saved beside the adapter

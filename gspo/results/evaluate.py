@@ -1,100 +1,9 @@
-"""Held-out evaluation: greedy accuracy, pass@k, completion length, well-formedness."""
+"""`gspo eval`: held-out accuracy, pass@k, completion length and well-formedness of a run's last
+checkpoint, a checkpoint directory or the warm-start base (the scoring itself: gspo/train/heldout.py)."""
 
 from __future__ import annotations
 
-from math import comb
-
-import torch
-
-from gspo import timeouts
-from gspo.rollout import generate
-from gspo.tasks import Problem, Task, judge
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, arXiv 2107.03374):
-    1 - C(n-c, k) / C(n, k)."""
-    if not 0 < k <= n:
-        raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
-    return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-@torch.no_grad()
-def evaluate(
-    model,
-    tokenizer,
-    task: Task,
-    problems: list[Problem],
-    max_new_tokens: int,
-    pass_k: int = 0,
-    temperature: float = 1.0,
-    chat_template: bool = False,
-    batch_size: int = 256,
-    examples: int = 0,
-    timeout_s: float = 0.0,
-) -> dict:
-    """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0).
-
-    `timeout_s`: the task's verifier may take this long on a batch (`reward.timeout_s`; 0 = no limit).
-    Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
-    """
-    def verdicts(r, chunk_problems) -> list:  # one problem per completion
-        return timeouts.call(lambda: [judge(task, t, p, bool(b)) for t, p, b in
-                                      zip(r.texts, chunk_problems, r.ill_formed.tolist())],
-                             timeout_s, f"the task's verifier on {len(r.texts)} held-out completions")
-
-    was_training = model.training
-    model.eval()
-    correct, formed, lengths, shown = [], [], [], []
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        r = generate(model, tokenizer, [p.prompt for p in chunk], 1, max_new_tokens, greedy=True, chat_template=chat_template)
-        for text, p, n, v in zip(r.texts, chunk, r.lengths.tolist(), verdicts(r, chunk)):
-            correct.append(v.correct)
-            formed.append(v.well_formed)
-            lengths.append(n)
-            if len(shown) < examples:
-                shown.append({"prompt": p.prompt, "completion": text, "correct": v.correct, "reference": p.answer})
-    out = {
-        "eval/accuracy": sum(correct) / max(1, len(correct)),
-        "eval/format": sum(formed) / max(1, len(formed)),
-        "eval/len_mean": sum(lengths) / max(1, len(lengths)),
-    }
-    if pass_k > 0:
-        n = 2 * pass_k
-        scores = []
-        for i in range(0, len(problems), max(1, batch_size // n)):
-            chunk = problems[i : i + max(1, batch_size // n)]
-            r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature, chat_template=chat_template)
-            right = [v.correct for v in verdicts(r, [p for p in chunk for _ in range(n)])]
-            for j in range(len(chunk)):
-                scores.append(pass_at_k(n, sum(right[j * n : (j + 1) * n]), pass_k))
-        out[f"eval/pass@{pass_k}"] = sum(scores) / max(1, len(scores))
-    if examples:
-        out["examples"] = shown
-    model.train(was_training)
-    return out
-
-
-def heldout_problems(task: Task, tcfg) -> list[Problem]:
-    """The held-out problems to score: up to `task.eval_size` of them.
-
-    Fewer than asked is a warning (the accuracy is then an estimate over that many); none is a
-    ConfigError, since an accuracy over zero problems would read as 0%.
-    """
-    import sys
-
-    from gspo.errors import ConfigError
-
-    problems = task.eval_set(tcfg.eval_size)
-    if not problems:
-        raise ConfigError(f"task={tcfg.name}: the held-out split is empty (task.eval_fraction={tcfg.eval_fraction}); "
-                          "raise task.eval_fraction, or use a larger problem set")
-    if len(problems) < tcfg.eval_size:
-        print(f"gspo: warning: task.eval_size={tcfg.eval_size} but the held-out split has {len(problems)} problems: "
-              f"evaluating those {len(problems)} (raise task.eval_fraction for a tighter estimate)", file=sys.stderr)
-    return problems
-
+from gspo.train.heldout import evaluate, heldout_problems
 
 DEFAULT_PASS_K = 4  # `gspo eval` estimates pass@4 unless eval.pass_k=K is given
 
@@ -110,12 +19,12 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     import json
     from pathlib import Path
 
-
-    from gspo import checkpoint
-    from gspo.config import compose, load_run_config
-    from gspo.errors import ConfigError
-    from gspo.models import base_model
+    from gspo.config.errors import ConfigError
+    from gspo.config.loading import compose, load_run_config
     from gspo.tasks import build_task
+    from gspo.train import checkpoint
+    from gspo.train.checks import check
+    from gspo.train.warm_start import base_model
 
     if target is not None and "=" in target:  # `gspo eval task.eval_size=50`: no target, all overrides
         overrides, target = [target, *overrides], None
@@ -129,8 +38,8 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
             if model_dir is None:
                 raise ConfigError(f"{path}: this run has no checkpoint yet")
         elif checkpoint.is_checkpoint(path):  # full weights, or a LoRA adapter
-            from gspo.adapters import is_adapter_dir
-            from gspo.checks import model_dir_problem
+            from gspo.config.checks import model_dir_problem
+            from gspo.models.adapters import is_adapter_dir
 
             problem = None if is_adapter_dir(path) else model_dir_problem(path)
             if problem:
@@ -143,6 +52,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
             cfg = load_run_config(run_dir, overrides)
         else:
             cfg = compose(overrides)
+    check(cfg)
     task = build_task(cfg.task)
     if model_dir is None:
         model_dir = base_model(cfg, task)

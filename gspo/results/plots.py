@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from gspo.runs import ACC, CLIP, CLIP_HIGH, CLIP_LOW, ENTROPY, KL_OLD, KL_REF, LENGTH, REWARD, ROUTING
+from gspo.results.runs import ACC, CLIP, CLIP_HIGH, CLIP_LOW, ENTROPY, KL_OLD, KL_REF, LENGTH, REWARD, ROUTING
 
 if TYPE_CHECKING:  # compare imports this module (for the figure), not the other way round
-    from gspo.compare import Group
+    from gspo.results.groups import Group
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Panel:
     """One panel: its metrics (key, line style, legend label), y scale, display unit and valid range.
 
     `scale` multiplies the logged value for display (100: a fraction shown in %, as the table of
-    gspo/report.py shows it); `valid` is the range of the displayed value, which clips the ±std band
+    gspo/results/report.py shows it); `valid` is the range of the displayed value, which clips the ±std band
     (a fraction's mean minus its std is no fraction below 0).
     """
 

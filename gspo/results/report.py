@@ -2,7 +2,7 @@
 
 Cells: `a±b` is mean ± sample std over seeds; accuracy columns show the mean and its 95%
 Student-t interval `a [lo, hi]`; the pairwise table shows each group's difference from
-the baseline with a Welch 95% interval. The numbers come from gspo/compare.py.
+the baseline with a Welch 95% interval. The numbers come from gspo/results/compare.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from gspo.compare import CompareResult, Stat
-    from gspo.stats import Welch
+    from gspo.results.groups import CompareResult, Stat
+    from gspo.results.stats import Welch
 
 
 def _fmt(stat: "Stat", fmt: Callable[[float], str]) -> str:

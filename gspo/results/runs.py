@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
 
 REWARD, LOSS, ACC = "reward/mean", "train/loss", "eval/accuracy"
 CLIP, CLIP_LOW, CLIP_HIGH = "clip/frac", "clip/frac_low", "clip/frac_high"

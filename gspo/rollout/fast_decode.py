@@ -11,7 +11,7 @@ arithmetic without them:
   * each decode step is one call per layer on the weights of the model's own modules, read
     afresh every step (no copy, no sync: a training update is seen by the next rollout);
   * the MoE's router is the model's router module, called as a module, so routing capture
-    and replay hooks (gspo/moe.py) see and rewrite exactly what they do under `hf`; the
+    and replay hooks (gspo/models/moe.py) see and rewrite exactly what they do under `hf`; the
     experts run batched: through the experts module itself where its `experts_implementation`
     is a batched kernel (`grouped_mm`, transformers' default, or `batched_mm`), else (`eager`)
     as every expert on every row in two matmuls, the chosen pairs then picked (no loop, no sync);
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gspo import moe
+from gspo.models import moe
 
 ENGINES = ("hf", "fast", "auto")
 _LOGGED: set[str] = set()

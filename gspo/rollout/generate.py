@@ -16,9 +16,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gspo import fast_decode
-from gspo.errors import ConfigError
-from gspo.logprobs import head_logprobs
+from gspo.config.errors import ConfigError
+from gspo.models.logprobs import head_logprobs
+from gspo.rollout import fast_decode
 
 
 @dataclass
@@ -149,7 +149,7 @@ def generate(
     `compile`: decode with a static KV cache through `torch.compile` (CUDA graphs on a
     GPU), the way `generate(cache_implementation="static")` does; the prefill runs eager.
     `engine` (`rollout.engine`): `hf` decodes through the model's forward; `fast` (and `auto`) through
-    gspo/fast_decode.py where it supports the model, sampling the same tokens; else `hf`.
+    gspo/rollout/fast_decode.py where it supports the model, sampling the same tokens; else `hf`.
     """
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -169,7 +169,7 @@ def generate(
     check_every = 1 if device.type == "cpu" else 8
     trace = None
     if capture_routing:
-        from gspo import moe
+        from gspo.models import moe
 
         ctx = moe.capture_routing(model, logprobs=True)
         trace = ctx.__enter__()
@@ -181,7 +181,7 @@ def generate(
         for t in range(max_new_tokens):
             # logits_to_keep=1: the prefill needs only its last position's logits (V per row, not P x V)
             kwargs = dict(input_ids=step_ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            if fast and t > 0:  # gspo/fast_decode.py: one call per layer on the model's own weights
+            if fast and t > 0:  # gspo/rollout/fast_decode.py: one call per layer on the model's own weights
                 logits = decode.step(step_ids, pos, full_mask[:, : p + t]).float()
             else:
                 if compile:  # static shapes: the whole mask (the causal mask hides the future), the cache slot to fill
@@ -288,7 +288,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool
     `with_logp`: also the drawn token's log-prob under softmax(logits / temperature) and the mass
     the nucleus kept (1 without top-p), read off the probabilities the draw used: no second pass over V.
     The log-prob is taken BEFORE the top-p cut, like the trainer's over the whole vocabulary, so the
-    kept mass cancels from the sampler/trainer ratio (gspo/mismatch.py explains why).
+    kept mass cancels from the sampler/trainer ratio (gspo/algos/mismatch.py explains why).
     """
     if greedy:
         return logits.argmax(-1)
@@ -318,7 +318,7 @@ def token_logprobs(
 
     Uses the sampling temperature, so the ratio compares the distributions the tokens
     were actually drawn from. The LM head is applied only at the completion tokens, chunk
-    by chunk (gspo/logprobs.py): no (N, T, V) float32 logits, at any vocabulary size.
+    by chunk (gspo/models/logprobs.py): no (N, T, V) float32 logits, at any vocabulary size.
     Padding positions hold 0. Returns (logp, entropy (N, T) without grad or None, the
     model output, for aux losses).
     """

@@ -23,8 +23,9 @@ from typing import Iterator
 
 import torch
 
-from gspo import adapters
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
+from gspo.models import adapters
+
 
 def sampler_dtype(cfg) -> str:
     """The sampler's precision: `rollout.dtype`, or the trainer's (`hardware.dtype`) when unset."""
@@ -51,7 +52,7 @@ def old_logprobs_mode(cfg) -> str:
 
 
 def check(cfg) -> None:
-    """Refuse what a separate sampler cannot do (called by gspo.checks.check)."""
+    """Refuse what a separate sampler cannot do (called by gspo.train.checks.check)."""
     if separate(cfg) and cfg.hardware.strategy == "fsdp":
         raise ConfigError(f"rollout.dtype={cfg.rollout.dtype}: a sampler in another precision than the trainer "
                           f"({cfg.hardware.dtype}) is not supported with hardware.strategy=fsdp (sharded weights); "

@@ -1,83 +1,29 @@
-"""Tasks with verifiable answers: prompt generators, reference solutions, verifiers.
+"""Tasks with verifiable answers, their verifiers, and the rewards computed from them.
 
-Every task splits its problem space into a training part and a held-out part by a
-stable hash of the problem's *canonical form* (`Task.canonical`: `12+34=` and `34+12=`
-are one problem), so training never samples a held-out problem or an equivalent of one,
-and the held-out evaluation set is the same for every run, seed and algorithm.
-
-The package also holds the reward functions (`rewards`) and the time limit on untrusted
-reward and verifier code (`timeouts`). Imports only `gspo.config`.
+`base` holds what every task shares (Problem, Verdict, the Task protocol, the held-out split,
+the registry), re-exported here; `arithmetic`, `reasoning` and `data` register the tasks;
+`rewards` turns verdicts (or a user's functions) into rewards; `timeouts` bounds untrusted
+reward and verifier code. Imports only `gspo.config`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
-
-from gspo.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str  # what the model is given
-    answer: str  # a reference solution (warm-start target; the verifier may accept others)
-    meta: dict = field(default_factory=dict, compare=False, hash=False)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    correct: bool  # the completion solves the problem
-    well_formed: bool  # the completion has the expected form (TinyZero's format reward)
-
-
-class Task(Protocol):
-    name: str
-    alphabet: str  # every character prompts and answers may contain
-
-    def sample_train(self, rng: random.Random, n: int) -> list[Problem]: ...
-    def eval_set(self, n: int) -> list[Problem]: ...
-    def verify(self, completion: str, problem: Problem) -> Verdict: ...
-    def canonical(self, problem: Problem) -> str: ...  # one key per class of equivalent problems
-
-
-def canonical(task: Task, problem: Problem) -> str:
-    """The key the held-out split hashes: the task's canonical form, or the prompt for a task without one."""
-    fn = getattr(task, "canonical", None)
-    return fn(problem) if fn is not None else problem.prompt
-
-
-def judge(task: Task, text: str, problem: Problem, ill_formed: bool = False) -> Verdict:
-    """The verdict on a completion: the task's, except that a completion holding a special token
-    before its final EOS (a sampled `<pad>`, a stray `<|im_start|>`) is ill-formed whatever the task
-    would say. Decoding skips special tokens, so without this `1<pad>25` would be scored as `125`."""
-    return Verdict(False, False) if ill_formed else task.verify(text, problem)
-
-
-def is_heldout(key: str, fraction: float) -> bool:
-    """Stable membership of a problem in the held-out split (independent of seeds and processes)."""
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-    return (h % 1_000_000) < fraction * 1_000_000
-
-
-TASKS: dict[str, Callable[..., Task]] = {}
-
-
-def register_task(name: str) -> Callable:
-    def deco(factory: Callable[..., Task]) -> Callable[..., Task]:
-        if name in TASKS:
-            raise ValueError(f"task {name!r} registered twice")
-        TASKS[name] = factory
-        return factory
-
-    return deco
+from gspo.config.errors import ConfigError
+from gspo.tasks import arithmetic, data, reasoning  # noqa: F401  (importing registers the tasks)
+from gspo.tasks.base import (  # noqa: F401  (the package's API)
+    TASKS,
+    Problem,
+    Task,
+    Verdict,
+    canonical,
+    is_heldout,
+    judge,
+    register_task,
+)
 
 
 def build_task(cfg) -> Task:
     """Build the task named by `cfg.name` from its config node."""
-    from gspo.tasks import arithmetic, data, reasoning  # noqa: F401  (registers the tasks)
-
     if cfg.name not in TASKS:
         raise ConfigError(f"task={cfg.name}: no such task. Valid: {', '.join(sorted(TASKS))}")
     return TASKS[cfg.name](cfg)

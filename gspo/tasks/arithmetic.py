@@ -10,7 +10,7 @@ import ast
 import random
 from fractions import Fraction
 
-from gspo.tasks import Problem, Verdict, is_heldout, register_task
+from gspo.tasks.base import Problem, Verdict, is_heldout, register_task
 
 DIGITS = "0123456789"
 EVAL_SEED = 12345  # the held-out set is the same for every run

@@ -11,9 +11,9 @@ A row holds a prompt and a reference answer, under `task.prompt_column` / `task.
 
 The held-out split is a stable hash of the NORMALISED prompt (its non-system turns, whitespace collapsed; a plain
 string counts as one user turn), so a problem that appears twice in the file is on one side of the split only. Every other column of the
-row is kept and handed to `reward=python` functions as a keyword argument (gspo/rewards.py).
+row is kept and handed to `reward=python` functions as a keyword argument (gspo/tasks/rewards.py).
 
-The warm start of the tiny models trains on the training rows' answers (see `WarmStartConfig` in gspo/config.py).
+The warm start of the tiny models trains on the training rows' answers (see `WarmStartConfig` in gspo/config/schema.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from gspo.errors import ConfigError
-from gspo.tasks import Problem, Verdict, is_heldout, register_task
+from gspo.config.errors import ConfigError
+from gspo.tasks.base import Problem, Verdict, is_heldout, register_task
 
 SMALL_HELDOUT = 50  # fewer held-out problems than this: eval/accuracy is too coarse to compare runs, so we warn
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -247,7 +247,7 @@ def _has_chat_template(model_dir: str) -> bool:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.checks.check`): the file reads, has rows and the columns, and the model can render it."""
+    """Before any work (`gspo.train.checks.check`): the file reads, has rows and the columns, and the model can render it."""
     if cfg.task.name not in ("data", "jsonl"):
         return
     task = DataTask(cfg.task)

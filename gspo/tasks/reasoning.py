@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 import re
 
-from gspo.tasks import Problem, Verdict, register_task
 from gspo.tasks.arithmetic import DIGITS, Addition, _HeldOutSplit
+from gspo.tasks.base import Problem, Verdict, register_task
 
 MARK = "#"  # separates the derivation from the final answer
 _INT = re.compile(r"(0|[1-9][0-9]*)")  # a non-negative integer as the references write it

@@ -45,8 +45,8 @@ from typing import Callable
 
 import torch
 
-from gspo.errors import ConfigError
-from gspo.tasks import Problem, Task, Verdict, judge
+from gspo.config.errors import ConfigError
+from gspo.tasks.base import Problem, Task, Verdict, judge
 
 RewardFn = Callable[[Verdict, object], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -167,7 +167,7 @@ def user_fns(cfg) -> tuple[list[UserFn], list[float]]:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.checks.check`): reward=python's files import and its functions exist."""
+    """Before any work (`gspo.train.checks.check`): reward=python's files import and its functions exist."""
     if cfg.reward.name == PYTHON:
         user_fns(cfg.reward)
     elif cfg.reward.name not in REWARDS:

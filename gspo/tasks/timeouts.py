@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Callable, TypeVar
 
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 `RUN_DIR/checkpoints/step_<n>/` holds config.json, model.safetensors, the tokenizer
 files and `trainer_state.pt` (optimizer, scheduler, step); a LoRA run (`model.lora.r > 0`)
 holds adapter_config.json + adapter_model.safetensors instead of the full weights (see
-gspo/adapters.py). Each is written under a temporary name and renamed, so a crash mid-write
+gspo/models/adapters.py). Each is written under a temporary name and renamed, so a crash mid-write
 never leaves a broken "latest"; the newest `train.keep_checkpoints` are kept. A write that fails
 (no space, no permission) is a one-line CheckpointError naming the path, the older checkpoints
 untouched; a resume skips a checkpoint that cannot be read and says so (`resumable`).
@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from gspo import adapters
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
+from gspo.models import adapters
 
 
 class CheckpointError(ConfigError):
@@ -103,7 +103,7 @@ def load_weights(model, ckpt: Path, dtype: torch.dtype = torch.float32) -> None:
     if adapters.is_adapter_dir(ckpt):
         adapters.load_weights(model, ckpt)
         return
-    from gspo.models import load_pretrained
+    from gspo.models.build import load_pretrained
 
     unwrap(model).load_state_dict(load_pretrained(ckpt, dtype)[0].state_dict())
 
@@ -113,7 +113,7 @@ def load_model(ckpt: Path, dtype: torch.dtype = torch.float32, attn: str = "auto
     the base an adapter records)."""
     if adapters.is_adapter_dir(ckpt):
         return adapters.load(ckpt, dtype, attn, base_dir=base_dir)
-    from gspo.models import load_pretrained
+    from gspo.models.build import load_pretrained
 
     return load_pretrained(ckpt, dtype, attn)
 

@@ -2,7 +2,7 @@
 
 `gspo train hardware=cpu-ddp` (or gpu-ddp, gpu-fsdp) starts `hardware.nproc` workers
 with torchrun's own launcher (`torch.distributed.run`, called inside the Hydra job) and
-waits for them; each worker runs `python -m gspo.trainer RUN_DIR`, which trains
+waits for them; each worker runs `python -m gspo.train.trainer RUN_DIR`, which trains
 with the run directory's resolved config.yaml. `torchrun --nproc-per-node N -m cli.main
 train hardware=cpu-ddp ...` by hand works too: every rank takes rank 0's run directory.
 
@@ -48,8 +48,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as tdist
 
-from gspo import checkpoint, preemption
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
+from gspo.train import checkpoint, preemption
 
 # --------------------------------------------------------------------------- launching
 
@@ -116,9 +116,9 @@ def launch(cfg, run_dir: Path) -> dict:
     env = {preemption.STOP_FILE_ENV: str(stop_file), "TORCHELASTIC_SIGNALS_TO_HANDLE": None}  # (torchrun sets it)
     if _device(hw).type == "cpu" and not hw.threads and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // n))  # share the cores instead of oversubscribing
-    args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.trainer", str(run_dir)]
+    args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.train.trainer", str(run_dir)]
     print(f"gspo: starting {n} processes: torchrun {' '.join(args)}", flush=True)
-    # torchrun would turn SIGTERM/SIGINT into killing the workers; they finish their step instead (gspo/preemption.py)
+    # torchrun would turn SIGTERM/SIGINT into killing the workers; they finish their step instead (gspo/train/preemption.py)
     args.insert(0, "--signals-to-handle=SIGHUP,SIGQUIT")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: v for k, v in env.items() if v is not None})
@@ -424,8 +424,11 @@ class Dist:
         """Rank 0 writes the checkpoint (FSDP: full tensors gathered from every rank first)."""
         model_state = optim_state = None
         if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                                 get_optimizer_state_dict)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0 only
             model_state = get_model_state_dict(model, options=opts)

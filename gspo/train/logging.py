@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from gspo.config import LoggerConfig
+from gspo.config.schema import LoggerConfig
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -157,7 +157,7 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - depends on the install
-            from gspo.errors import ConfigError
+            from gspo.config.errors import ConfigError
 
             raise ConfigError(
                 "logger.wandb=true but the `wandb` package is not installed: "

@@ -19,7 +19,7 @@ that at the old weights every ratio is exactly 1 (issue: with live routing there
 routing flips made ratio != 1 before any update). When the sampler's log-probs serve as
 the old policy's (`rollout.old_logprobs=sampler`) no old-policy pass runs: the routing
 recorded while sampling is the old policy's routing, so R2 and R3 replay the same thing.
-With a sampler that is not the trainer (`rollout.dtype`, gspo/sampler.py) the two differ: R3
+With a sampler that is not the trainer (`rollout.dtype`, gspo/rollout/sampler.py) the two differ: R3
 replays the routing the sampler's copy chose, R2 the trainer's recomputed pass's.
 `rollout/routing_mismatch` counts the (token, layer) top-k sets on which they disagree.
 """
@@ -31,10 +31,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from gspo import moe
-from gspo.mismatch import routing_mismatch
-from gspo.rollout import Rollout, position_ids
-from gspo.sampler import separate
+from gspo.algos.mismatch import routing_mismatch
+from gspo.models import moe
+from gspo.rollout.generate import Rollout, position_ids
+from gspo.rollout.sampler import separate
 
 
 class _NoMinibatch:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
 
 RECORD = "resumes.jsonl"
 # keys (or key prefixes, ending in ".") a resume may change
@@ -76,7 +76,7 @@ def record(run_dir: Path | str, old: Any, new: Any, from_step: int) -> dict:
 
 def next_step(run_dir: Path | str) -> int:
     """The first step a resume of `run_dir` trains: after its newest readable checkpoint."""
-    from gspo import checkpoint
+    from gspo.train import checkpoint
 
     ckpt = checkpoint.resumable(run_dir, log=lambda msg: None)
     return int(checkpoint.load_state(ckpt)["step"]) + 1 if ckpt is not None else 1

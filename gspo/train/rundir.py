@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from gspo.errors import ConfigError
+from gspo.config.errors import ConfigError
 
 LOCK = ".lock"
 RUN_FILES = ("config.yaml", "metrics.jsonl")  # what a directory holding a run has
@@ -130,7 +130,8 @@ def default_dir(overrides: list[str], multirun: bool) -> Path:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from gspo.config import CONF_DIR, _register_resolvers, register_configs, sweep_combinations
+    from gspo.config.loading import _register_resolvers, sweep_combinations
+    from gspo.config.schema import CONF_DIR, register_configs
 
     register_configs()
     _register_resolvers()
@@ -150,7 +151,7 @@ def run_dir_overrides(overrides: list[str], multirun: bool) -> list[str]:
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = [o.partition("=")[2] for o in overrides if o.partition("=")[0] == key]
     if given:
-        from gspo.preemption import resume_requeued
+        from gspo.train.preemption import resume_requeued
 
         if not multirun and not resume_requeued(given[-1]):  # a sweep's job directories are checked by each job
             check_new(given[-1], key)

@@ -7,35 +7,29 @@ Read `train` first; everything else in this file is a helper it calls.
 
 from __future__ import annotations
 
-import copy
-import json
 import math
 import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gspo import adapters, checkpoint, distributed, preemption, timeouts
-from gspo.advantages import compute_advantages
-from gspo.errors import ConfigError, tidy_warnings
-from gspo.evaluate import evaluate, heldout_problems
-from gspo.logging import MetricsLogger
-from gspo.losses import aggregate_denominator, get_loss, policy_loss
-from gspo.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
-from gspo.models import base_model, load_pretrained, tokenizer_encode
-from gspo.moe_step import MoEStep
-from gspo.rewards import completion_ids, probe, score, trainer_state
-from gspo.rollout import Rollout, cat_rollouts, generate, token_logprobs
-from gspo.sampler import Sampler, old_logprobs_mode
-from gspo.shaping import dynamic_sampling, overlong_penalty
-from gspo.tasks import Problem, build_task
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from gspo.algos.advantages import compute_advantages
+from gspo.algos.losses import aggregate_denominator, get_loss, policy_loss
+from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
+from gspo.algos.shaping import dynamic_sampling, overlong_penalty
+from gspo.config.errors import ConfigError, tidy_warnings
+from gspo.models import adapters
+from gspo.rollout.generate import Rollout, cat_rollouts, generate, token_logprobs
+from gspo.rollout.sampler import Sampler
+from gspo.tasks import Problem, timeouts
+from gspo.tasks.rewards import completion_ids, score, trainer_state
+from gspo.train import checkpoint, distributed, preemption
+from gspo.train.moe_step import MoEStep
+from gspo.train.setup import setup
 
 
 @dataclass
@@ -70,73 +64,30 @@ class Batch:
 def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     """Run RL training as configured, writing metrics and checkpoints to `run_dir`.
 
+    `setup` builds what the loop needs (gspo/train/setup.py); the loop is below.
+
     Returns the summary (also RUN_DIR/summary.json, kept current at every checkpoint):
     base and final held-out accuracy, steps done, wall time, status.
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    device, dtype = _setup_hardware(cfg.hardware)
-    dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/distributed.py)
-    device = dist.device
-    start, resume_ckpt = _resume_point(cfg, run_dir, dist)
-    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None, restarted=bool(cfg.resume))
-    if start >= cfg.train.steps:  # a finished run: leave everything as it is
-        if dist.is_main:
-            print(f"gspo: {run_dir} already finished its {start} steps (train.steps={cfg.train.steps}); nothing to do")
-        return summary.data
-    if dist.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    task = build_task(cfg.task)
-    if cfg.reward.name == "python":  # each function on one real sample, before any work
-        probe(task, cfg, tokenizer_encode(cfg, task))
-    eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
-    with dist.main_first():  # rank 0 builds the warm-started base, the others then load it
-        base_dir = base_model(cfg, task)
-    model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation,
-                                       device=device, log=print if dist.is_main else None)
-    model.to(device)
-    if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    model = adapters.apply(model, cfg.model.lora, base_dir, cfg.seed)  # LoRA: model.lora.r > 0 -> PeftModel, base frozen
-    # beta 0: no reference model in memory; LoRA: the reference is the base, i.e. adapters off (no copy)
-    ref = _frozen_copy(model) if cfg.algo.beta > 0 and not adapters.is_adapted(model) else None
-    if resume_ckpt is not None:  # every rank loads the same checkpoint, before wrapping
-        checkpoint.load_weights(model, resume_ckpt, dist.storage_dtype(dtype))  # LoRA: the adapter only
-    policy = dist.wrap(model, dtype)  # what the update trains through: DDP(model), fully_shard(model), or model
-    ref = dist.wrap(ref, dtype, frozen=True) if ref is not None else None
-    if cfg.algo.beta > 0 and adapters.is_adapted(model):  # LoRA: reference = same weights, adapters disabled
-        ref = adapters.reference(model)
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapters only
-                            lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    # warmup counts RL steps, like train.steps: the scheduler steps once per rollout batch
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.train.warmup_steps)))
-    if resume_ckpt is not None:
-        state = checkpoint.load_state(resume_ckpt)
-        dist.load_optimizer_state(policy, opt, state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-    recompute = old_logprobs_mode(cfg) == "recompute"
-    moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
-    sampler = Sampler.for_run(model, cfg)  # the trainer's model, or a copy in rollout.dtype (gspo/sampler.py)
-    # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
-    kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
-    logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
-    ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
-        model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
-        cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s), eval_problems, model)
-    summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
+    s = setup(cfg, run_dir)  # hardware, resume point, base model, LoRA, reference, optimizer, MoE, sampler, logger
+    if s.finished:
+        return s.summary.data
+    dist, summary, start, logger = s.dist, s.summary, s.start, s.logger
+    model, policy, opt, sched = s.model, s.policy, s.opt, s.sched
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
     stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step, checkpoint it, leave
     saved = start  # the step of the newest checkpoint
     try:
         if start == 0:
-            base = ev()
+            base = s.evaluate()
             logger.log(base, step=0)
             summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
         for step in range(start + 1, cfg.train.steps + 1):
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 if step - 1 > saved:
-                    dist.save_checkpoint(run_dir, step - 1, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)
+                    dist.save_checkpoint(run_dir, step - 1, policy, s.tokenizer, opt, sched, cfg.train.keep_checkpoints)
                     summary.write(steps=step - 1)
                 if dist.is_main:
                     kept = "checkpoint saved" if step > 1 else "no step finished yet"
@@ -144,30 +95,30 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
                           f"resume with: {preemption.resume_command(run_dir)}", flush=True)
                 break
             t0 = time.time()
-            synced = sampler.sync(model)  # a separate sampler takes the trainer's weights, as an engine's weight sync
-            batch, metrics = _collect(cfg, sampler, model, tokenizer, task, step, moe_step, dist)  # seeded by (seed, step)
+            synced = s.sampler.sync(model)  # a separate sampler takes the trainer's weights, as an engine's weight sync
+            batch, metrics = _collect(cfg, s.sampler, model, s.tokenizer, s.task, step, s.moe_step, dist)  # seeded by (seed, step)
             metrics |= synced
             t_roll = time.time() - t0
-            metrics |= _update(cfg, policy, ref, opt, batch, step, moe_step, dist, recompute)
+            metrics |= _update(cfg, policy, s.ref, opt, batch, step, s.moe_step, dist, s.recompute)
             sched.step()
             metrics["train/lr"] = sched.get_last_lr()[0]
             metrics["time/rollout_s"], metrics["time/update_s"] = t_roll, time.time() - t0 - t_roll
             metrics["time/step_s"] = time.time() - t0
             metrics["throughput/tokens_per_s"] = float(batch.rollout.completion_mask.sum()) / metrics["time/step_s"]
-            if device.type == "cuda":
-                metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if dist.device.type == "cuda":
+                metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
             metrics = dist.reduce_metrics(metrics, rows=len(batch.rewards))  # over ranks; as is in one process
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                metrics |= ev()
+                metrics |= s.evaluate()
             logger.log(metrics, step=step)
             if logger.should_log_samples(step):
                 logger.log_samples(step, _samples(batch))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                dist.save_checkpoint(run_dir, step, policy, tokenizer, opt, sched, cfg.train.keep_checkpoints)  # rank 0 writes
+                dist.save_checkpoint(run_dir, step, policy, s.tokenizer, opt, sched, cfg.train.keep_checkpoints)  # rank 0 writes
                 saved = step
                 summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
                 if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
-                    adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(dtype))
+                    adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(s.dtype))
             progress.update(step, metrics)
             if not math.isfinite(metrics["train/loss"]):
                 raise FloatingPointError(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
@@ -269,7 +220,7 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
             if recompute:
                 old_logp = trainer_logp  # ... or as the trainer's forward computes them
         ref_logp = token_logprobs(ref, ro, temp)[0] if ref is not None else None
-    corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/mismatch.py), each off by default
+    corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
     agg = algo.agg or get_loss(algo.loss).agg
     hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, agg=algo.agg,
                  max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg, beta=algo.beta,
@@ -311,62 +262,6 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _setup_hardware(hw) -> tuple[torch.device, torch.dtype]:
-    if hw.threads:
-        torch.set_num_threads(hw.threads)
-    name = hw.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")
-    return torch.device(name), DTYPES[hw.dtype]
-
-
-def _frozen_copy(model):
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
-def _resume_point(cfg, run_dir: Path, dist) -> tuple[int, Optional[Path]]:
-    """(step to continue after, its checkpoint): (0, None) for a new run or one killed before its first checkpoint."""
-    if not cfg.resume:
-        return 0, None
-    ckpt = checkpoint.resumable(run_dir, log=print if dist.is_main else lambda msg: None)
-    if ckpt is None:
-        if dist.is_main:
-            print(f"gspo: {run_dir} has no checkpoint yet: restarting it from step 0 (its metrics so far are dropped)")
-        return 0, None
-    return int(checkpoint.load_state(ckpt)["step"]), ckpt
-
-
-class _Summary:
-    """RUN_DIR/summary.json, true after any stop: written at step 0, at every checkpoint and at the end.
-
-    `status` is running (also after a kill -9: then `steps` is the last checkpoint), finished,
-    preempted (SIGTERM), stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of
-    a resumed run, a restart from step 0 included.
-    """
-
-    def __init__(self, run_dir: Path, is_main: bool, resumed: bool, restarted: bool = False):
-        self.path, self.is_main, self.t0 = run_dir / "summary.json", is_main, time.time()
-        old: dict = json.loads(self.path.read_text()) if (resumed or restarted) and self.path.is_file() else {}
-        self.data = old if resumed else {}
-        self.wall0 = float(old.get("wall_s", 0.0))  # a restart from step 0 still counts the sessions before it
-
-    def write(self, **values) -> None:
-        self.data |= values
-        self.data["wall_s"] = self.wall0 + time.time() - self.t0
-        if self.is_main:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            try:
-                tmp.write_text(json.dumps(self.data, indent=2))
-                tmp.replace(self.path)
-            except OSError as e:  # a full disk: keep the previous summary, do not hide the error that stopped the run
-                print(f"gspo: warning: cannot write {self.path}: {e}", file=sys.stderr)
 
 
 def _samples(batch: Batch, n: int = 8) -> list[dict]:
@@ -411,9 +306,9 @@ class _Progress:
 
 
 def _worker(argv: list[str]) -> int:
-    """A torchrun worker (`python -m gspo.trainer RUN_DIR`): train RUN_DIR/config.yaml into RUN_DIR."""
+    """A torchrun worker (`python -m gspo.train.trainer RUN_DIR`): train RUN_DIR/config.yaml into RUN_DIR."""
     if len(argv) != 1:
-        print("usage: python -m gspo.trainer RUN_DIR  (started by torchrun)", file=sys.stderr)
+        print("usage: python -m gspo.train.trainer RUN_DIR  (started by torchrun)", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
     tidy_warnings()

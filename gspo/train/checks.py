@@ -1,0 +1,44 @@
+"""Everything about a config that can be refused before work starts, refused here.
+
+`gspo.config.checks.check_values` refuses what needs only the config; `check` adds what needs
+the other parts: the names in their registries (losses, advantages, tasks, rewards), LoRA,
+the data file, the reward functions and the sampler. One line each, a `ConfigError` (the CLI
+prints it and exits 2). `gspo train` runs it for every job of a sweep before Hydra starts,
+`train` once more at its start (a torchrun worker's config comes from a file).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gspo.algos.advantages import ADVANTAGES
+from gspo.algos.losses import LOSSES
+from gspo.config.checks import check_values
+from gspo.config.errors import ConfigError
+from gspo.models import adapters
+from gspo.rollout.sampler import check as check_sampler
+from gspo.rollout.sampler import old_logprobs_mode
+from gspo.tasks import TASKS, arithmetic, data, reasoning, rewards  # noqa: F401  (importing registers the tasks)
+
+
+def check(cfg: Any) -> None:
+    """Refuse, with one line naming key, value and what is allowed, a config that cannot train.
+
+    Machine-independent: `gspo.config.checks.check_machine` asks this machine.
+    """
+    from omegaconf import OmegaConf
+
+    check_values(cfg)
+    for key, registry in (("algo.loss", LOSSES), ("algo.advantage", ADVANTAGES), ("task.name", TASKS),
+                          ("reward.name", [*rewards.REWARDS, rewards.PYTHON])):
+        if OmegaConf.select(cfg, key) not in registry:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be one of {', '.join(sorted(registry))}")
+    adapters.check(cfg)  # model.lora.*
+    data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
+    rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
+    check_sampler(cfg)  # rollout.dtype
+    r = cfg.rollout
+    for key, value in (("rollout.tis", r.tis), ("rollout.mask", r.mask)):
+        if value != "none" and old_logprobs_mode(cfg) != "recompute":
+            raise ConfigError(f"{key}={value} corrects the sampler/trainer mismatch, which exists only when the "
+                              "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")

@@ -1,0 +1,97 @@
+"""Held-out evaluation during training (and the warm start's check): greedy accuracy, pass@k,
+completion length, well-formedness. `gspo eval` (gspo/results/evaluate.py) runs the same on a
+finished run."""
+
+from __future__ import annotations
+
+from math import comb
+
+import torch
+
+from gspo.rollout.generate import generate
+from gspo.tasks import Problem, Task, judge, timeouts
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, arXiv 2107.03374):
+    1 - C(n-c, k) / C(n, k)."""
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    task: Task,
+    problems: list[Problem],
+    max_new_tokens: int,
+    pass_k: int = 0,
+    temperature: float = 1.0,
+    chat_template: bool = False,
+    batch_size: int = 256,
+    examples: int = 0,
+    timeout_s: float = 0.0,
+) -> dict:
+    """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0).
+
+    `timeout_s`: the task's verifier may take this long on a batch (`reward.timeout_s`; 0 = no limit).
+    Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
+    """
+    def verdicts(r, chunk_problems) -> list:  # one problem per completion
+        return timeouts.call(lambda: [judge(task, t, p, bool(b)) for t, p, b in
+                                      zip(r.texts, chunk_problems, r.ill_formed.tolist())],
+                             timeout_s, f"the task's verifier on {len(r.texts)} held-out completions")
+
+    was_training = model.training
+    model.eval()
+    correct, formed, lengths, shown = [], [], [], []
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        r = generate(model, tokenizer, [p.prompt for p in chunk], 1, max_new_tokens, greedy=True, chat_template=chat_template)
+        for text, p, n, v in zip(r.texts, chunk, r.lengths.tolist(), verdicts(r, chunk)):
+            correct.append(v.correct)
+            formed.append(v.well_formed)
+            lengths.append(n)
+            if len(shown) < examples:
+                shown.append({"prompt": p.prompt, "completion": text, "correct": v.correct, "reference": p.answer})
+    out = {
+        "eval/accuracy": sum(correct) / max(1, len(correct)),
+        "eval/format": sum(formed) / max(1, len(formed)),
+        "eval/len_mean": sum(lengths) / max(1, len(lengths)),
+    }
+    if pass_k > 0:
+        n = 2 * pass_k
+        scores = []
+        for i in range(0, len(problems), max(1, batch_size // n)):
+            chunk = problems[i : i + max(1, batch_size // n)]
+            r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature, chat_template=chat_template)
+            right = [v.correct for v in verdicts(r, [p for p in chunk for _ in range(n)])]
+            for j in range(len(chunk)):
+                scores.append(pass_at_k(n, sum(right[j * n : (j + 1) * n]), pass_k))
+        out[f"eval/pass@{pass_k}"] = sum(scores) / max(1, len(scores))
+    if examples:
+        out["examples"] = shown
+    model.train(was_training)
+    return out
+
+
+def heldout_problems(task: Task, tcfg) -> list[Problem]:
+    """The held-out problems to score: up to `task.eval_size` of them.
+
+    Fewer than asked is a warning (the accuracy is then an estimate over that many); none is a
+    ConfigError, since an accuracy over zero problems would read as 0%.
+    """
+    import sys
+
+    from gspo.config.errors import ConfigError
+
+    problems = task.eval_set(tcfg.eval_size)
+    if not problems:
+        raise ConfigError(f"task={tcfg.name}: the held-out split is empty (task.eval_fraction={tcfg.eval_fraction}); "
+                          "raise task.eval_fraction, or use a larger problem set")
+    if len(problems) < tcfg.eval_size:
+        print(f"gspo: warning: task.eval_size={tcfg.eval_size} but the held-out split has {len(problems)} problems: "
+              f"evaluating those {len(problems)} (raise task.eval_fraction for a tighter estimate)", file=sys.stderr)
+    return problems

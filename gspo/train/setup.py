@@ -1,0 +1,171 @@
+"""Everything the loop needs before its first step, built by one call: `setup(cfg, run_dir)`.
+
+Hardware and torch.distributed, the resume point, the task and its held-out split, the warm-started
+base, LoRA, the reference policy, the optimizer and schedule (restored on resume), the MoE step
+component, the sampler and the metrics logger. `gspo.train.trainer.train` reads as the loop it runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gspo.config.errors import ConfigError
+from gspo.models import adapters
+from gspo.models.build import load_pretrained, tokenizer_encode
+from gspo.rollout.sampler import Sampler, old_logprobs_mode
+from gspo.tasks import Problem, Task, build_task
+from gspo.tasks.rewards import probe
+from gspo.train import checkpoint, distributed
+from gspo.train.heldout import evaluate, heldout_problems
+from gspo.train.logging import MetricsLogger
+from gspo.train.moe_step import MoEStep
+from gspo.train.warm_start import base_model
+
+
+@dataclass
+class Setup:
+    """What `train` needs: the run's parts, ready, and where it starts from."""
+
+    dist: Any  # gspo.train.distributed: one process, or a rank of a torchrun group
+    dtype: torch.dtype  # the training precision (hardware.dtype)
+    summary: "_Summary"  # RUN_DIR/summary.json
+    start: int  # the last step already done (0 for a new run)
+    finished: bool = False  # the run already did its train.steps: nothing else below is built
+    task: Optional[Task] = None
+    eval_problems: Optional[list[Problem]] = None
+    model: Any = None  # the policy's module (a PeftModel under LoRA)
+    tokenizer: Any = None
+    policy: Any = None  # what the update trains through: DDP(model), fully_shard(model), or model
+    ref: Any = None  # the KL reference, or None (beta 0)
+    opt: Optional[torch.optim.Optimizer] = None
+    sched: Any = None
+    recompute: bool = False  # the old policy's log-probs are recomputed by the trainer
+    moe_step: Optional[MoEStep] = None  # a no-op on dense models
+    sampler: Optional[Sampler] = None  # the trainer's model, or a copy in rollout.dtype
+    logger: Any = None  # MetricsLogger on rank 0, a NullLogger elsewhere
+    evaluate: Optional[Callable[[], dict]] = None  # held-out evaluation of the current policy (every rank a share)
+
+
+def setup(cfg: DictConfig, run_dir: Path) -> Setup:
+    """Build what the loop needs for `cfg` in `run_dir`, restoring a resumed run's weights and optimizer."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device, dtype = _setup_hardware(cfg.hardware)
+    dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/train/distributed.py)
+    device = dist.device
+    start, resume_ckpt = _resume_point(cfg, run_dir, dist)
+    summary = _Summary(run_dir, dist.is_main, resumed=resume_ckpt is not None, restarted=bool(cfg.resume))
+    if start >= cfg.train.steps:  # a finished run: leave everything as it is
+        if dist.is_main:
+            print(f"gspo: {run_dir} already finished its {start} steps (train.steps={cfg.train.steps}); nothing to do")
+        return Setup(dist, dtype, summary, start, finished=True)
+    if dist.is_main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    task = build_task(cfg.task)
+    if cfg.reward.name == "python":  # each function on one real sample, before any work
+        probe(task, cfg, tokenizer_encode(cfg, task))
+    eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
+    with dist.main_first():  # rank 0 builds the warm-started base, the others then load it
+        base_dir = base_model(cfg, task)
+    model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation,
+                                       device=device, log=print if dist.is_main else None)
+    model.to(device)
+    if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model = adapters.apply(model, cfg.model.lora, base_dir, cfg.seed)  # LoRA: model.lora.r > 0 -> PeftModel, base frozen
+    # beta 0: no reference model in memory; LoRA: the reference is the base, i.e. adapters off (no copy)
+    ref = _frozen_copy(model) if cfg.algo.beta > 0 and not adapters.is_adapted(model) else None
+    if resume_ckpt is not None:  # every rank loads the same checkpoint, before wrapping
+        checkpoint.load_weights(model, resume_ckpt, dist.storage_dtype(dtype))  # LoRA: the adapter only
+    policy = dist.wrap(model, dtype)  # what the update trains through: DDP(model), fully_shard(model), or model
+    ref = dist.wrap(ref, dtype, frozen=True) if ref is not None else None
+    if cfg.algo.beta > 0 and adapters.is_adapted(model):  # LoRA: reference = same weights, adapters disabled
+        ref = adapters.reference(model)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapters only
+                            lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    # warmup counts RL steps, like train.steps: the scheduler steps once per rollout batch
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.train.warmup_steps)))
+    if resume_ckpt is not None:
+        state = checkpoint.load_state(resume_ckpt)
+        dist.load_optimizer_state(policy, opt, state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+    recompute = old_logprobs_mode(cfg) == "recompute"
+    moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
+    sampler = Sampler.for_run(model, cfg)  # the trainer's model, or a copy in rollout.dtype (gspo/rollout/sampler.py)
+    # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
+    kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
+    logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
+    ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
+        model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
+        cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s), eval_problems, model)
+    summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
+    return Setup(dist, dtype, summary, start, task=task, eval_problems=eval_problems, model=model, tokenizer=tokenizer,
+                 policy=policy, ref=ref, opt=opt, sched=sched, recompute=recompute, moe_step=moe_step,
+                 sampler=sampler, logger=logger, evaluate=ev)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _setup_hardware(hw) -> tuple[torch.device, torch.dtype]:
+    if hw.threads:
+        torch.set_num_threads(hw.threads)
+    name = hw.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")
+    return torch.device(name), DTYPES[hw.dtype]
+
+
+def _frozen_copy(model):
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def _resume_point(cfg, run_dir: Path, dist) -> tuple[int, Optional[Path]]:
+    """(step to continue after, its checkpoint): (0, None) for a new run or one killed before its first checkpoint."""
+    if not cfg.resume:
+        return 0, None
+    ckpt = checkpoint.resumable(run_dir, log=print if dist.is_main else lambda msg: None)
+    if ckpt is None:
+        if dist.is_main:
+            print(f"gspo: {run_dir} has no checkpoint yet: restarting it from step 0 (its metrics so far are dropped)")
+        return 0, None
+    return int(checkpoint.load_state(ckpt)["step"]), ckpt
+
+
+class _Summary:
+    """RUN_DIR/summary.json, true after any stop: written at step 0, at every checkpoint and at the end.
+
+    `status` is running (also after a kill -9: then `steps` is the last checkpoint), finished,
+    preempted (SIGTERM), stopped (Ctrl-C) or failed; `wall_s` adds up the time of every session of
+    a resumed run, a restart from step 0 included.
+    """
+
+    def __init__(self, run_dir: Path, is_main: bool, resumed: bool, restarted: bool = False):
+        self.path, self.is_main, self.t0 = run_dir / "summary.json", is_main, time.time()
+        old: dict = json.loads(self.path.read_text()) if (resumed or restarted) and self.path.is_file() else {}
+        self.data = old if resumed else {}
+        self.wall0 = float(old.get("wall_s", 0.0))  # a restart from step 0 still counts the sessions before it
+
+    def write(self, **values) -> None:
+        self.data |= values
+        self.data["wall_s"] = self.wall0 + time.time() - self.t0
+        if self.is_main:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            try:
+                tmp.write_text(json.dumps(self.data, indent=2))
+                tmp.replace(self.path)
+            except OSError as e:  # a full disk: keep the previous summary, do not hide the error that stopped the run
+                print(f"gspo: warning: cannot write {self.path}: {e}", file=sys.stderr)

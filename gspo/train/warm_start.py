@@ -1,0 +1,166 @@
+"""The warm-started base: supervised steps on the task's reference solutions, cached.
+
+A random-init model earns no reward, so `base_model` warm-starts it with supervised steps
+on the task's reference solutions and caches the result by its config and the content of
+the files it reads (a data file): every run of a sweep starts from the very same weights,
+built once, and a changed file builds a new base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gspo.config.errors import ConfigError
+from gspo.models.build import build_model, char_tokenizer
+from gspo.models.moe import is_moe
+from gspo.train.heldout import evaluate
+
+CACHE_VERSION = 3  # bump when warm-start code changes, so stale bases are rebuilt (3: canonical split, warm-start pool)
+
+
+def _input_files(cfg) -> dict[str, str]:
+    """The files the warm start reads, by the key naming them: `task.path` (a data file's reference answers).
+
+    The reward is not among them: the warm start is supervised on the task's answers, never scored.
+    """
+    return {"task.path": str(cfg.task.path)} if cfg.task.get("path") else {}
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _base_key(cfg) -> str:
+    from omegaconf import OmegaConf
+
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    for k in ("name", "gradient_checkpointing", "attn_implementation", "experts_implementation", "lora"):
+        m.pop(k, None)  # do not change the weights the warm start produces (LoRA and full runs share a base)
+    t = OmegaConf.to_container(cfg.task, resolve=True)
+    t.pop("eval_size", None)
+    files = {k: _sha256(path) for k, path in _input_files(cfg).items() if Path(path).is_file()}  # content, not name
+    key = {"v": CACHE_VERSION, "model": m, "task": t, "T": cfg.rollout.max_new_tokens}
+    blob = json.dumps(key | ({"files": files} if files else {}), sort_keys=True)  # no file: the key it always had
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def base_model(cfg, task, log=print) -> Path:
+    """The directory of the warm-started base for this config, building it on first use.
+
+    Written to a temporary directory and renamed, so parallel sweep jobs never see
+    a half-written base; the first one to finish wins and the others reuse it.
+    """
+    if cfg.model.arch == "hf":
+        if not cfg.model.path:
+            raise ConfigError("model=hf needs model.path=DIR (a local Hugging Face checkpoint directory)")
+        return Path(cfg.model.path)
+    target = Path(cfg.cache_dir) / f"base-{cfg.model.name}-{cfg.task.name}-{_base_key(cfg)}"
+    if (target / "config.json").is_file():
+        if int(os.environ.get("RANK", "0")) == 0:
+            inputs = ", ".join(f"{k}={v}" for k, v in _input_files(cfg).items())
+            log(f"gspo: reusing the warm-started base {target}" + (f" (built from {inputs}, same content)" if inputs else ""))
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = char_tokenizer(task.alphabet)
+    model = build_model(cfg.model, len(tokenizer), tokenizer, seed=cfg.model.warm_start.seed)
+    t0 = time.time()
+    record = warm_start(model, tokenizer, task, cfg.model.warm_start, log=log)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    inputs = {k: {"path": path, "sha256": _sha256(path)} for k, path in _input_files(cfg).items()}
+    (tmp / "warm_start.json").write_text(json.dumps({"seconds": time.time() - t0, **record, "inputs": inputs}))
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another job finished first: use its base
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
+    """Supervised steps on (prompt, reference answer + EOS); loss on the answer tokens only.
+
+    The data: `wcfg.problems` fixed training problems drawn once and sampled in batches, or
+    (0) fresh training problems every step; never a held-out one. With `wcfg.target_accuracy`
+    > 0 it stops at the first check (every `wcfg.check_every` steps) where greedy accuracy on
+    200 fixed *training* problems reaches the target: a base of a known accuracy. Once a check
+    reaches half the target, it checks every `wcfg.fine_check_every` steps: near the target,
+    accuracy climbs over ten points in 25 steps, and a coarse check stopped at 52.5% for a 40%
+    target (docs/results.md). Where the accuracy stands after a fixed number of steps is chaotic
+    (float rounding, which differs with the thread count and the CPU's vector ISA, moves it by
+    tens of points: docs/results.md), so a fixed step count alone does not give the same base
+    on two machines.
+
+    Returns what was done: {"steps", "train_accuracy" (at the last check, None without one)}.
+    """
+    record = {"steps": 0, "train_accuracy": None}
+    if wcfg.steps <= 0:
+        return record
+    rng = random.Random(wcfg.seed)
+    torch.manual_seed(wcfg.seed)
+    pool = task.sample_train(rng, wcfg.problems) if wcfg.problems > 0 else None
+    check = _accuracy_check(model, tokenizer, task, wcfg) if wcfg.target_accuracy > 0 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / wcfg.steps))
+    moe_kwargs = {"output_router_logits": True} if is_moe(model) else {}
+    model.train()
+    every = wcfg.check_every
+    for step in range(wcfg.steps):
+        problems = (task.sample_train(rng, wcfg.batch_size) if pool is None
+                    else rng.sample(pool, min(wcfg.batch_size, len(pool))))
+        ids, labels = [], []
+        for p in problems:
+            prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+            answer = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+        width = max(map(len, ids))
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
+        label_t = torch.tensor([y + [-100] * (width - len(y)) for y in labels])
+        mask = torch.arange(width)[None, :] < torch.tensor([len(x) for x in ids])[:, None]
+        # MoE: the load-balancing loss is on here as in RL, so RL starts from balanced experts
+        # instead of spending its first steps re-routing tokens to satisfy the aux loss.
+        out = model(input_ids=input_ids, attention_mask=mask.long(), labels=label_t, **moe_kwargs)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        record["steps"] = step + 1
+        if step % 100 == 0 or step == wcfg.steps - 1:
+            log(f"warm start {step + 1}/{wcfg.steps}: loss {out.loss.item():.3f}")
+        if check is not None and (step + 1) % every == 0:
+            record["train_accuracy"] = check()
+            if record["train_accuracy"] >= wcfg.target_accuracy:
+                log(f"warm start {step + 1}/{wcfg.steps}: greedy accuracy on training problems "
+                    f"{record['train_accuracy']:.1%} >= target {wcfg.target_accuracy:.0%}: stopping")
+                break
+            if record["train_accuracy"] >= wcfg.target_accuracy / 2 and wcfg.fine_check_every > 0:
+                every = wcfg.fine_check_every
+    model.eval()
+    return record
+
+
+def _accuracy_check(model, tokenizer, task, wcfg, n: int = 200):
+    """A function returning greedy accuracy on `n` fixed training problems (never held-out ones)."""
+    problems = task.sample_train(random.Random(f"warm-start-check-{wcfg.seed}"), n)
+    width = max(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in problems) + 1
+
+    def check() -> float:
+        return evaluate(model, tokenizer, task, problems, max_new_tokens=width)["eval/accuracy"]
+
+    return check
