@@ -1,0 +1,103 @@
+"""The layout stays true: gspo's packages import only down, and no two modules import each other.
+
+Ranks, bottom to top (gspo/__init__.py says what each package is). A module may import from its
+own package or from a package of a lower rank; modules of one rank never import each other's
+package. Every import counts: at module level, inside functions, and under TYPE_CHECKING.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "gspo"
+RANK = {"config": 0, "tasks": 1, "algos": 1, "models": 1, "rollout": 2, "train": 3, "results": 4}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of the gspo package (a package as its __init__)."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> set[str]:
+    """The gspo modules a file imports (`from gspo.x import y` names module gspo.x.y when there is one)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("gspo")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gspo") and not node.level:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in MODULES else node.module)
+    return found
+
+
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_package_has_a_rank():
+    packages = {_package(m) for m in MODULES if _package(m) and (ROOT / _package(m)).is_dir()}
+    assert packages == set(RANK), "a package was added or removed: give it a rank here and in gspo/__init__.py"
+    assert {_package(m) for m in MODULES} - {None} == set(RANK), "every module lives in a package"
+
+
+def _upward(module: str, imports: set[str]) -> list[str]:
+    """The imports of `module` that point to its own level or above, in another package."""
+    here = _package(module)
+    return sorted(t for t in imports if t != "gspo" and _package(t) != here and RANK[_package(t)] >= RANK[here])
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _package(m)))
+def test_imports_point_down(module):
+    up = _upward(module, GRAPH[module])
+    here = _package(module)
+    assert not up, f"{module} ({here}, rank {RANK[here]}) imports {up}: a part may import only parts below it"
+
+
+def test_no_module_imports_one_that_imports_it():
+    """No circles of any length, lazy and type-only imports included."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(GRAPH.get(m, ())):
+            if t == m or t not in GRAPH:
+                continue
+            if state.get(t) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(t):] + [m, t]))
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m, [])
+
+
+def test_the_check_sees_upward_and_sideways_imports(tmp_path):
+    """The checker itself: a lazy import up (algos -> train), a type-only one sideways (algos -> models)
+    and one down (algos -> config) in a planted file: the first two are flagged, the third is not."""
+    planted = tmp_path / "x.py"
+    planted.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from gspo.config.errors import ConfigError\n"
+        "if TYPE_CHECKING:\n    from gspo.models.moe import is_moe\n"
+        "def f():\n    from gspo.train import trainer\n"
+    )
+    imports = _imports(planted)
+    assert imports == {"gspo.config.errors", "gspo.models.moe", "gspo.train.trainer"}
+    assert _upward("gspo.algos.x", imports) == ["gspo.models.moe", "gspo.train.trainer"]
