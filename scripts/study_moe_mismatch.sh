@@ -29,6 +29,9 @@
 #   CELLS="grpo gspo" SEEDS=1 OUT=outputs/mm_pilot EXTRA="train.steps=3 eval.every=0 task.eval_size=20" \
 #       bash scripts/study_moe_mismatch.sh                                # a pilot: minutes
 #   EXTRA="train.lr=3e-4" OUT=outputs/mm_lr3e-4 bash scripts/study_moe_mismatch.sh   # looking for the edge
+#   # the sitting in docs/results.md ("At the edge"): lr 5e-4, 16 prompts per step, 40 steps
+#   OUT=outputs/mm_edge CELLS="grpo grpo_fp32 grpo_R3 gspo grpo_R2 gspo_sampler grpo_fp16 grpo_icepop grpo_tis gspo_wide" \
+#       EXTRA="train.lr=5e-4 rollout.prompts_per_step=16 train.steps=40 eval.every=10" bash scripts/study_moe_mismatch.sh
 set -euo pipefail
 OUT=${OUT:-outputs/study_moe_mismatch}
 SEEDS=${SEEDS:-5}
@@ -50,7 +53,7 @@ declare -A OVERRIDES=(
   [gspo_fp16]="algo=gspo rollout.dtype=float16"
   [grpo_fp32]="algo=grpo rollout.dtype=float32"
 )
-CELLS=${CELLS:-"grpo grpo_R2 grpo_R3 grpo_tis grpo_icepop gspo gspo_sampler gspo_wide grpo_fp16 gspo_fp16"}
+CELLS=${CELLS:-"grpo grpo_fp32 grpo_R2 grpo_R3 grpo_tis grpo_icepop gspo gspo_sampler gspo_wide grpo_fp16 gspo_fp16"}
 for cell in $CELLS; do
   [[ -n "${OVERRIDES[$cell]+x}" ]] || { echo "unknown cell '$cell'; cells: ${!OVERRIDES[*]}" >&2; exit 2; }
 done
