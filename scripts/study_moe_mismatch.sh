@@ -10,6 +10,7 @@
 #     grpo_icepop    + token masking (IcePop / masked IS), rho outside [0.5, 5]
 #     gspo           GSPO at the paper's clip range (3e-4, 4e-4), recomputed log-probs
 #     gspo_sampler   GSPO with the sampler's log-probs as the old policy's (no recomputation)
+#     grpo_sampler   GRPO with the sampler's log-probs as the old policy's (the other half of that claim)
 #     gspo_wide      GSPO at the 10x wider clip range (3e-3, 4e-3) that was level with GRPO on moe_long
 #     grpo_fp16      GRPO, fp16 sampler (Precision-RL's claim)
 #     gspo_fp16      GSPO, fp16 sampler
@@ -30,7 +31,7 @@
 #       bash scripts/study_moe_mismatch.sh                                # a pilot: minutes
 #   EXTRA="train.lr=3e-4" OUT=outputs/mm_lr3e-4 bash scripts/study_moe_mismatch.sh   # looking for the edge
 #   # the sitting in docs/results.md ("At the edge"): lr 5e-4, 16 prompts per step, 40 steps
-#   OUT=outputs/mm_edge CELLS="grpo grpo_fp32 grpo_R3 gspo grpo_R2 gspo_sampler grpo_fp16 grpo_icepop grpo_tis gspo_wide" \
+#   OUT=outputs/mm_edge CELLS="grpo grpo_fp32 grpo_R3 gspo grpo_R2 gspo_sampler grpo_fp16 grpo_icepop grpo_tis gspo_wide grpo_sampler" \
 #       EXTRA="train.lr=5e-4 rollout.prompts_per_step=16 train.steps=40 eval.every=10" bash scripts/study_moe_mismatch.sh
 set -euo pipefail
 OUT=${OUT:-outputs/study_moe_mismatch}
@@ -48,12 +49,13 @@ declare -A OVERRIDES=(
   [grpo_icepop]="algo=grpo rollout.mask=token rollout.mask_low=0.5 rollout.mask_high=5.0"
   [gspo]="algo=gspo"
   [gspo_sampler]="algo=gspo rollout.old_logprobs=sampler"
+  [grpo_sampler]="algo=grpo rollout.old_logprobs=sampler"
   [gspo_wide]="algo=gspo algo.eps_low=3e-3 algo.eps_high=4e-3"
   [grpo_fp16]="algo=grpo rollout.dtype=float16"
   [gspo_fp16]="algo=gspo rollout.dtype=float16"
   [grpo_fp32]="algo=grpo rollout.dtype=float32"
 )
-CELLS=${CELLS:-"grpo grpo_fp32 grpo_R2 grpo_R3 grpo_tis grpo_icepop gspo gspo_sampler gspo_wide grpo_fp16 gspo_fp16"}
+CELLS=${CELLS:-"grpo grpo_fp32 grpo_R2 grpo_R3 grpo_tis grpo_icepop grpo_sampler gspo gspo_sampler gspo_wide grpo_fp16 gspo_fp16"}
 for cell in $CELLS; do
   [[ -n "${OVERRIDES[$cell]+x}" ]] || { echo "unknown cell '$cell'; cells: ${!OVERRIDES[*]}" >&2; exit 2; }
 done
