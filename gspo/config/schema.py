@@ -232,11 +232,3 @@ def register_configs() -> None:
 def group_options(group: str) -> list[str]:
     """The options of a config group: the YAML files in conf/<group>/."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-# --------------------------------------------------------------------------- composition
-
-
-# --------------------------------------------------------------------------- resume
-
-

@@ -53,6 +53,7 @@ IGNORED_KEYS = (
 )
 
 
+# -- analysis ------------------------------------------------------------------
 MIN_WINDOW = 5  # the collapse rule's smallest moving-average window (steps)
 NOISE_Z = 3.0  # a collapse must exceed this many standard errors of the reward noise
 

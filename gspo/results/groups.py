@@ -85,7 +85,6 @@ class CompareResult:
     out_dir: Path
 
 
-# -- analysis ------------------------------------------------------------------
 def aggregate(runs: Sequence[Run], key: str) -> Curve | None:
     """Mean and sample std over runs at each step; non-finite values are left out."""
     per_run = [r.series(key) for r in runs]
