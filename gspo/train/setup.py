@@ -22,7 +22,7 @@ from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.models.build import load_pretrained, tokenizer_encode
 from gspo.rollout.sampler import Sampler, old_logprobs_mode
-from gspo.tasks import Problem, Task, build_task
+from gspo.tasks import Task, build_task
 from gspo.tasks.rewards import probe
 from gspo.train import checkpoint, distributed
 from gspo.train.heldout import evaluate, heldout_problems
@@ -41,7 +41,6 @@ class Setup:
     start: int  # the last step already done (0 for a new run)
     finished: bool = False  # the run already did its train.steps: nothing else below is built
     task: Optional[Task] = None
-    eval_problems: Optional[list[Problem]] = None
     model: Any = None  # the policy's module (a PeftModel under LoRA)
     tokenizer: Any = None
     policy: Any = None  # what the update trains through: DDP(model), fully_shard(model), or model
@@ -107,7 +106,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Setup:
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
         cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
-    return Setup(dist, dtype, summary, start, task=task, eval_problems=eval_problems, model=model, tokenizer=tokenizer,
+    return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, opt=opt, sched=sched, recompute=recompute, moe_step=moe_step,
                  sampler=sampler, logger=logger, evaluate=ev)
 
