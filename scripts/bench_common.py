@@ -357,13 +357,16 @@ def describe_work(a, sides: str) -> str:
     return work
 
 
-def run_benchmark(description: str, sides: Callable, table: Callable, prefix: str) -> None:
-    """The command line every CPU benchmark shares: parse the work, build the model, alternate
-    `sides(a, model_dir)` for the rounds asked, print `table(results, a)`."""
+def run_benchmark(description: str, sides: Callable, table: Callable, prefix: str,
+                  more_args: Optional[Callable] = None) -> None:
+    """The command line every CPU benchmark shares: parse the work (and `more_args(parser)`'s flags), build
+    the model, alternate `sides(a, model_dir)` for the rounds asked, print `table(results, a)`."""
     import argparse
 
     p = argparse.ArgumentParser(description=description)
     add_work_args(p)
+    if more_args is not None:
+        more_args(p)
     a = p.parse_args()
     resolve_work(a)
     model_dir = prepare_model(a)

@@ -36,7 +36,9 @@ def probe(cfg, batches: int) -> dict:
     task = build_task(cfg.task)
     model, tok = load_pretrained(base_model(cfg, task, log=lambda m: None), torch.float32,
                                  cfg.model.attn_implementation, cfg.model.experts_implementation)
-    model.eval()
+    # the config's device (hardware=gpu: the mismatch of GPU kernels, which is not the CPU's)
+    device = torch.device("cuda" if cfg.hardware.device != "cpu" and torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
     sampler = Sampler.for_run(model, cfg)
     is_moe = moe.is_moe(model)
     rows: dict[str, list[float]] = {}
@@ -44,7 +46,7 @@ def probe(cfg, batches: int) -> dict:
     for b in range(1, batches + 1):
         rng = random.Random(f"{cfg.seed}-{b}-0")  # the problems the run's step b draws first
         problems = task.sample_train(rng, cfg.rollout.prompts_per_step)
-        gens = [distributed.group_generator(cfg.seed, b, 0, i, torch.device("cpu")) for i in range(len(problems))]
+        gens = [distributed.group_generator(cfg.seed, b, 0, i, device) for i in range(len(problems))]
         with sampler.serve(model, None) as m:
             ro = generate(m, tok, [p.prompt for p in problems], cfg.rollout.group_size, cfg.rollout.max_new_tokens,
                           cfg.rollout.temperature, cfg.rollout.top_p, generator=gens, capture_routing=is_moe)
@@ -54,7 +56,7 @@ def probe(cfg, batches: int) -> dict:
         for k, v in mismatch_metrics(trainer, ro.sampler_logp, mask, ro.kept_mass).items():
             rows.setdefault(k, []).append(v)
         if is_moe:
-            positions = torch.zeros(ro.input_ids.shape, dtype=mask.dtype)
+            positions = torch.zeros(ro.input_ids.shape, dtype=mask.dtype, device=mask.device)
             positions[:, ro.prompt_len - 1: -1] = mask  # the positions whose routing produced each completion token
             rows.setdefault("rollout/routing_mismatch", []).append(
                 routing_mismatch(ro.routing, trace.live_indices(len(ro.texts)), positions))
