@@ -284,3 +284,20 @@ def test_floor_sampler_draws_the_same_tokens_through_the_fast_engine():
         hf, fast = (bf.sample(model, ids, mask, 24, tok.eos_token_id, tok.pad_token_id, 0.8,
                               torch.Generator().manual_seed(0), engine) for engine in ("hf", "fast"))
     assert torch.equal(hf[0], fast[0]) and torch.equal(hf[1], fast[1]) and hf[0].shape[1] == 24
+
+
+@pytest.mark.slow
+def test_bench_options_prints_one_row_per_side_with_its_ratio_to_the_first():
+    out = _script("scripts/bench_options.py", "--variant", "long16", *TINY_CPU, "--option", "grouped",
+                  "--option", "eager model.experts_implementation=eager")
+    assert "| grouped | (none) |" in out and "| eager | model.experts_implementation=eager |" in out
+    assert out.count("| 16.0 |") == 2 and "| **1.00** |" in out  # equal work; the first side is the unit
+
+
+def test_bench_options_refuses_fewer_than_two_sides_and_a_name_twice():
+    import bench_options
+
+    for flags in (["a"], ["a x=1", "a y=2"]):
+        with pytest.raises(SystemExit):
+            bench_options.options(type("A", (), {"option": flags})())
+    assert bench_options.options(type("A", (), {"option": ["a", "b k=v j=w"]})()) == {"a": [], "b": ["k=v", "j=w"]}
