@@ -43,12 +43,11 @@ from bench_common import (
     run_worker,
     versions,
 )
-from bench_workers import gspo_run
+from bench_workers import gspo_side
 
 from gspo.rollout.fast_decode import FastDecoder, resolve
 
 HERE = Path(__file__).resolve()
-WORKERS = HERE.parent / "bench_workers.py"
 
 
 # --------------------------------------------------------------------------- the floor's own minimal step
@@ -171,10 +170,9 @@ def sides(a, model_dir: Path) -> dict:
         return Run(res.pop("steps"), rss, others, res)
 
     def gspo(work: Path) -> Run:
-        res, rss, others = run_worker("gspo", WORKERS, {**spec, "run_dir": str(work / "run")}, work, a.wait_idle)
-        steps, extra = gspo_run(res["rows"])
-        extra["sample_s"], extra["update_s"] = extra["rollout_s"], extra["update_s"]
-        return Run(steps, rss, others, extra)
+        run = gspo_side(spec, a.wait_idle)(work)
+        run.extra["sample_s"] = run.extra["rollout_s"]  # the floor's name for it
+        return run
 
     return {"floor": floor, "gspo": gspo}
 

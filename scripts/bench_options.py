@@ -28,12 +28,9 @@ from bench_common import (
     pooled,
     ratio,
     run_benchmark,
-    run_worker,
     versions,
 )
-from bench_workers import gspo_run
-
-WORKERS = Path(__file__).resolve().parent / "bench_workers.py"
+from bench_workers import gspo_side
 
 
 def options(a) -> dict[str, list[str]]:
@@ -50,16 +47,8 @@ def options(a) -> dict[str, list[str]]:
 
 
 def sides(a, model_dir: Path) -> dict:
-    def side(overrides: list[str]):
-        def run(work: Path) -> Run:
-            spec = {"overrides": gspo_overrides(a, model_dir) + overrides, "threads": a.threads,
-                    "run_dir": str(work / "run")}
-            res, rss, others = run_worker("gspo", WORKERS, spec, work, a.wait_idle)
-            steps, extra = gspo_run(res["rows"])
-            return Run(steps, rss, others, extra)
-        return run
-
-    return {name: side(overrides) for name, overrides in options(a).items()}
+    return {name: gspo_side({"overrides": gspo_overrides(a, model_dir) + overrides, "threads": a.threads}, a.wait_idle)
+            for name, overrides in options(a).items()}
 
 
 def table(results: dict[str, list[Run]], a) -> str:

@@ -39,7 +39,7 @@ from bench_common import (
     run_worker,
     versions,
 )
-from bench_workers import gspo_run
+from bench_workers import gspo_side
 
 WORKERS = Path(__file__).resolve().parent / "bench_workers.py"
 
@@ -52,12 +52,7 @@ def sides(a, model_dir: Path) -> dict:
         res, rss, others = run_worker("trl", WORKERS, spec, work, a.wait_idle)
         return Run(res["steps"], rss, others, {"len_mean": res["len_mean"], "reward_mean": res["reward_mean"]})
 
-    def gspo(work: Path) -> Run:
-        res, rss, others = run_worker("gspo", WORKERS, {**spec, "run_dir": str(work / "run")}, work, a.wait_idle)
-        steps, extra = gspo_run(res["rows"])
-        return Run(steps, rss, others, extra)
-
-    return {"trl": trl, "gspo": gspo}
+    return {"trl": trl, "gspo": gspo_side(spec, a.wait_idle)}
 
 
 def table(results: dict[str, list[Run]], a) -> str:

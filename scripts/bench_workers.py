@@ -42,6 +42,18 @@ def gspo_worker(spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps({"rows": [r for r in rows if "time/step_s" in r], **cuda_memory()}))
 
 
+def gspo_side(spec: dict, wait_idle: float):
+    """A benchmark side (work dir -> bench_common.Run): `gspo train` on `spec` in a fresh worker process."""
+
+    def run(work: Path) -> bench_common.Run:
+        res, rss, others = bench_common.run_worker("gspo", Path(__file__), {**spec, "run_dir": str(work / "run")},
+                                                   work, wait_idle)
+        steps, extra = gspo_run(res["rows"])
+        return bench_common.Run(steps, rss, others, extra)
+
+    return run
+
+
 def gspo_run(rows: list[dict]) -> tuple[list[float], dict]:
     """(seconds per RL step, per-step extras) from gspo's metrics rows."""
     steps = [r["time/step_s"] for r in rows]
