@@ -43,6 +43,23 @@ def test_values_and_gradients_match_the_naive_computation(monkeypatch, chunk_ele
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+def test_the_entropy_pass_leaves_the_log_probs_and_their_gradients_alone(monkeypatch, temperature):
+    """The forward takes lse and the entropy from one exp pass when asked for the entropy, logsumexp otherwise:
+    the log-probs and the gradients are the same either way (bitwise on the CPUs tried; here to float32 rounding)."""
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 5000)  # chunks of 5 rows over V = 1000
+    g = torch.Generator().manual_seed(2)
+    hidden0, weight0 = torch.randn(23, 16, generator=g), torch.randn(1000, 16, generator=g) * 0.3
+    targets, upstream = torch.randint(1000, (23,), generator=g), torch.randn(23, generator=g)
+    out = {}
+    for with_entropy in (False, True):
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        logp, _ = selected_logprobs(hidden, weight, targets, temperature, with_entropy=with_entropy)
+        out[with_entropy] = (logp.detach(), *torch.autograd.grad((logp * upstream).sum(), (hidden, weight)))
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_gradcheck_in_float64(monkeypatch):
     monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 14)  # chunks of 2 rows over V=7
     g = torch.Generator().manual_seed(1)

@@ -32,6 +32,12 @@ def _chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, vocab))
 
 
+def _scaled_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """float32 (hidden @ weight.T) / temperature; at temperature 1 without the division's pass over (rows, V)."""
+    logits = (hidden @ weight.T).float()
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
 class _LinearLogProbs(torch.autograd.Function):
     """(hidden (M, H), weight (V, H), targets (M,)) -> log softmax(h W^T / temp)[target] (M,), entropy (M,).
 
@@ -47,12 +53,19 @@ class _LinearLogProbs(torch.autograd.Function):
         entropy = torch.empty(M if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(M, dtype=torch.float32, device=hidden.device)
         for s in range(0, M, chunk):
-            logits = (hidden[s : s + chunk] @ weight.T).float().div_(temperature)
-            lse[s : s + chunk] = lse_c = logits.logsumexp(-1)
-            logp[s : s + chunk] = logits.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse_c
-            if with_entropy:  # H = -sum_v p_v log p_v, log p = z - lse (no second reduction for the softmax)
-                logits.sub_(lse_c[:, None])
-                entropy[s : s + chunk] = -(logits.exp() * logits).sum(-1)
+            logits = _scaled_logits(hidden[s : s + chunk], weight, temperature)
+            chosen = logits.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
+            if with_entropy:  # lse and H from one exp pass: with e = exp(z - m), S = sum e,
+                m = logits.amax(-1, keepdim=True)  # lse = m + log S and H = log S - sum(e (z - m)) / S
+                z = logits.sub_(m)
+                e = z.exp()
+                total = e.sum(-1)
+                lse_c = m.squeeze(-1) + total.log()  # logsumexp's own steps: bitwise its value on the CPUs tried
+                entropy[s : s + chunk] = total.log() - torch.linalg.vecdot(e, z) / total
+            else:
+                lse_c = logits.logsumexp(-1)
+            lse[s : s + chunk] = lse_c
+            logp[s : s + chunk] = chosen - lse_c
         ctx.save_for_backward(hidden, weight, targets, lse)  # lse: backward's softmax is one exp, no reduction
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -67,9 +80,9 @@ class _LinearLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            g = (h @ weight.T).float().div_(ctx.temperature).sub_(lse[s : s + chunk, None]).exp_().neg_()  # -softmax
-            g.scatter_add_(-1, targets[s : s + chunk, None], torch.ones_like(g[:, :1]))
-            g.mul_((grad_logp[s : s + chunk] / ctx.temperature)[:, None])
+            g = _scaled_logits(h, weight, ctx.temperature).sub_(lse[s : s + chunk, None]).exp_()  # softmax
+            g.scatter_add_(-1, targets[s : s + chunk, None], -torch.ones_like(g[:, :1]))  # softmax - onehot
+            g.mul_((grad_logp[s : s + chunk] / -ctx.temperature)[:, None])  # (onehot - softmax) * dL/dlogp / T
             g = g.to(weight.dtype)
             if need_h:
                 grad_h[s : s + chunk] = g @ weight

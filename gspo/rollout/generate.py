@@ -292,7 +292,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool
     """
     if greedy:
         return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # T = 1: no pass over V
     full = probs
     if top_p < 1.0:
         sorted_p, idx = probs.sort(-1, descending=True)
