@@ -37,9 +37,9 @@ def options(a) -> dict[str, list[str]]:
     """{side name: its extra overrides} from the `--option` flags, in order."""
     out = {}
     for text in a.option:
-        name, *overrides = shlex.split(text)
-        if name in out:
-            raise SystemExit(f"--option: the name '{name}' is given twice")
+        name, *overrides = shlex.split(text) or [""]
+        if not name or name in out:
+            raise SystemExit(f"--option: every side needs a name of its own ('{name}')")
         out[name] = overrides
     if len(out) < 2:
         raise SystemExit('give at least two --option "NAME [KEY=VALUE ...]" sides')

@@ -294,10 +294,10 @@ def test_bench_options_prints_one_row_per_side_with_its_ratio_to_the_first():
     assert out.count("| 16.0 |") == 2 and "| **1.00** |" in out  # equal work; the first side is the unit
 
 
-def test_bench_options_refuses_fewer_than_two_sides_and_a_name_twice():
+def test_bench_options_refuses_fewer_than_two_sides_and_a_missing_or_repeated_name():
     import bench_options
 
-    for flags in (["a"], ["a x=1", "a y=2"]):
+    for flags in (["a"], ["a x=1", "a y=2"], ["a", ""]):
         with pytest.raises(SystemExit):
             bench_options.options(type("A", (), {"option": flags})())
     assert bench_options.options(type("A", (), {"option": ["a", "b k=v j=w"]})()) == {"a": [], "b": ["k=v", "j=w"]}
