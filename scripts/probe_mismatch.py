@@ -36,8 +36,7 @@ def probe(cfg, batches: int) -> dict:
     task = build_task(cfg.task)
     model, tok = load_pretrained(base_model(cfg, task, log=lambda m: None), torch.float32,
                                  cfg.model.attn_implementation, cfg.model.experts_implementation)
-    # the config's device (hardware=gpu: the mismatch of GPU kernels, which is not the CPU's)
-    device = torch.device("cuda" if cfg.hardware.device != "cpu" and torch.cuda.is_available() else "cpu")
+    device = distributed.device_of(cfg.hardware)  # hardware=gpu: the mismatch of GPU kernels, not the CPU's
     model.to(device).eval()
     sampler = Sampler.for_run(model, cfg)
     is_moe = moe.is_moe(model)

@@ -60,8 +60,9 @@ class _LinearLogProbs(torch.autograd.Function):
                 z = logits.sub_(m)
                 e = z.exp()
                 total = e.sum(-1)
-                lse_c = m.squeeze(-1) + total.log()  # logsumexp's own steps: bitwise its value on the CPUs tried
-                entropy[s : s + chunk] = total.log() - torch.linalg.vecdot(e, z) / total
+                log_total = total.log()
+                lse_c = m.squeeze(-1) + log_total  # logsumexp's own steps: bitwise its value on the CPUs tried
+                entropy[s : s + chunk] = log_total - torch.linalg.vecdot(e, z) / total
             else:
                 lse_c = logits.logsumexp(-1)
             lse[s : s + chunk] = lse_c

@@ -105,7 +105,7 @@ def launch(cfg, run_dir: Path) -> dict:
     hw, n = cfg.hardware, cfg.hardware.nproc
     check(cfg, n)
     visible = torch.cuda.device_count()
-    if _device(hw).type == "cuda" and visible < n:
+    if device_of(hw).type == "cuda" and visible < n:
         raise ConfigError(f"hardware.nproc={n} but {visible} CUDA devices are visible: set hardware.nproc={visible}"
                           if visible else f"hardware.device={hw.device} but no CUDA device is visible; use hardware=cpu-ddp")
     run_dir = Path(run_dir)
@@ -114,7 +114,7 @@ def launch(cfg, run_dir: Path) -> dict:
     stop_file = run_dir / f".stop-{os.getpid()}"  # this session's: a signal to this process, passed on
     stop_file.unlink(missing_ok=True)
     env = {preemption.STOP_FILE_ENV: str(stop_file), "TORCHELASTIC_SIGNALS_TO_HANDLE": None}  # (torchrun sets it)
-    if _device(hw).type == "cpu" and not hw.threads and "OMP_NUM_THREADS" not in os.environ:
+    if device_of(hw).type == "cpu" and not hw.threads and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // n))  # share the cores instead of oversubscribing
     args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.train.trainer", str(run_dir)]
     print(f"gspo: starting {n} processes: torchrun {' '.join(args)}", flush=True)
@@ -150,7 +150,7 @@ def shared_run_dir(run_dir: Path, hw) -> Path:
     """
     if not in_torchrun() or (int(os.environ["WORLD_SIZE"]) == 1 and hw.strategy == "none"):
         return Path(run_dir)
-    _init(hw, _device(hw))
+    _init(hw, device_of(hw))
     box = [str(run_dir)]
     tdist.broadcast_object_list(box, src=0)
     shared = Path(box[0])
@@ -161,7 +161,8 @@ def shared_run_dir(run_dir: Path, hw) -> Path:
     return shared
 
 
-def _device(hw) -> torch.device:
+def device_of(hw) -> torch.device:
+    """The device `hardware.device` names (`auto`: CUDA where one is visible, else the CPU)."""
     name = hw.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

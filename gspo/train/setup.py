@@ -117,12 +117,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _setup_hardware(hw) -> tuple[torch.device, torch.dtype]:
     if hw.threads:
         torch.set_num_threads(hw.threads)
-    name = hw.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
+    device = distributed.device_of(hw)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")
-    return torch.device(name), DTYPES[hw.dtype]
+    return device, DTYPES[hw.dtype]
 
 
 def _frozen_copy(model):
