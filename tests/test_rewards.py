@@ -113,6 +113,20 @@ def test_functions_see_prompts_and_row_fields_as_lists(fns):
     assert r.tolist() == [1.0, 1.0, 1.0]
 
 
+def test_lazy_ids_and_state_are_built_only_for_user_functions(fns):
+    """The trainer hands completion_ids and trainer_state over as callables: built only when functions run."""
+    def never():
+        raise AssertionError("built for a reward that does not read it")
+
+    r, _ = score(addition(), OmegaConf.structured(RewardConfig(name="tinyzero")), ["2", "x", "7"], PROBS,
+                 completion_ids=never, state=never)
+    assert r.tolist() == score(addition(), OmegaConf.structured(RewardConfig(name="tinyzero")), ["2", "x", "7"], PROBS)[0].tolist()
+    built = []
+    score(addition(), cfg(f"{fns}:exact"), ["2", "4", "7"], PROBS,
+          completion_ids=lambda: built.append("ids") or [[1], [2], [3]], state=lambda: built.append("state") or None)
+    assert sorted(built) == ["ids", "state"]
+
+
 def test_ill_formed_rows_are_not_shown_to_the_functions(fns):
     r, parts = score(addition(), cfg(f"{fns}:raises_on_x", ill_formed=-1.0), ["1", "x", "2"], PROBS,
                      ill_formed=[False, True, False])

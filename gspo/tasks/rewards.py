@@ -190,7 +190,8 @@ def is_conversational(prompt) -> bool:
 
 def completion_ids(rollout) -> list[list[int]]:
     """Each row's completion token ids (its EOS included, padding not), as TRL's `completion_ids` holds them."""
-    return [ids[m.bool()].tolist() for ids, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())]
+    ids, keep = rollout.completion_ids.cpu().tolist(), rollout.completion_mask.cpu().bool().tolist()
+    return [[t for t, k in zip(row, m) if k] for row, m in zip(ids, keep)]  # lists: no per-row tensor indexing
 
 
 def trainer_state(step: int, max_steps: int):
@@ -325,11 +326,14 @@ def probe(task: Task, cfg, encode: Callable[[str], list[int]]) -> None:
 
 
 def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed=None,
-          completion_ids: list[list[int]] | None = None, state=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          completion_ids: list[list[int]] | Callable[[], list[list[int]]] | None = None,
+          state=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Rewards (N,) for completions `texts` of `problems`, plus per-part diagnostics (N,) each.
 
     `ill_formed` (N,) bool, from the rollout: rows with a special token before their EOS (tasks.judge).
-    `completion_ids` (each row's token ids) and `state` (a TrainerState) are passed on to reward=python functions.
+    `completion_ids` (each row's token ids) and `state` (a TrainerState) are passed on to reward=python functions;
+    either may be a zero-argument callable, called only then (the trainer's are: the first TrainerState imports
+    transformers' trainer, seconds, and the ids are a pass over the rollout, for rewards that never read them).
     """
     flags = [False] * len(texts) if ill_formed is None else [bool(x) for x in ill_formed]
     if cfg.name != PYTHON and cfg.name not in REWARDS:
@@ -346,7 +350,8 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed
     parts = {"correct": torch.tensor([float(v.correct) for v in verdicts]),
              "format": torch.tensor([float(v.well_formed) for v in verdicts])}
     if cfg.name == PYTHON:
-        rewards, user_parts = _user_rewards(cfg, texts, problems, flags, completion_ids, state)
+        ids, state = (x() if callable(x) else x for x in (completion_ids, state))
+        rewards, user_parts = _user_rewards(cfg, texts, problems, flags, ids, state)
         return torch.tensor(rewards), parts | user_parts
     fn, values = REWARDS[cfg.name], _plain(cfg)  # plain values: an OmegaConf lookup per sample is slow
     return torch.tensor([float(fn(v, values)) for v in verdicts]), parts

@@ -159,8 +159,8 @@ def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step:
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
         rewards, parts = timeouts.call(
-            lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids=completion_ids(r),
-                          state=trainer_state(step - 1, cfg.train.steps)),
+            lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids=lambda: completion_ids(r),
+                          state=lambda: trainer_state(step - 1, cfg.train.steps)),
             cfg.reward.timeout_s, f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
