@@ -8,7 +8,7 @@ as `gspo train` (the same `--variant`s as bench_vs_trl.py):
   update:   per minibatch one forward with logits only at the completion positions, the sampled
             tokens' log-probs (cross-entropy), a GSPO-shaped loss (sequence mean of log-probs x a
             fixed +-1 advantage; plus the MoE aux loss where gspo adds it), backward, gradient
-            clipping and one AdamW step.
+            clipping and one AdamW step (fused, as gspo's).
 No old-policy pass (sampler log-probs can stand in for it), no entropy, no statistics, no
 rewards. gspo's time per step is `time/step_s`; the table shows gspo / floor.
 Runs alternate floor, gspo, floor, gspo, ... each in a fresh subprocess.
@@ -125,7 +125,7 @@ def floor_worker(spec: dict) -> None:
     task = build_task(cfg.task)
     G, T, M, temp = cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.train.minibatches, cfg.rollout.temperature
     aux = cfg.model.router_aux_loss_coef if hasattr(model.config, "output_router_logits") else 0.0
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
     gen = torch.Generator().manual_seed(cfg.seed)
     engine = resolve(cfg.rollout.engine, model, cfg.hardware.compile)  # the decode engine gspo's sampler uses
     res = {"steps": [], "sample_s": [], "update_s": [], "len_mean": []}

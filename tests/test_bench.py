@@ -301,3 +301,30 @@ def test_bench_options_refuses_fewer_than_two_sides_and_a_missing_or_repeated_na
         with pytest.raises(SystemExit):
             bench_options.options(type("A", (), {"option": flags})())
     assert bench_options.options(type("A", (), {"option": ["a", "b k=v j=w"]})()) == {"a": [], "b": ["k=v", "j=w"]}
+
+
+def test_profile_table_nests_parts_and_the_rest_is_what_no_child_accounts_for():
+    import profile_step as ps
+
+    t = ps.Timers()
+    for label, ms in {"rollout": 60, "generate": 50, "decode steps (fast engine)": 40, "scoring (task verifier, reward)": 4,
+                      "update": 100, "backward": 30}.items():
+        t.seconds[label][2] = ms / 1e3
+        t.seconds[label][1] = 9.0  # the warm-up step: left out
+    out = ps.table(t, [9.0, 0.160])
+    lines = {line.split("|")[1].strip().replace("&nbsp;", ""): line.split("|")[2].strip() for line in out.splitlines()[2:]}
+    assert lines["**step** (`time/step_s`)"] == "160.0" and lines["rollout"] == "60.0" and lines["update"] == "100.0"
+    rests = [line.split("|")[2].strip() for line in out.splitlines() if "(rest)" in line]
+    assert rests == ["10.0", "6.0", "70.0"]  # generate - decode; rollout - generate - scoring; update - backward ...
+    assert "| 25% |" in out  # decode: 40 of 160 ms
+
+
+@pytest.mark.slow
+def test_profile_step_prints_every_part_at_a_small_size():
+    out = _script("scripts/profile_step.py", "--variant", "long16", "--steps", "3", "--threads", "1", "--prompts", "2",
+                  "--group", "2", "--minibatches", "2", "--max-new-tokens", "4")
+    import profile_step as ps
+
+    for label, *_ in ps.PARTS:
+        assert label in out
+    assert "**step** (`time/step_s`)" in out
