@@ -95,7 +95,7 @@ def trl_args(cfg, model_dir: Path, out_dir: Path, device: str, bf16: bool):
         top_p=cfg.rollout.top_p, top_k=0,
         importance_sampling_level=level, loss_type="grpo", epsilon=algo.eps_low, epsilon_high=algo.eps_high,
         beta=algo.beta, scale_rewards="group", learning_rate=cfg.train.lr, lr_scheduler_type="constant",
-        weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.grad_clip, optim="adamw_torch",
+        weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.grad_clip, optim="adamw_torch_fused",
         router_aux_loss_coef=cfg.model.router_aux_loss_coef if is_moe else None,
     )
 
