@@ -16,7 +16,7 @@
 # starts them afresh), so the study can be finished in several sittings (Ctrl-C, then run the
 # same command again).
 #
-#   bash scripts/study_moe_long.sh                                  # the study (about 2 h on 2 cores)
+#   bash scripts/study_moe_long.sh                                  # the study (about 45 min on 2 cores)
 #   SEEDS=5 bash scripts/study_moe_long.sh                          # more seeds (finished runs are kept)
 #   OUT=outputs/study_smoke SEEDS=1 EXTRA="train.steps=3 eval.every=0 task.eval_size=20" \
 #       bash scripts/study_moe_long.sh                              # a smoke test: minutes
