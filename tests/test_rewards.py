@@ -127,6 +127,18 @@ def test_lazy_ids_and_state_are_built_only_for_user_functions(fns):
     assert sorted(built) == ["ids", "state"]
 
 
+def test_completion_ids_keep_each_rows_tokens_up_to_its_eos_and_drop_the_padding():
+    from types import SimpleNamespace
+
+    import torch
+
+    from gspo.tasks.rewards import completion_ids
+
+    ro = SimpleNamespace(completion_ids=torch.tensor([[5, 6, 2, 0], [7, 2, 0, 0], [8, 9, 9, 9]]),
+                         completion_mask=torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]))
+    assert completion_ids(ro) == [[5, 6, 2], [7, 2], [8, 9, 9, 9]]
+
+
 def test_ill_formed_rows_are_not_shown_to_the_functions(fns):
     r, parts = score(addition(), cfg(f"{fns}:raises_on_x", ill_formed=-1.0), ["1", "x", "2"], PROBS,
                      ill_formed=[False, True, False])
