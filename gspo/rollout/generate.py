@@ -175,21 +175,24 @@ def generate(
         trace = ctx.__enter__()
     try:
         cache, step_ids, pos = None, ids, position_ids(mask)
+        cache_kw = _cache_kwarg(model)
+        recurrent = False  # the cache holds only recurrent states (Mamba): the past is in the state, not the mask
         decode, fast = model, max_new_tokens > 1 and fast_decode.resolve(engine, model, compile) == "fast"
         if compile:
             cache, decode = _static_decoder(model, n, p + max_new_tokens)
         for t in range(max_new_tokens):
             # logits_to_keep=1: the prefill needs only its last position's logits (V per row, not P x V)
-            kwargs = dict(input_ids=step_ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            kwargs = {"input_ids": step_ids, "position_ids": pos, cache_kw: cache, "use_cache": True, "logits_to_keep": 1}
             if fast and t > 0:  # gspo/rollout/fast_decode.py: one call per layer on the model's own weights
                 logits = decode.step(step_ids, pos, full_mask[:, : p + t]).float()
             else:
                 if compile:  # static shapes: the whole mask (the causal mask hides the future), the cache slot to fill
                     slots = torch.arange(p, device=device) if t == 0 else torch.full((1,), p + t - 1, device=device)
                     res = (model if t == 0 else decode)(attention_mask=full_mask, cache_position=slots, **kwargs)
-                else:
-                    res = model(attention_mask=full_mask[:, : p + t], **kwargs)
-                cache, logits = getattr(res, "past_key_values", None), res.logits[:, -1].float()
+                else:  # a recurrent state takes the new token's mask column only (as generate() passes none)
+                    res = model(attention_mask=full_mask[:, p + t - 1 : p + t] if recurrent else full_mask[:, : p + t], **kwargs)
+                cache, logits = returned_cache(res), res.logits[:, -1].float()
+                recurrent = cache is not None and all(getattr(cache, "is_linear", None) or [False])
                 if fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
                     decode, cache, res = fast_decode.FastDecoder(model, cache, p + max_new_tokens), None, None
             if greedy:
@@ -247,6 +250,19 @@ def generate(
         sampler_logp=None if greedy else sampler_logp[:, : out.shape[1]] * comp_mask,
         kept_mass=None if kept is None else torch.where(comp_mask.bool(), kept[:, : out.shape[1]], 1.0),
     )
+
+
+def _cache_kwarg(model) -> str:
+    """The forward's name for the cache: `cache` since transformers 5.24, `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(res):
+    """The cache a forward returned (`cache` since transformers 5.24, `past_key_values` before), or None."""
+    cache = getattr(res, "cache", None)
+    return cache if cache is not None else getattr(res, "past_key_values", None)
 
 
 _STATIC: dict = {}  # (model, rows, length) -> (StaticCache, compiled forward): reused, so graphs are recorded once
