@@ -2,7 +2,8 @@
 
 `gspo train` has checked the config before calling this. A ConfigError that can only arise
 here (a user's data or reward function, a worker's) is the user's to fix, so it must end as
-one line and exit code 2, not as Hydra's report (a line of overrides, a traceback, exit 1):
+one line and exit code 2, not as Hydra's report (a line of overrides, a traceback, exit 1); a
+RunFailed (a diverged run, a lost rank) ends as one line and exit code 1:
 a job running in this process records it in JOB_ERRORS for `cli.main` to print; a job a
 launcher runs elsewhere (joblib, SLURM) raises it, with the job named, and Hydra hands it
 back to `cli.main` (which sets HYDRA_FULL_ERROR so Hydra re-raises it).
@@ -12,22 +13,21 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gspo.config.errors import ConfigError, ReportedError
+from gspo.config.errors import ConfigError, RunFailed
 from gspo.config.loading import _register_resolvers, load_run_config, resume_overrides
 from gspo.config.schema import CONF_DIR, register_configs
 
 register_configs()
 _register_resolvers()
 
-# ConfigErrors of the jobs run in this process, as messages (None: a worker already printed it)
-JOB_ERRORS: list[Optional[str]] = []
+# ConfigErrors (exit code 2) and RunFailed (1) of the jobs run in this process, as (message, exit code)
+JOB_ERRORS: list[tuple[str, int]] = []
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -36,19 +36,17 @@ def hydra_train(cfg: DictConfig) -> float:
     in_process = hc.mode == RunMode.RUN or str(hc.launcher.get("_target_", "")).endswith("BasicLauncher")
     try:
         return _train_job(cfg, hc)
-    except ConfigError as e:
-        msg = None if isinstance(e, ReportedError) else str(e)
-        if msg and hc.mode == RunMode.MULTIRUN:  # say which job of the sweep
+    except (ConfigError, RunFailed) as e:
+        msg = str(e)
+        if hc.mode == RunMode.MULTIRUN:  # say which job of the sweep
             msg = f"job {hc.job.num} ({' '.join(hc.overrides.task)}): {msg}"
         if not in_process:
-            raise (e if msg is None else ConfigError(msg)) from None
-        JOB_ERRORS.append(msg)
+            raise type(e)(msg) from None
+        JOB_ERRORS.append((msg, 2 if isinstance(e, ConfigError) else 1))
         return float("nan")
 
 
 def _train_job(cfg: DictConfig, hc) -> float:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     from gspo.train import distributed, preemption, resume, rundir
     from gspo.train.trainer import train
 
@@ -70,13 +68,8 @@ def _train_job(cfg: DictConfig, hc) -> float:
     with rundir.lock(run_dir) if distributed.is_main_process() else contextlib.nullcontext():
         if before is not None and distributed.is_main_process():
             resume.record(run_dir, before, cfg, resume.next_step(run_dir))  # e.g. train.steps, from step N on
-        if launch:
-            try:
-                summary = distributed.launch(cfg, run_dir)
-            except ChildFailedError as e:
-                if any(f.exitcode == 2 for f in e.failures.values()):  # a worker refused the config and said why
-                    raise ReportedError("a worker stopped on a config error (its message is above)") from None
-                raise
+        if launch:  # a worker's failure comes back as one line (gspo/train/failures.py)
+            summary = distributed.launch(cfg, run_dir)
         else:
             summary = train(cfg, run_dir)
     if not launch:

@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from gspo.config.checks import check_machine
-from gspo.config.errors import ConfigError, ReportedError, tidy_warnings
+from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.loading import _explain, compose, load_run_config, resume_overrides, resume_target, sweep_combinations
 from gspo.config.schema import GROUPS, group_options
 from gspo.train import rundir
@@ -167,10 +167,11 @@ def train(
     hydra_app.JOB_ERRORS.clear()
     try:
         hydra_app.hydra_train()
-    except ReportedError:  # a torchrun worker printed its own `gspo: error:` line
-        raise typer.Exit(2)
     except ConfigError as e:
         _fail(str(e))
+    except RunFailed as e:  # the run could not go on: one line, exit 1 (finished steps are on disk)
+        typer.echo(f"gspo: error: {e}", err=True)
+        raise typer.Exit(1)
     except HydraException as e:  # Hydra's own composition (e.g. a launcher plugin that is not installed)
         _fail(_explain(e))
     finally:
@@ -178,10 +179,10 @@ def train(
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = saved
-    if hydra_app.JOB_ERRORS:  # jobs of this process that refused their input: one line each
-        for msg in filter(None, hydra_app.JOB_ERRORS):
+    if hydra_app.JOB_ERRORS:  # jobs of this process that refused their input or failed: one line each
+        for msg, _ in hydra_app.JOB_ERRORS:
             typer.echo(f"gspo: error: {msg}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(max(code for _, code in hydra_app.JOB_ERRORS))
 
 
 @app.command(help="Evaluate a run (or a checkpoint, or a warm-start base) on the held-out split.")

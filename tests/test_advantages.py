@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gspo.algos.advantages import compute_advantages, register_advantage
+from gspo.algos.advantages import GROUP_BASELINED, compute_advantages, register_advantage
 
 # group 0: one right answer of four; group 1: rewards 0, 0.1, 1, 1 (TinyZero-style partial credit)
 R = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.1, 1.0, 1.0])
@@ -206,3 +206,12 @@ def test_grpo_passk_equals_verl_up_to_the_std_eps():
     r = torch.tensor([0.0, 0.3, 1.0, 0.5, 1.0, 0.0, 0.0, 0.1], dtype=torch.float64)
     groups = [i // 4 for i in range(8)]
     torch.testing.assert_close(compute_advantages("grpo_passk", r, 4), verl_grpo_passk(r, groups, 1e-4))
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_BASELINED))
+def test_an_all_equal_group_gets_exactly_zero(name):
+    """A float32 mean of eight 0.1s is not 0.1: without the explicit zero, GRPO gave -7.5e-5 here."""
+    r = torch.tensor([0.1] * 8 + [0.3] * 8 + [0.0] * 7 + [1.0])
+    adv = compute_advantages(name, r, 8, passk_k=2)
+    assert adv[:16].tolist() == [0.0] * 16
+    assert (adv[16:] != 0).any()

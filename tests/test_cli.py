@@ -78,30 +78,47 @@ def test_config_error_in_one_job_of_a_sweep_names_the_job(in_tmp, monkeypatch, c
     assert ran == [0, 1, 2]  # the other jobs of the sweep still ran
 
 
-def test_a_worker_that_refused_its_config_exits_2_without_a_traceback(in_tmp, monkeypatch, cache_dir):
-    """torchrun workers print their own `gspo: error:` line and exit 2; the launching job must
-    not turn that into Hydra's traceback and exit 1."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+@pytest.mark.parametrize("error, code", [("config", 2), ("run", 1)])
+def test_a_workers_failure_is_one_line(error, code, in_tmp, monkeypatch, cache_dir):
+    """The launcher turns a worker's failure into one ConfigError (your code or data: exit 2) or RunFailed
+    (exit 1) line (gspo/train/failures.py); the job must not turn it into Hydra's traceback."""
+    from gspo.config.errors import ConfigError, RunFailed
 
     def launch(cfg, run_dir):
-        print("gspo: error: task.path=x.jsonl: line 3 lacks a 'prompt' field", file=sys.stderr)  # what the worker printed
-        raise ChildFailedError("gspo.train.distributed", {1: ProcessFailure(1, 1234, 2, "<N/A>"),
-                                                    0: ProcessFailure(0, 1233, -15, "<N/A>")})
+        raise (ConfigError if error == "config" else RunFailed)("rank 1, step 2: boom")
 
     monkeypatch.setattr("gspo.train.distributed.launch", launch)
     res = runner.invoke(app, ["train", "hardware=cpu-ddp", *tiny(cache_dir)])
-    one_line_exit_2(res, "task.path=x.jsonl")
+    assert res.exit_code == code and "Traceback" not in res.output
+    assert [x for x in res.output.splitlines() if x.strip()] == ["gspo: error: rank 1, step 2: boom"]
 
 
-def test_a_worker_crash_is_still_a_failure_not_a_config_error(in_tmp, monkeypatch, cache_dir):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+def test_failure_records_are_explained_in_one_line(tmp_path):
+    """The launcher's reading of the ranks' failure records: the primary error wins over the secondary ones,
+    a rank that left no record and died of a signal is named, a time-out names the rank that never came."""
+    import json
 
-    def launch(cfg, run_dir):
-        raise ChildFailedError("gspo.train.distributed", {0: ProcessFailure(0, 1233, 1, "<N/A>")})
+    from gspo.train import failures
 
-    monkeypatch.setattr("gspo.train.distributed.launch", launch)
-    res = runner.invoke(app, ["train", "hardware=cpu-ddp", *tiny(cache_dir)])
-    assert res.exit_code == 1 and isinstance(res.exception, ChildFailedError)
+    def write(**recs):
+        d = failures.clear(tmp_path)
+        d.mkdir(exist_ok=True)
+        for i, (rank, rec) in enumerate(recs.items()):
+            (d / f"{rank}.json").write_text(json.dumps({"time": i, "config_error": False, **rec}))
+
+    write(rank0={"rank": 0, "step": 3, "type": "DistBackendError", "message": "Connection closed by peer",
+                 "secondary": True},
+          rank1={"rank": 1, "step": 3, "type": "RewardError", "message": "f raised KeyError", "secondary": False,
+                 "config_error": True})
+    assert failures.explain(tmp_path, {0: 1, 1: 2}, 900) == ("rank 1, step 3: RewardError: f raised KeyError", True)
+    write(rank0={"rank": 0, "step": 5, "type": "DistBackendError", "message": "Connection closed by peer",
+                 "secondary": True})
+    assert failures.explain(tmp_path, {0: 1, 1: -9}, 900)[0] == \
+        "rank 1, step 5: killed by SIGKILL, with no error of its own; the other ranks were stopped"
+    write(rank1={"rank": 1, "step": 2, "type": "DistBackendError", "secondary": True,
+                 "message": "Timed out waiting 8000ms for recv operation to complete"})
+    assert failures.explain(tmp_path, {0: 1, 1: 1}, 8)[0].startswith(
+        "rank 1, step 2: waited more than hardware.collective_timeout_s=8 s in a collective for rank 0, which hung")
 
 
 def test_hydra_launcher_errors_are_one_line(in_tmp):

@@ -116,6 +116,79 @@ def test_cli_rejects_a_prompt_count_that_does_not_split(tmp_path):
     assert res.returncode == 2 and "multiple of 3" in res.stderr and "Traceback" not in res.stderr
 
 
+# --------------------------------------------------------------------------- one update, 1 process vs 2 gloo ranks
+
+
+def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: int) -> dict:
+    """One `_update` (advantages, minibatch steps) on a fixed batch: P prompts x G completions sampled from a
+    fresh tiny model, fixed rewards that differ within groups; this rank holds its share of the prompts. The
+    first `truncated_prompts` prompts' completions are marked truncated (the overlong filter drops them)."""
+    import random
+
+    from gspo.models.build import build_model, char_tokenizer
+    from gspo.rollout.generate import generate
+    from gspo.train.moe_step import MoEStep
+    from gspo.train.trainer import Batch, _update
+
+    cfg = compose(overrides)
+    task = build_task(cfg.task)
+    tok = char_tokenizer(task.alphabet)
+    model = build_model(cfg.model, len(tok), tok, seed=0)
+    dist = distributed.Dist(rank=rank, world=world, strategy="ddp" if world > 1 else "none")
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    lo, hi = dist.share(P)
+    problems = task.sample_train(random.Random(0), P)[lo:hi]
+    with torch.no_grad():
+        ro = generate(model, tok, [p.prompt for p in problems], G, cfg.rollout.max_new_tokens,
+                      generator=[distributed.group_generator(0, 1, 0, i, "cpu") for i in range(lo, hi)])
+    ro.prompt_index += lo
+    ro.truncated = ro.prompt_index < truncated_prompts
+    rewards = torch.tensor([(i * 7919 % 13) / 13 for i in range(P * G)])[lo * G : hi * G]
+    policy = dist.wrap(model, torch.float32)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    m = _update(cfg, policy, None, opt, Batch(ro, [None] * len(rewards), rewards, {}), 1,
+                MoEStep.for_model(model, cfg, dist, old_pass=False), dist, recompute=False)
+    return {"loss": m["train/loss"], "grad_norm": m["train/grad_norm"],
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+UPDATE_CASES = {  # batch-level advantages, and a rank whose every row the overlong filter drops
+    "reinforce_plus_plus": ["algo=reinforce_plus_plus"],
+    "reinforce_plus_plus_baseline": ["algo=reinforce_plus_plus_baseline"],
+    "batch_std": ["algo=grpo", "algo.advantage=batch_std"],
+    "gpg": ["algo=gpg"],
+    "overlong_token_mean": ["algo=dapo", "algo.overlong_filter=true"],
+    "overlong_seq_mean": ["algo=grpo", "algo.beta=0", "algo.overlong_filter=true"],
+}
+
+
+def all_update_cases(rank: int, world: int) -> dict:
+    base = ["model=qwen3-tiny", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1",
+            "model.intermediate_size=64", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "rollout.max_new_tokens=4", "train.minibatches=2"]
+    # a group whose rewards all differ, and the first rank's two prompts truncated in the overlong cases
+    return {name: one_update(rank, world, base + extra, 2 if "overlong" in name else 0)
+            for name, extra in UPDATE_CASES.items()}
+
+
+def test_one_update_on_two_ranks_is_the_one_process_update(tmp_path):
+    """Batch-normalised advantages (REINFORCE++, batch std, GPG's alpha) use the whole batch's rewards, and a
+    rank with no tokens adds nothing to the loss's denominator: 2 gloo ranks = 1 process, in loss, gradient
+    norm and weights. (Before: REINFORCE++'s loss 0.0498 vs 0.0411, GPG's halved; the grad norm of the
+    overlong case 2/3 of the one-process one.)"""
+    from gloo import run_ranks
+
+    torch.set_num_threads(1)
+    one = all_update_cases(0, 1)
+    two = run_ranks(all_update_cases, 2, tmp_path)
+    for name in UPDATE_CASES:
+        a, (b0, b1) = one[name], (two[0][name], two[1][name])
+        assert (b0["loss"] + b1["loss"]) / 2 == pytest.approx(a["loss"], rel=1e-5, abs=1e-7), name
+        assert b0["grad_norm"] == b1["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), name
+        for k in a["weights"]:
+            assert_adam_close(b0["weights"][k], a["weights"][k], lr=1e-2, name=f"{name}: {k}")
+
+
 # --------------------------------------------------------------------------- equivalence
 
 
@@ -253,6 +326,97 @@ def test_load_balancing_loss_summed_over_ranks_is_the_one_process_loss():
     g_ranks = torch.autograd.grad(shares[0] + shares[1], logits)
     for a, b in zip(g_ranks, g_whole):
         torch.testing.assert_close(a, b)
+
+
+# --------------------------------------------------------------------------- DAPO's refill, failures
+
+
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_dapo_refills_in_step_on_every_rank(strategy, tmp_path, cache_dir):
+    """DAPO under 2 ranks: each refills its own share, and they agree after every draw, so they draw the same
+    number of batches and FSDP's weight gathers pair up (before: rank means 3.0, 6.0, 4.5 under DDP; FSDP hung at
+    step 3). A harder task (3 digits) so that groups are dropped and refilled."""
+    opts = small(cache_dir, algo="dapo", **{"algo.agg": "null", "train.steps": 3, "algo.max_sample_batches": 4,
+                                            "algo.filter_metric": "correct"})
+    cli("train", "hardware=cpu-ddp", f"hardware.strategy={strategy}", f"hydra.run.dir={tmp_path / 'run'}", *opts,
+        cwd=tmp_path, timeout=300)
+    steps = jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
+    assert len(steps) == 3
+    for m in steps:  # the mean over ranks of equal integers is an integer
+        assert m["sampling/batches"] == int(m["sampling/batches"]) >= 1
+
+
+FLAKY = """
+import os, time
+def flaky(completions, trainer_state, **kw):  # fine on rank 0; on rank 1 from step 2 on: MODE
+    if os.environ.get("RANK") == "1" and trainer_state.global_step >= 1:
+        if MODE == "raise":
+            raise ValueError("boom on rank 1")
+        if MODE == "hang":
+            time.sleep(1000)
+        if MODE == "kill":
+            os.kill(os.getpid(), 9)
+    return [float(len(c)) for c in completions]
+"""
+
+
+@pytest.mark.parametrize("mode, exit_code, line", [
+    ("raise", 2, r"rank 1, step 2: RewardError: reward function .*flaky raised ValueError: boom on rank 1 on sample 0"),
+    ("kill", 1, r"rank 1, step 2: killed by SIGKILL, with no error of its own; the other ranks were stopped"),
+    pytest.param("hang", 1, r"rank 0, step 2: waited more than hardware.collective_timeout_s=8 s in a collective "
+                            r"for rank 1, which hung", marks=pytest.mark.slow),
+])
+def test_a_failing_rank_ends_every_rank_in_one_line(mode, exit_code, line, tmp_path, cache_dir):
+    """A reward function that raises, a process killed with -9, a process that hangs, each on rank 1 only: every
+    rank ends, the output is one line naming the rank, the step and the cause (the user's exception), no
+    traceback, no process left; the checkpoint of step 1 stays intact and summary.json says failed. (Before: 39
+    lines of rank 0's gloo traceback, the reward's exception nowhere; a hang waited for ever.)"""
+    import re
+
+    (tmp_path / "fns.py").write_text(FLAKY.replace("MODE", repr(mode)))
+    opts = small(cache_dir, reward="python", **{"reward.fn": f"{tmp_path}/fns.py:flaky", "train.steps": 4,
+                                               "train.checkpoint_every": 1, "reward.timeout_s": 0,
+                                               "hardware.collective_timeout_s": 8})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "cli.main", "train", "hardware=cpu-ddp", *opts,
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == exit_code, res.stderr[-3000:]
+    errors = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(errors) == 1 and re.search(line, errors[0]), res.stderr[-3000:]
+    assert "Traceback" not in res.stdout + res.stderr
+    assert checkpoint.load_state(checkpoint.latest(tmp_path / "run"))["step"] == 1
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+    left = subprocess.run(["pgrep", "-f", f"gspo.train.trainer {tmp_path / 'run'}"], capture_output=True, text=True)
+    assert left.stdout == "", "a worker outlived its run"
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_stops_its_workers_as_a_preemption(tmp_path, cache_dir):
+    """kill -9 of `gspo train` (the launcher): its workers get SIGTERM from the kernel (PR_SET_PDEATHSIG),
+    finish their step, checkpoint it and leave; the run resumes. (Before: both ranks ran on, orphaned.)"""
+    import signal
+    import time
+
+    opts = small(cache_dir, **{"train.steps": 10_000, "train.checkpoint_every": 1000})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", "hardware=cpu-ddp", *opts,
+                             f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(jsonl(run / "metrics.jsonl")) > 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"gspo.train.trainer {run}"],
+                                                    capture_output=True).returncode == 0:
+        time.sleep(0.2)
+    assert subprocess.run(["pgrep", "-f", f"gspo.train.trainer {run}"], capture_output=True).returncode == 1
+    assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
+    done = checkpoint.load_state(checkpoint.latest(run))["step"]
+    assert done == jsonl(run / "metrics.jsonl")[-1]["step"]  # the last finished step was checkpointed
 
 
 # --------------------------------------------------------------------------- launching

@@ -92,7 +92,7 @@ def test_the_documented_command_trains_lora_on_user_data_and_reward(tmp_path):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2]
     assert any(m["reward/frac_zero_std"] < 1.0 for m in lines[1:])  # some group's rewards differed: a gradient
-    assert {"reward/accuracy/mean", "reward/formatted/mean", "reward/correct/mean", "kl/old"} <= lines[-1].keys()
+    assert {"reward/fn/accuracy/mean", "reward/fn/formatted/mean", "reward/correct/mean", "kl/old"} <= lines[-1].keys()
 
     ckpt = run / "checkpoints" / "step_000002"
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(ckpt))

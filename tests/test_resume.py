@@ -100,27 +100,73 @@ def test_resume_before_the_first_checkpoint_starts_over(tmp_path, cache_dir, cap
     assert [m["step"] for m in metrics(tmp_path)] == [0, 1, 2, 3]
 
 
-def test_warmup_counts_rl_steps(tmp_path, cache_dir):
+def test_warmup_counts_rl_steps_and_train_lr_is_the_rate_the_step_used(tmp_path, cache_dir, monkeypatch):
+    """train/lr at step s is the rate AdamW stepped with during step s: min(1, s / warmup) * lr."""
     lr, warmup = 1e-3, 4
+    used = []
+    step = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        used.append(self.param_groups[0]["lr"])
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
     train(compose(tiny(cache_dir, **{"train.steps": 5, "train.lr": lr, "train.warmup_steps": warmup})), tmp_path)
     logged = [m["train/lr"] for m in metrics(tmp_path)[1:]]
-    # the lr of step s's updates is min(1, s / warmup) * lr; logged after the step: the next step's
-    assert logged == pytest.approx([lr * min(1.0, (s + 1) / warmup) for s in range(1, 6)])
+    assert logged == pytest.approx([lr * min(1.0, s / warmup) for s in range(1, 6)])
+    assert logged == pytest.approx(used[::2])  # 2 minibatches a step: 2 optimizer steps at the step's rate
 
 
-def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_path, cache_dir, monkeypatch):
-    """DAPO drops groups that are all right or all wrong, even when format or length make their rewards differ."""
+def _dapo_score(n_correct_in_group):
+    """A stand-in scorer: rewards differ within every group (0, 0.1, 0, 0.1, ...), the task's verdict never does."""
+    def score(task, cfg, texts, rows, ill_formed=None, **kwargs):
+        n = len(texts)
+        return torch.arange(n, dtype=torch.float32) % 2 * 0.1, {"correct": torch.full((n,), n_correct_in_group),
+                                                                 "format": torch.ones(n)}
+    return score
+
+
+def test_dynamic_sampling_filters_on_the_rewards_the_advantages_use(tmp_path, cache_dir, monkeypatch):
+    """DAPO keeps a group whose rewards differ (its advantages are not 0), whatever the task's verdict says;
+    algo.filter_metric=correct filters on the verdict instead (the DAPO paper's accuracy)."""
     import gspo.train.trainer as trainer
 
-    def score(task, cfg, texts, rows, ill_formed=None, **kwargs):  # nothing correct, but rewards differ within each group
-        n = len(texts)
-        return torch.arange(n, dtype=torch.float32) % 2 * 0.1, {"correct": torch.zeros(n), "format": torch.ones(n)}
-
-    monkeypatch.setattr(trainer, "score", score)
-    with pytest.warns(UserWarning, match="dynamic sampling kept 0"):
-        train(compose(tiny(cache_dir, algo="dapo", **{"train.steps": 1})), tmp_path)
-    step = metrics(tmp_path)[1]
+    monkeypatch.setattr(trainer, "score", _dapo_score(0.0))
+    train(compose(tiny(cache_dir, algo="dapo", **{"train.steps": 1, "algo.overlong_buffer": 0})), tmp_path / "reward")
+    step = metrics(tmp_path / "reward")[1]
+    assert step["sampling/groups_dropped"] == 0 and step["sampling/groups_kept"] == 4 and step["sampling/batches"] == 1
+    with pytest.warns(UserWarning, match="dynamic sampling kept 0 .* all-equal 'correct' values"):
+        train(compose(tiny(cache_dir, algo="dapo", **{"train.steps": 1, "algo.filter_metric": "correct"})),
+              tmp_path / "correct")
+    step = metrics(tmp_path / "correct")[1]
     assert step["sampling/groups_kept"] == 0 and step["sampling/groups_dropped"] == step["sampling/groups_drawn"]
+
+
+def test_dapo_logs_rewards_over_everything_sampled(tmp_path, cache_dir):
+    """reward/mean is over every completion drawn (the population every algorithm reports); the kept groups'
+    mean is sampling/kept_reward_mean."""
+    import gspo.train.trainer as trainer
+
+    seen = []
+    real = trainer.score
+
+    def spy(*a, **k):
+        r, parts = real(*a, **k)
+        seen.append(r)
+        return r, parts
+
+    trainer.score = spy
+    try:
+        train(compose(tiny(cache_dir, algo="dapo", **{"train.steps": 1, "algo.max_sample_batches": 3})), tmp_path)
+    finally:
+        trainer.score = real
+    step = metrics(tmp_path)[1]
+    everything = torch.cat(seen)
+    assert step["sampling/batches"] == len(seen)
+    # the score before DAPO's overlong penalty is reward/tinyzero/mean; reward/mean adds the penalty
+    assert step["reward/tinyzero/mean"] == pytest.approx(everything.mean().item())
+    assert step["reward/mean"] == pytest.approx(everything.mean().item() + step["reward/overlong/mean"])
+    assert "sampling/kept_reward_mean" in step
 
 
 def test_r3_old_policy_pass_routes_as_the_sampler_did(cache_dir):

@@ -64,7 +64,7 @@ def fns(tmp_path):
     return path
 
 
-def cfg(fn, weights=None, ill_formed=0.0):
+def cfg(fn, weights=None, ill_formed=None):
     return OmegaConf.structured(RewardConfig(name="python", fn=fn, weights=weights, ill_formed=ill_formed))
 
 
@@ -89,7 +89,7 @@ def test_weighted_sum_of_functions_and_one_part_each(fns):
     r, parts = score(addition(), cfg([f"{fns}:exact", f"{fns}:length"], weights=[1.0, 0.5]), texts, PROBS)
     # exact: 1, 0, 0; length: 0.1, 0.1, 0.3 -> 1 + 0.05, 0 + 0.05, 0 + 0.15
     assert r.tolist() == pytest.approx([1.05, 0.05, 0.15])
-    assert parts["exact"].tolist() == [1.0, 0.0, 0.0] and parts["length"].tolist() == pytest.approx([0.1, 0.1, 0.3])
+    assert parts["fn/exact"].tolist() == [1.0, 0.0, 0.0] and parts["fn/length"].tolist() == pytest.approx([0.1, 0.1, 0.3])
     assert parts["correct"].tolist() == [1.0, 0.0, 0.0]  # the task's own verdict is still logged
     assert parts["ill_formed"].tolist() == [0.0, 0.0, 0.0]
 
@@ -139,13 +139,30 @@ def test_completion_ids_keep_each_rows_tokens_up_to_its_eos_and_drop_the_padding
     assert completion_ids(ro) == [[5, 6, 2], [7, 2], [8, 9, 9, 9]]
 
 
-def test_ill_formed_rows_are_not_shown_to_the_functions(fns):
+def test_every_row_is_shown_to_the_functions_decoded_as_trl_decodes_it(fns):
+    """As TRL: the functions score ill-formed rows too (their text with special tokens skipped); the built-in
+    task still judges them wrong and reward/ill_formed/mean counts them."""
+    r, parts = score(addition(), cfg(f"{fns}:length"), ["1<pad>2", "5"], PROBS[:2], ill_formed=[True, False],
+                     clean_texts=["12", "5"])
+    assert r.tolist() == pytest.approx([0.2, 0.1])  # len("12") / 10: the function saw the clean text
+    assert parts["ill_formed"].tolist() == [1.0, 0.0] and parts["correct"].tolist() == [0.0, 0.0]
+    assert parts["unscored"].tolist() == [0.0, 0.0]
+
+
+def test_reward_ill_formed_opts_out_of_scoring_ill_formed_rows(fns):
     r, parts = score(addition(), cfg(f"{fns}:raises_on_x", ill_formed=-1.0), ["1", "x", "2"], PROBS,
                      ill_formed=[False, True, False])
     assert r.tolist() == [0.0, -1.0, 0.0]  # the "x" row would raise: it was never passed in
-    assert parts["ill_formed"].tolist() == [0.0, 1.0, 0.0] and parts["raises_on_x"].tolist() == [0.0, 0.0, 0.0]
-    r, _ = score(addition(), cfg(f"{fns}:length"), ["x", "y"], PROBS[:2], ill_formed=[True, True])
+    assert parts["ill_formed"].tolist() == [0.0, 1.0, 0.0] and parts["fn/raises_on_x"].tolist() == [0.0, 0.0, 0.0]
+    r, _ = score(addition(), cfg(f"{fns}:length", ill_formed=0.0), ["x", "y"], PROBS[:2], ill_formed=[True, True])
     assert r.tolist() == [0.0, 0.0]
+
+
+def test_a_function_may_take_any_name_gspo_logs_itself(fns):
+    """User functions live under reward/fn/<name>: one named `correct` does not hide the task's verdict."""
+    check(compose(["reward=python", f"reward.fn={fns}:correct"]))
+    r, parts = score(addition(), cfg(f"{fns}:correct"), ["2", "5"], PROBS[:2])
+    assert parts["fn/correct"].tolist() == [0.0, 0.0] and parts["correct"].tolist() == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("name, message", [
@@ -169,7 +186,6 @@ def test_a_failing_function_is_named_with_the_sample(fns, name, message):
     ("reward.fn={d}/my_rewards.py:NOT_CALLABLE", r"'NOT_CALLABLE' in .* is a int, not a function"),
     ("reward.fn={d}/my_rewards.py:positional_only", r"'positional_only' has positional-only parameter\(s\) prompts, "
                                                     r"completions; reward functions are called by keyword"),
-    ("reward.fn={d}/my_rewards.py:correct", r"a function named 'correct' would hide gspo's own reward/correct/mean"),
     ("reward.fn=[{d}/my_rewards.py:exact,{d}/my_rewards.py:exact]", r"two functions are named 'exact'"),
     ("reward.fn={d}/my_rewards.py", r"expected FILE.py:NAME"),
     ("reward.fn={d}/broken.py:f", r"importing .*broken.py raised NameError"),
@@ -220,10 +236,10 @@ def fails_later(prompts, completions, **kw):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1]
     step1 = lines[1]
-    # ill-formed rows (a sampled special token) are not passed to the functions: 0 in their curves, reward 0
-    assert step1["reward/fails_later/mean"] == pytest.approx(0.5 * (1 - step1["reward/ill_formed/mean"]))
-    assert 0.0 <= step1["reward/ok/mean"] <= 1.0
-    assert step1["reward/mean"] == pytest.approx(step1["reward/ok/mean"] + 2 * step1["reward/fails_later/mean"])
+    # every row is passed to the functions, ill-formed ones (a sampled special token) included
+    assert step1["reward/fn/fails_later/mean"] == pytest.approx(0.5)
+    assert 0.0 <= step1["reward/fn/ok/mean"] <= 1.0
+    assert step1["reward/mean"] == pytest.approx(step1["reward/fn/ok/mean"] + 2 * step1["reward/fn/fails_later/mean"])
     assert math.isfinite(step1["reward/python/mean"])
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] != "finished"
 
@@ -233,8 +249,8 @@ def test_the_shipped_reward_file():
     problems = [Problem([{"role": "user", "content": "q"}], "3 + 4 = 7\n#### 7", {"row": {"answer": "3 + 4 = 7\n#### 7"}})] * 4
     texts = ["3 + 4 = 7\n#### 7", "#### 8", "7", "#### 7.0"]
     r, parts = score(Unjudged(), cfg([f"{path}:accuracy", f"{path}:formatted"], weights=[1.0, 0.2]), texts, problems)
-    assert parts["accuracy"].tolist() == [1.0, 0.0, 0.0, 1.0]
-    assert parts["formatted"].tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert parts["fn/accuracy"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert parts["fn/formatted"].tolist() == [1.0, 1.0, 0.0, 1.0]
     assert r.tolist() == pytest.approx([1.2, 0.2, 0.0, 1.2])
 
 

@@ -141,7 +141,7 @@ def test_the_reference_numbers_by_hand(fns):
     assert got == pytest.approx([3 + 0.5, 2 + 0.5, 4 + 0.5])
     got, _, parts = run_both(fns, ["math_only", "text_only"], [1.0, 3.0], TEXT, texts, ids, trainer_state(3, 12))
     assert got == [1.0, 1.5, 0.0]  # row 0 math right, row 1 text 3*0.5, row 2 math wrong
-    assert parts["math_only"][1].isnan() and parts["math_only"].nanmean().item() == 0.5  # mean over the rows it scored
+    assert parts["fn/math_only"][1].isnan() and parts["fn/math_only"].nanmean().item() == 0.5  # mean over the rows it scored
     assert parts["unscored"].tolist() == [0.0, 0.0, 0.0]
 
 

@@ -130,3 +130,43 @@ def test_inverse_cdf_sampling_draws_the_softmax_distribution():
     torch.testing.assert_close(freq, torch.tensor([0.625, 0.375, 0.0, 0.0, 0.0]), atol=4e-3, rtol=0)
     assert _sample(logits, 1.0, 1.0, False, torch.zeros(1)).item() == 0  # u = 0 takes the first token with mass
     assert _sample(torch.tensor([[-1e9, 0.0, 0.0]]), 1.0, 1.0, False, torch.zeros(1)).item() == 1
+
+
+def test_the_sampler_stops_at_every_end_token_the_generation_config_lists():
+    """A chat checkpoint ends its turn with a token other than the tokenizer's EOS (Gemma's <end_of_turn>,
+    Llama 3's <|eot_id|>): its generation_config lists both, and the sampler stops at either, as generate does.
+    (Before: it sampled on past the turn end, and the row was scored ill-formed.)"""
+    turn_end = TOK.convert_tokens_to_ids("=")  # stands in for <end_of_turn>
+    lm = ScriptedLM([tok("12") + [turn_end, *tok("34")], tok("5") + [EOS]])
+    lm.generation_config = SimpleNamespace(eos_token_id=[EOS, turn_end])
+    r = generate(lm, TOK, ["1=", "2="], 1, max_new_tokens=6, greedy=True)
+    assert r.texts == ["12", "5"] and r.truncated.tolist() == [False, False]
+    assert r.completion_mask.tolist() == [[1, 1, 1], [1, 1, 0]]  # the turn end is a completion token, as EOS
+    assert r.ill_formed.tolist() == [False, False]
+
+
+def test_non_finite_logits_stop_the_rollout_in_one_line():
+    """HF's sampler raises on NaN logits; gspo's did sample them (the last vocabulary id, log-prob NaN)."""
+    from gspo.rollout.generate import NonFiniteLogits
+
+    class NaNLM(ScriptedLM):
+        def forward(self, *a, **k):
+            out = super().forward(*a, **k)
+            out.logits[1, -1, 3] = float("nan")
+            return out
+
+    with pytest.raises(NonFiniteLogits, match=r"not finite \(NaN or inf\) in 1 of 2 rows"):
+        generate(NaNLM([tok("12"), tok("3")]), TOK, ["1=", "2="], 1, max_new_tokens=3,
+                 generator=torch.Generator().manual_seed(0))
+
+
+def test_compile_keeps_a_bounded_number_of_static_caches(tiny_model):
+    """Every batch shape compiled once would keep its own KV cache for ever (task=data: prompt widths vary)."""
+    from gspo.rollout import generate as g
+
+    g._STATIC.clear()
+    for width in (10, 11, 12, 13):
+        g._static_decoder(tiny_model, 2, width)
+    assert len(g._STATIC) == g.MAX_STATIC == 2
+    assert [k[2] for k in g._STATIC] == [12, 13]
+    g._STATIC.clear()

@@ -112,6 +112,21 @@ def test_a_lora_copy_carries_the_merged_adapters(model):
     torch.testing.assert_close(copy.module(input_ids=x).logits, model(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_lora_copy_under_gradient_checkpointing_can_use_the_fast_engine():
+    """peft's input-grad hook on the embeddings (gradient checkpointing) is training-only: the merged sampler
+    copy does not carry it, so the fast engine takes it (before: it refused the hook and fell back quietly)."""
+    from gspo.rollout import fast_decode
+
+    cfg = compose(["model=qwen3-tiny", "model.lora.r=4"])
+    base = model_of(cfg)
+    base.gradient_checkpointing_enable()
+    model = adapters.apply(base, cfg.model.lora, "/tmp/base", seed=0)
+    assert model.get_input_embeddings()._forward_hooks  # peft's hook is on the trainer's model
+    copy = _Copy(model, torch.bfloat16)
+    assert fast_decode.unsupported(copy.module) is None
+    assert model.get_input_embeddings()._forward_hooks  # and stays there
+
+
 def test_top_p_ratios_carry_no_kept_mass_bias():
     """top_p < 1 in float32: the sampler's log-probs are the trainer's (rho = 1), though the nucleus kept
     only part of the mass (a renormalised log-prob would give rho = kept mass, TRL #6789)."""

@@ -74,3 +74,20 @@ def test_dynamic_sampling_returns_last_draw_when_nothing_kept():
         batch, st = dynamic_sampling(src.draw, select, cat, num_groups=2, group_size=2, max_batches=3)
     assert [gid for gid, _ in batch] == [4, 5]  # the third draw, whole
     assert st["sampling/groups_kept"] == 0.0 and st["sampling/groups_dropped"] == 6.0
+
+
+def test_dynamic_sampling_keeps_drawing_until_every_rank_is_full():
+    """Under several ranks a full rank keeps drawing (keeping nothing) while another is short, so every rank
+    draws the same number of batches and the collectives inside a draw pair up (FSDP hung at step 3 before)."""
+    src = Source([[[0, 1], [1, 0]]], group_size=2)  # this rank is full after one draw
+    other_done_after = 3  # the other rank needs three
+    asked = []
+
+    def agree(done):
+        asked.append(done)
+        return done and len(asked) > other_done_after
+
+    batch, st = dynamic_sampling(src.draw, select, cat, num_groups=2, group_size=2, max_batches=5, agree=agree)
+    assert src.draws == 3 and st["sampling/batches"] == 3.0
+    assert [gid for gid, _ in batch] == [0, 1]  # what it kept from its first draw, nothing after
+    assert asked == [False, True, True, True]

@@ -45,7 +45,7 @@ def grpo(r: Tensor) -> Tensor:
     """(r - mean_group) / (std_group + 1e-4), DeepSeekMath arXiv 2402.03300 §4.1.
 
     std is the unbiased (n - 1) estimator, as torch.std, TRL and verl compute it; a group whose
-    rewards are all equal gets advantage 0.
+    rewards are all equal gets advantage exactly 0 (`compute_advantages`).
     """
     return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + STD_EPS)
 
@@ -169,10 +169,19 @@ def passk(r: Tensor, k: int = 4) -> Tensor:
     return (cond - mean) / (std + STD_EPS)
 
 
+# Estimators with a group baseline: a group whose rewards are all equal carries no signal, and its
+# advantages are exactly 0 (a float32 group mean of equal values is not always that value: 8 x 0.1 sums
+# to 0.8000001, so r - mean would be ~1e-8, and ~1e-4 once divided by std + 1e-4).
+GROUP_BASELINED = frozenset({"grpo", "drgrpo", "rloo", "batch_std", "reinforce_plus_plus_baseline", "gpg",
+                             "grpo_passk", "passk"})
+
+
 def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int = 4) -> Tensor:
     """Advantages (N,) for group-contiguous rewards (N,) with G = group_size completions per prompt.
 
-    passk_k: the k of the `passk` estimator (ignored by the others).
+    passk_k: the k of the `passk` estimator (ignored by the others). The rewards are the WHOLE batch's:
+    the batch-level estimators (`batch_std`, `reinforce_plus_plus*`, `gpg`'s alpha) normalise over all of
+    them, so under several ranks the trainer gathers every rank's rewards first and keeps its own rows.
     """
     if name not in ADVANTAGES:
         raise ConfigError(f"unknown advantage estimator {name!r}; valid: {', '.join(advantage_names())}")
@@ -187,4 +196,7 @@ def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int
         raise ValueError(f"advantage {name!r} needs at least 2 rewards for a batch std")
     r = rewards.to(torch.get_default_dtype() if not rewards.is_floating_point() else rewards.dtype)
     grouped = r.view(-1, group_size)
-    return (passk(grouped, passk_k) if name == "passk" else ADVANTAGES[name](grouped)).reshape(-1)
+    adv = passk(grouped, passk_k) if name == "passk" else ADVANTAGES[name](grouped)
+    if name in GROUP_BASELINED:
+        adv = torch.where((grouped == grouped[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
+    return adv.reshape(-1)

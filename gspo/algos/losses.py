@@ -52,6 +52,7 @@ class Hyper:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 2e-3  # KL-Cov: share of tokens (top covariance, at least one) given the |d_t| penalty
     kl_cov_coef: float = 1.0  # KL-Cov: coefficient of that penalty
+    generator: Optional[torch.Generator] = None  # Clip-Cov's random pick (a CPU generator); None = torch's global one
 
 
 HYPER_NAMES = tuple(f.name for f in fields(Hyper))
@@ -128,13 +129,18 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_tokens: Optional[i
     return x.sum() / aggregate_denominator(mask, mode, max_tokens).to(per_token.dtype)
 
 
-def aggregate_denominator(mask: Tensor, mode: str, max_tokens: Optional[int] = None) -> Tensor:
-    """What `aggregate` divides its row sum by: #sequences with a token, #tokens, or B * max_tokens (>= 1)."""
+def aggregate_denominator(mask: Tensor, mode: str, max_tokens: Optional[int] = None, clamp: bool = True) -> Tensor:
+    """What `aggregate` divides its row sum by: #sequences with a token, #tokens, or B * max_tokens.
+
+    Clamped to >= 1 (an empty batch's loss is 0, not NaN); `clamp=False` gives the true count, which
+    is what several ranks add up (a rank with no tokens adds 0, not 1: distributed.Dist.loss_scale).
+    """
     m = mask.to(torch.float32)
+    lo = 1.0 if clamp else 0.0
     if mode == "token_mean":
-        return m.sum().clamp(min=1.0)
+        return m.sum().clamp(min=lo)
     if mode == "seq_mean_token_mean":
-        return (m.sum(dim=1) > 0).sum().to(torch.float32).clamp(min=1.0)
+        return (m.sum(dim=1) > 0).sum().to(torch.float32).clamp(min=lo)
     if mode == "seq_mean_token_sum_norm":
         if max_tokens is None or max_tokens <= 0:
             raise ConfigError(
@@ -341,7 +347,8 @@ def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper
     """Clip-Cov, arXiv 2505.22617: GRPO's PPO clip, plus the gradient of a few high-covariance tokens cut.
 
     Of the tokens not already clipped whose covariance lies in (clip_cov_lb, clip_cov_ub),
-    max(1, int(clip_cov_ratio * #tokens)) are drawn at random (torch's global generator) and drop out.
+    max(1, int(clip_cov_ratio * #tokens)) are drawn at random (`generator`: the trainer passes one keyed by
+    (seed, step, minibatch), so a run is a function of its seed) and drop out.
     """
     w = torch.exp(logp - old_logp)
     objective, low, high, dual = _ppo_clip(w, adv, h)
@@ -351,7 +358,9 @@ def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper
         idx = cand.flatten().nonzero().squeeze(1)
         n_pick = max(int(h.clip_cov_ratio * float(mask.sum())), 1)
         picked = torch.zeros(cand.numel(), dtype=torch.bool, device=cand.device)
-        picked[idx[torch.randperm(idx.numel(), device=idx.device)[:n_pick]]] = True
+        order = torch.randperm(idx.numel(), generator=h.generator) if h.generator is not None else \
+            torch.randperm(idx.numel(), device=idx.device)
+        picked[idx[order.to(idx.device)[:n_pick]]] = True
         picked = picked.view_as(cand)
     objective = torch.where(picked, torch.zeros_like(objective), objective)
     return Terms(objective, w, low, high, dual, clip_cov=picked)

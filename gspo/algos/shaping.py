@@ -39,7 +39,7 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float 
 
 
 def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """Bool (n_groups,): True where a group's rewards are not all equal (its advantages are not all 0)."""
+    """Bool (n_groups,): True where a group's values (rewards) are not all equal (its advantages are not all 0)."""
     rewards = torch.as_tensor(rewards)
     if group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
@@ -54,14 +54,21 @@ def dynamic_sampling(
     num_groups: int,
     group_size: int,
     max_batches: int,
+    agree: Callable[[bool], bool] = lambda done: done,
+    signal: str = "rewards",
 ) -> tuple[B, dict[str, float]]:
-    """DAPO dynamic sampling: keep drawing rollout batches, keep only groups with unequal rewards.
+    """DAPO dynamic sampling: keep drawing rollout batches, keep only groups with unequal signals.
 
-    draw() -> (batch, rewards (n*G,)) with group-contiguous rows; select(batch, group_indices) -> the
-    sub-batch of those groups; cat(list of batches) -> one batch. Stops once num_groups informative
+    draw() -> (batch, signal (n*G,)) with group-contiguous rows, the signal being what must differ within
+    a group for it to be kept (the rewards the advantages use, by default); select(batch, group_indices)
+    -> the sub-batch of those groups; cat(list of batches) -> one batch. Stops once num_groups informative
     groups are kept (the batch is truncated to exactly num_groups) or after max_batches draws. When
     short it warns and returns what it kept; if nothing was kept, the last draw whole (its advantages
-    are all 0, so the update is a no-op rather than a crash).
+    are all 0, so the update is a no-op rather than a crash). `signal` names the signal in the warning.
+
+    `agree(done) -> bool`: under several ranks, whether EVERY rank is done (an all-reduce), so all ranks
+    draw the same number of batches: a rank whose share is full keeps drawing (and keeping nothing)
+    while another's is not, and every collective inside `draw` (FSDP's weight gather) pairs up.
 
     stats: sampling/batches (draws), sampling/groups_drawn, sampling/groups_dropped (groups with equal
     rewards, filtered out), sampling/groups_kept.
@@ -71,7 +78,7 @@ def dynamic_sampling(
     kept: list[Any] = []
     n_kept = n_drawn = n_dropped = draws = 0
     last = None
-    while draws < max_batches and n_kept < num_groups:
+    while draws < max_batches and not agree(n_kept >= num_groups):
         last, rewards = draw()
         draws += 1
         good = informative_groups(rewards, group_size)
@@ -89,8 +96,8 @@ def dynamic_sampling(
     }
     if n_kept < num_groups:
         warnings.warn(
-            f"dynamic sampling kept {n_kept} of {num_groups} wanted groups with unequal rewards after "
-            f"{draws} rollout batches ({n_dropped} of {n_drawn} groups had all-equal rewards); training on "
+            f"dynamic sampling kept {n_kept} of {num_groups} wanted groups with unequal {signal} after "
+            f"{draws} rollout batches ({n_dropped} of {n_drawn} groups had all-equal {signal}); training on "
             f"{'the last batch as drawn' if not kept else 'a smaller batch'}. Raise algo.max_sample_batches "
             "or make the task easier (or the policy better warm-started).",
             stacklevel=2,

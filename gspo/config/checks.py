@@ -108,6 +108,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "reward.timeout_s": (*_at_least(0), "0 = no limit"),
     "hardware.nproc": (*_at_least(1), ""),
     "hardware.threads": (*_at_least(0), "0 = torch's default"),
+    "hardware.collective_timeout_s": (*_above(0), "how long a rank may wait for the others in a collective"),
     "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
     "rollout.mismatch_every": (*_at_least(0), "0 = never"),
     "moe.stats_every": (*_at_least(0), "0 = never"),

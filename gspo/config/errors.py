@@ -7,8 +7,9 @@ class ConfigError(ValueError):
     """A bad config value or command-line input. The CLI exits with code 2."""
 
 
-class ReportedError(ConfigError):
-    """A ConfigError whose message was already shown (by a torchrun worker): exit code 2, nothing repeated."""
+class RunFailed(RuntimeError):
+    """The run cannot go on (a diverged loss, non-finite logits, a lost rank): the CLI prints one line, exit
+    code 1; the finished steps, their metrics and checkpoints stay on disk."""
 
 
 def tidy_warnings() -> None:

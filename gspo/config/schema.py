@@ -42,6 +42,9 @@ class AlgoConfig:
     passk_k: int = 4  # advantage passk: the k of pass@k (1 <= k <= rollout.group_size)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
     max_sample_batches: int = 4  # DAPO: at most this many rollout batches drawn per step to fill it
+    # DAPO: what must differ within a group for dynamic sampling to keep it (verl's filter_groups.metric): reward =
+    # the rewards the advantages use; correct = the task's verdict (the DAPO paper's accuracy); format; fn/<name>
+    filter_metric: str = "reward"
     overlong_filter: bool = False  # DAPO: mask truncated completions out of the loss
     overlong_buffer: int = 0  # DAPO soft overlong punishment L_cache (tokens); 0 = off
     overlong_penalty: float = 1.0  # DAPO: penalty at L_max (reward -= this, scaled linearly in the buffer)
@@ -119,7 +122,9 @@ class RewardConfig:
     format_score: float = 0.1  # reward of a well-formed but wrong answer (TinyZero: 0.1)
     fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; called by keyword as TRL does (docs/contracts.md)
     weights: Optional[list[float]] = None  # python: one weight per function (None = all 1); reward = weighted sum
-    ill_formed: float = 0.0  # python: reward of a completion with a special token before its EOS (functions not called)
+    # python: null = the functions score every completion, as TRL; a number = the reward of a completion with a
+    # special token before its EOS, the functions not called on it (the built-in rewards score it 0 either way)
+    ill_formed: Optional[float] = None
     timeout_s: float = 600.0  # scoring a batch (the task's verifier and the reward functions) may take this long (0 = no limit)
 
 
@@ -132,6 +137,9 @@ class HardwareConfig:
     backend: str = "gloo"  # gloo | nccl
     strategy: str = "none"  # none | ddp | fsdp
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # several processes: a collective that waits longer than this ends the run in one line naming the rank that
+    # never came (hung); above reward.timeout_s, since one rank may score that long while the others wait
+    collective_timeout_s: float = 900.0
     compile: bool = False  # sample with a static KV cache through torch.compile (CUDA graphs on a GPU; slower on a CPU, docs/benchmarks.md)
 
 

@@ -10,6 +10,7 @@ every token: the same tokens, at O(T^2) cost.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
@@ -39,6 +40,7 @@ class Rollout:
     routing: Optional[torch.Tensor] = None  # (N, P+T, L, k) experts chosen while sampling (-1: never routed)
     router_logp: Optional[torch.Tensor] = None  # (N, P+T, L, E) float32 router log-probs while sampling (0: never routed)
     ill_formed: Optional[torch.Tensor] = None  # (N,) bool: a special token before the final EOS (see tasks.judge)
+    clean_texts: Optional[list[str]] = None  # texts decoded with special tokens skipped, as TRL gives reward functions
     sampler_logp: Optional[torch.Tensor] = None  # (N, T) float32 log-probs of the sampled tokens, as drawn; 0 on padding
     kept_mass: Optional[torch.Tensor] = None  # (N, T) probability mass the nucleus (top_p < 1) kept; None at top_p 1
 
@@ -85,11 +87,26 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         routing=None if parts[0].routing is None else torch.cat([pad(r, r.routing, -1) for r in parts]),
         router_logp=None if parts[0].router_logp is None else torch.cat([pad(r, r.router_logp, 0.0) for r in parts]),
         ill_formed=None if parts[0].ill_formed is None else torch.cat([r.ill_formed for r in parts]),
+        clean_texts=None if parts[0].clean_texts is None else [t for r in parts for t in r.clean_texts],
         sampler_logp=None if parts[0].sampler_logp is None else torch.cat(
             [F.pad(r.sampler_logp, (0, T - r.completion_mask.shape[1])) for r in parts]),
         kept_mass=None if parts[0].kept_mass is None else torch.cat(
             [F.pad(r.kept_mass, (0, T - r.completion_mask.shape[1]), value=1.0) for r in parts]),
     )
+
+
+class NonFiniteLogits(FloatingPointError):
+    """The model's logits hold NaN or inf while sampling (a diverged policy, an overflow in low precision)."""
+
+
+def stop_ids(model, tokenizer) -> torch.Tensor:
+    """Every token id a completion ends at: the tokenizer's EOS and each id the model's generation config
+    lists (chat checkpoints end a turn with another token: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`,
+    Phi-3's `<|end|>`), as `generate`, vLLM and verl stop."""
+    ids = {tokenizer.eos_token_id}
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(listed) if isinstance(listed, (list, tuple)) else {listed}
+    return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -152,7 +169,7 @@ def generate(
     gspo/rollout/fast_decode.py where it supports the model, sampling the same tokens; else `hf`.
     """
     device = next(model.parameters()).device
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos, pad = stop_ids(model, tokenizer).to(device), tokenizer.pad_token_id
     encoded = encode_prompts(tokenizer, prompts, chat_template)
     ids, mask = left_pad([e for e in encoded for _ in range(group_size)], pad)
     ids, mask = ids.to(device), mask.to(device)
@@ -161,6 +178,7 @@ def generate(
     sampler_logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     kept = torch.ones((n, max_new_tokens), dtype=torch.float32, device=device) if top_p < 1.0 and not greedy else None
     done = torch.zeros(n, dtype=torch.bool, device=device)
+    nonfinite = torch.zeros(n, dtype=torch.bool, device=device)  # rows whose logits held NaN / inf
     # one attention mask for the whole rollout, filled in as tokens arrive (no per-token re-allocation)
     full_mask = torch.cat([mask, torch.ones((n, max_new_tokens), dtype=mask.dtype, device=device)], dim=1)
     # every row's random draws for the whole rollout at once (one call per group, not one per group per token)
@@ -195,6 +213,7 @@ def generate(
                 recurrent = cache is not None and all(getattr(cache, "is_linear", None) or [False])
                 if fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
                     decode, cache, res = fast_decode.FastDecoder(model, cache, p + max_new_tokens), None, None
+            nonfinite |= ~torch.isfinite(logits).all(-1)  # checked once at the end: no sync per token on a GPU
             if greedy:
                 nxt = _sample(logits, temperature, top_p, greedy, None)
             else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
@@ -203,7 +222,7 @@ def generate(
                     kept[:, t] = mass
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             out[:, t] = nxt
-            done |= nxt == eos
+            done |= torch.isin(nxt, eos)
             if (t + 1) % check_every == 0 and bool(done.all()):
                 break
             if cache is None and not fast:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): run the whole sequence again
@@ -216,9 +235,12 @@ def generate(
     finally:
         if capture_routing:
             ctx.__exit__(None, None, None)
+    if bool(nonfinite.any()):  # HF's sampler raises on these too: never train on tokens drawn from NaN
+        raise NonFiniteLogits(f"the sampler's logits were not finite (NaN or inf) in {int(nonfinite.sum())} of {n} "
+                              "rows; stopping before training on them")
     out = out[:, : t + 1]
     # completion tokens: everything up to and including the first EOS
-    is_eos = out == eos
+    is_eos = torch.isin(out, eos)
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     comp_mask = (~after_eos).float()
     if check_every > 1 and bool((comp_mask.sum(0) == 0).any()):  # trailing columns where every row had ended
@@ -226,10 +248,15 @@ def generate(
         out, comp_mask = out[:, :width], comp_mask[:, :width]
     truncated = ~is_eos.any(-1)
     # the text the model wrote before its EOS, special tokens and all: a sampled <pad> stays in it, and makes the row ill-formed
-    body = comp_mask.bool() & ~(out == eos)
+    body = comp_mask.bool() & ~is_eos
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=device)
     ill_formed = (torch.isin(out, special) & body).any(-1).cpu()
-    texts = tokenizer.batch_decode([row[m].tolist() for row, m in zip(out.cpu(), body.cpu())], skip_special_tokens=False)
+    bodies = [row[m].tolist() for row, m in zip(out.cpu(), body.cpu())]
+    texts = tokenizer.batch_decode(bodies, skip_special_tokens=False)
+    # TRL's view (special tokens skipped) differs only on the ill-formed rows: decode those again
+    clean = list(texts)
+    for i in ill_formed.nonzero().flatten().tolist():
+        clean[i] = tokenizer.decode(bodies[i], skip_special_tokens=True)
     routing = router_logp = None
     if trace is not None:
         # (N, P+T, L, k); the last sampled token was never routed: -1 (replay routes it live)
@@ -247,6 +274,7 @@ def generate(
         routing=routing,
         router_logp=router_logp,
         ill_formed=ill_formed,
+        clean_texts=clean,
         sampler_logp=None if greedy else sampler_logp[:, : out.shape[1]] * comp_mask,
         kept_mass=None if kept is None else torch.where(comp_mask.bool(), kept[:, : out.shape[1]], 1.0),
     )
@@ -265,7 +293,11 @@ def returned_cache(res):
     return cache if cache is not None else getattr(res, "past_key_values", None)
 
 
-_STATIC: dict = {}  # (model, rows, length) -> (StaticCache, compiled forward): reused, so graphs are recorded once
+# (model, rows, length) -> (StaticCache, compiled forward), most recent last: reused, so graphs are recorded
+# once per shape. Bounded: every batch shape (task=data's prompt widths vary) would otherwise keep a cache of
+# its own for ever; the least recently used shape is dropped (and recompiled if it comes back).
+_STATIC: "OrderedDict[tuple, tuple]" = OrderedDict()
+MAX_STATIC = 2
 
 
 def _static_decoder(model, rows: int, length: int):
@@ -276,6 +308,9 @@ def _static_decoder(model, rows: int, length: int):
     if key not in _STATIC:
         compiled = torch.compile(model.forward, mode="reduce-overhead", dynamic=False)
         _STATIC[key] = (StaticCache(config=model.config, max_cache_len=length), compiled)
+        while len(_STATIC) > MAX_STATIC:
+            _STATIC.popitem(last=False)
+    _STATIC.move_to_end(key)
     cache, compiled = _STATIC[key]
     cache.reset()
     return cache, compiled

@@ -103,6 +103,15 @@ class _Copy(Sampler):
 
 
 def _plain(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` as one plain Hugging Face model: a LoRA model's adapters merged into the base."""
+    """A copy of `model` as one plain Hugging Face model: a LoRA model's adapters merged into the base.
+
+    Training-only hooks do not come along: gradient checkpointing under peft puts a hook on the input
+    embeddings that makes their output require grad (`enable_input_require_grads`); the sampler never
+    takes a gradient, and the fast decode engine refuses a model with hooks it would bypass."""
     out = copy.deepcopy(model)
-    return out.merge_and_unload() if adapters.is_adapted(out) else out
+    out = out.merge_and_unload() if adapters.is_adapted(out) else out
+    for module in out.modules():  # transformers names the hook make_inputs_require_grad(s), by version
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):
+                del module._forward_hooks[key]
+    return out

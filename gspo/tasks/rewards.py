@@ -10,24 +10,28 @@ Two kinds, picked by `reward=<name>`:
       def accuracy(completions, answer, **kwargs) -> list[float | None]: ...
 
   with `prompts` (each row's prompt as the task holds it: a string, or chat messages), `completions` (the text
-  the model wrote, without its EOS; for chat prompts a list `[{"role": "assistant", "content": text}]` as TRL
-  passes it), `completion_ids` (its token ids, EOS included), `trainer_state` (a transformers TrainerState with
-  `global_step` = updates done and `max_steps`) and every column of the row by its name, each a list of one
+  the model wrote, decoded as TRL decodes it: special tokens skipped, EOS removed; for chat prompts a list
+  `[{"role": "assistant", "content": text}]` as TRL passes it), `completion_ids` (its token ids, EOS included),
+  `trainer_state` (a transformers TrainerState with `global_step` = rollout steps done before this batch and
+  `max_steps` = `train.steps`) and every column of the row by its name, each a list of one
   value per row (for `task=data`, every column of your file except the prompt; for the built-in tasks,
   `answer` and the task's own fields). A function without `**kwargs` gets only the names it takes. A
   coroutine function (`async def`) is awaited (one function after another; TRL runs them concurrently).
   `None` in the returned list means "no reward from this function for this row": the reward is the weighted
   sum over the functions that gave one (TRL's nansum); a row no function scored gets 0 and is counted in
-  `reward/unscored/mean`. Each function is logged as `reward/<name>/mean`, its `None`s left out.
+  `reward/unscored/mean`. Each function is logged as `reward/fn/<name>/mean`, its `None`s left out (under its
+  own namespace, so any name works, `correct` included).
 
-  A completion the model broke off with a special token before its EOS (a stray `<|im_start|>`; see
-  `tasks.judge`) is ill-formed: no function is called on it, its reward is `reward.ill_formed` (default 0) and
-  `reward/ill_formed/mean` is the share of such rows. A function that raises, returns the wrong number of
+  Every completion is shown to the functions, as TRL shows it, including one the model broke off with a
+  special token before its EOS (a stray `<|im_start|>`; see `tasks.judge`): such rows are counted in
+  `reward/ill_formed/mean`. `reward.ill_formed=X` (a number; default null) opts out: those rows then get X
+  and the functions are not called on them. A function that raises, returns the wrong number of
   values, NaN or a non-number stops the run with a one-line `RewardError` naming it and the sample; `probe`
   calls each function on one real sample before any work.
 
 Every completion is also judged by the task, whatever the reward: `reward/correct/mean` and
-`reward/format/mean` are logged and held-out accuracy is the task's verdict.
+`reward/format/mean` are logged and held-out accuracy is the task's verdict (an ill-formed completion is
+neither correct nor well-formed there: the built-in tasks keep their own verdict).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from gspo.tasks.base import Problem, Task, Verdict, judge
 RewardFn = Callable[[Verdict, object], float]
 REWARDS: dict[str, RewardFn] = {}
 PYTHON = "python"  # reward=python: the user's functions, not a registry entry
-RESERVED = ("correct", "format", "overlong", "ill_formed", "unscored")  # part names gspo logs itself
+USER = "fn/"  # a user function's part (and metric reward/fn/<name>/mean): apart from gspo's own parts
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -158,11 +162,9 @@ def user_fns(cfg) -> tuple[list[UserFn], list[float]]:
         raise ConfigError(f"reward.weights={list(weights)}: every weight must be a finite number")
     names = [f.name for f in fns]
     for n in names:
-        if n in RESERVED:
-            raise ConfigError(f"reward.fn: a function named '{n}' would hide gspo's own reward/{n}/mean; rename it "
-                              f"(reserved: {', '.join(RESERVED)})")
         if names.count(n) > 1:
-            raise ConfigError(f"reward.fn: two functions are named '{n}'; names key the metrics (reward/<name>/mean), rename one")
+            raise ConfigError(f"reward.fn: two functions are named '{n}'; names key the metrics "
+                              "(reward/fn/<name>/mean), rename one")
     return fns, weights
 
 
@@ -195,7 +197,8 @@ def completion_ids(rollout) -> list[list[int]]:
 
 
 def trainer_state(step: int, max_steps: int):
-    """A transformers TrainerState holding what gspo knows: `global_step` (updates done) and `max_steps`."""
+    """A transformers TrainerState holding what gspo knows: `global_step` (rollout steps done) and `max_steps`
+    (`train.steps`, in the same unit, so `global_step / max_steps` is the share of the run done)."""
     from transformers import TrainerState
 
     return TrainerState(global_step=step, max_steps=max_steps)
@@ -277,8 +280,13 @@ def call_user_fn(f: UserFn, prompts: list, completions: list, fields: dict[str, 
 
 def _user_rewards(cfg, texts: list[str], problems: list[Problem], flags: list[bool],
                   ids: list[list[int]] | None, state) -> tuple[list[float], dict]:
+    """The user functions' weighted rewards and parts; `texts` as TRL decodes them (special tokens skipped).
+
+    Every row is scored, unless `reward.ill_formed` is a number: then ill-formed rows get it, unscored.
+    """
     fns, weights = user_fns(cfg)
-    keep = [i for i, bad in enumerate(flags) if not bad]
+    fixed = cfg.ill_formed is not None
+    keep = [i for i, bad in enumerate(flags) if not (bad and fixed)]
     prompts = [problems[i].prompt for i in keep]
     # TRL's conversational completions: one assistant message per row, for prompts that are messages
     completions = [[{"role": "assistant", "content": texts[i]}] if is_conversational(problems[i].prompt) else texts[i]
@@ -287,23 +295,24 @@ def _user_rewards(cfg, texts: list[str], problems: list[Problem], flags: list[bo
     fields = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
     fields["completion_ids"] = [ids[i] for i in keep] if ids is not None else [None] * len(keep)
     extra = {"trainer_state": state if state is not None else trainer_state(0, 0)}
-    total = [float(cfg.ill_formed)] * len(texts)
+    total = [float(cfg.ill_formed) if fixed else 0.0] * len(texts)
     parts = {}
-    scored = [False] * len(texts)  # a kept row some function gave a reward (not None)
+    scored = [False] * len(texts)  # a row some function gave a reward (not None)
     sums = [0.0] * len(texts)
     for f, w in zip(fns, weights):
         values = call_user_fn(f, prompts, completions, fields, extra) if keep else []
-        per_row = [0.0] * len(texts)  # ill-formed rows: the function was not called, 0 in its own curve
+        per_row = [0.0] * len(texts)  # rows the function was not called on (reward.ill_formed set): 0 in its curve
         for i, v in zip(keep, values):
             per_row[i] = v  # NaN (None): left out of the function's mean, as TRL's nanmean
             if not math.isnan(v):
                 sums[i] += w * v
                 scored[i] = True
-        parts[f.name] = torch.tensor(per_row)
+        parts[USER + f.name] = torch.tensor(per_row)
     for i in keep:
         total[i] = sums[i]  # TRL's weighted nansum; a row no function scored gets 0 (reward/unscored/mean)
+    kept = set(keep)
     parts["ill_formed"] = torch.tensor([float(b) for b in flags])
-    parts["unscored"] = torch.tensor([float(not flags[i] and not scored[i]) for i in range(len(texts))])
+    parts["unscored"] = torch.tensor([float(i in kept and not scored[i]) for i in range(len(texts))])
     return total, parts
 
 
@@ -327,10 +336,12 @@ def probe(task: Task, cfg, encode: Callable[[str], list[int]]) -> None:
 
 def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed=None,
           completion_ids: list[list[int]] | Callable[[], list[list[int]]] | None = None,
-          state=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          state=None, clean_texts: list[str] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Rewards (N,) for completions `texts` of `problems`, plus per-part diagnostics (N,) each.
 
     `ill_formed` (N,) bool, from the rollout: rows with a special token before their EOS (tasks.judge).
+    `clean_texts`: the same completions decoded with special tokens skipped, as TRL hands them to reward
+    functions (None: `texts`); the task's verifier reads `texts`.
     `completion_ids` (each row's token ids) and `state` (a TrainerState) are passed on to reward=python functions;
     either may be a zero-argument callable, called only then (the trainer's are: the first TrainerState imports
     transformers' trainer, seconds, and the ids are a pass over the rollout, for rewards that never read them).
@@ -351,7 +362,8 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed
              "format": torch.tensor([float(v.well_formed) for v in verdicts])}
     if cfg.name == PYTHON:
         ids, state = (x() if callable(x) else x for x in (completion_ids, state))
-        rewards, user_parts = _user_rewards(cfg, texts, problems, flags, ids, state)
+        rewards, user_parts = _user_rewards(cfg, clean_texts if clean_texts is not None else texts, problems,
+                                            flags, ids, state)
         return torch.tensor(rewards), parts | user_parts
     fn, values = REWARDS[cfg.name], _plain(cfg)  # plain values: an OmegaConf lookup per sample is slow
     return torch.tensor([float(fn(v, values)) for v in verdicts]), parts

@@ -42,3 +42,10 @@ def check(cfg: Any) -> None:
         if value != "none" and old_logprobs_mode(cfg) != "recompute":
             raise ConfigError(f"{key}={value} corrects the sampler/trainer mismatch, which exists only when the "
                               "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
+    if cfg.algo.dynamic_sampling:
+        signals = ["reward", "correct", "format"]
+        if cfg.reward.name == rewards.PYTHON:
+            signals += [rewards.USER + f.name for f in rewards.user_fns(cfg.reward)[0]]
+        if cfg.algo.filter_metric not in signals:
+            raise ConfigError(f"algo.filter_metric={cfg.algo.filter_metric}: must be one of {', '.join(signals)} "
+                              "(what must differ within a group for dynamic sampling to keep it)")

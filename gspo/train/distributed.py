@@ -38,18 +38,21 @@ import contextlib
 import hashlib
 import inspect
 import json
+import logging
 import os
 import shutil
+import signal
 import zlib
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as tdist
 
-from gspo.config.errors import ConfigError
-from gspo.train import checkpoint, preemption
+from gspo.config.errors import ConfigError, RunFailed
+from gspo.train import checkpoint, failures, preemption
 
 # --------------------------------------------------------------------------- launching
 
@@ -83,6 +86,10 @@ def check(cfg, world: Optional[int] = None) -> None:
         raise ConfigError(f"hardware.nproc={hw.nproc}: must be at least 1")
     if hw.backend == "nccl" and hw.device == "cpu":
         raise ConfigError("hardware.backend=nccl needs CUDA devices; on the CPU use backend gloo (hardware=cpu-ddp)")
+    if cfg.reward.timeout_s and cfg.reward.timeout_s >= hw.collective_timeout_s:
+        raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s:g} is not below hardware.collective_timeout_s="
+                          f"{hw.collective_timeout_s:g}: the other ranks wait in a collective while one rank scores, "
+                          "and would give up first; raise hardware.collective_timeout_s")
     P, G, M = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.train.minibatches
     if P % world:
         raise ConfigError(f"rollout.prompts_per_step={P} does not split evenly over {world} processes (each samples "
@@ -100,6 +107,7 @@ def launch(cfg, run_dir: Path) -> dict:
     """
     from omegaconf import OmegaConf
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     hw, n = cfg.hardware, cfg.hardware.nproc
@@ -113,9 +121,10 @@ def launch(cfg, run_dir: Path) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     stop_file = run_dir / f".stop-{os.getpid()}"  # this session's: a signal to this process, passed on
     stop_file.unlink(missing_ok=True)
-    env = {preemption.STOP_FILE_ENV: str(stop_file), "TORCHELASTIC_SIGNALS_TO_HANDLE": None}  # (torchrun sets it)
-    if device_of(hw).type == "cpu" and not hw.threads and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // n))  # share the cores instead of oversubscribing
+    env = {preemption.STOP_FILE_ENV: str(stop_file), "TORCHELASTIC_SIGNALS_TO_HANDLE": None,  # (torchrun sets it)
+           failures.DIR_ENV: str(failures.clear(run_dir))}  # a rank that fails says why there
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing (and torchrun says nothing)
+        env["OMP_NUM_THREADS"] = str(hw.threads or max(1, _cpu_count() // n))
     args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.train.trainer", str(run_dir)]
     print(f"gspo: starting {n} processes: torchrun {' '.join(args)}", flush=True)
     # torchrun would turn SIGTERM/SIGINT into killing the workers; they finish their step instead (gspo/train/preemption.py)
@@ -123,13 +132,22 @@ def launch(cfg, run_dir: Path) -> dict:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: v for k, v in env.items() if v is not None})
     stop = preemption.StopSignals(pass_to=stop_file).install()
+    elastic = logging.getLogger("torch.distributed.elastic")
+    level, elastic.level = elastic.level, logging.CRITICAL  # its failure report: ours is the one line below
     try:
         run(get_args_parser().parse_args(args))
     except SignalException:  # a second signal: torchrun killed the workers; leave as the signal would
         if stop.signum is not None:
             stop.kill()
         raise
+    except ChildFailedError as e:  # one rank failed and torchrun stopped the others: say which, and why
+        codes = {int(f.local_rank): int(f.exitcode) for f in e.failures.values()}
+        codes = {r: codes.get(r, -int(signal.SIGTERM)) for r in range(n)}  # a rank not listed was stopped
+        message, users = failures.explain(run_dir, codes, hw.collective_timeout_s)
+        _mark_failed(run_dir)
+        raise (ConfigError(message) if users else RunFailed(message)) from None
     finally:
+        elastic.level = level
         stop.restore()
         stop_file.unlink(missing_ok=True)
         for k, v in saved.items():
@@ -140,6 +158,19 @@ def launch(cfg, run_dir: Path) -> dict:
     stop.close()  # after a stop: the handler the signal had before (submitit's requeue)
     path = run_dir / "summary.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _mark_failed(run_dir: Path) -> None:
+    """summary.json says `failed` (rank 0 may have been killed before it could write it)."""
+    path = run_dir / "summary.json"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        data = {}
+    if data.get("status") not in ("failed", *preemption.EXIT_CODES):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({**data, "status": "failed"}, indent=2))
+        tmp.replace(path)
 
 
 def shared_run_dir(run_dir: Path, hw) -> Path:
@@ -186,9 +217,17 @@ def _init(hw, device: torch.device) -> torch.device:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not tdist.is_initialized():
-        tdist.init_process_group(hw.backend, device_id=device if device.type == "cuda" else None)
+        # every collective has a time limit: a rank waiting for one that hung fails instead of waiting for ever
+        # (gspo/train/failures.py); gspo's own long waits go through _LONG, a gloo group without one
+        tdist.init_process_group(hw.backend, device_id=device if device.type == "cuda" else None,
+                                 timeout=timedelta(seconds=float(hw.collective_timeout_s)))
+        global _LONG
+        _LONG = tdist.new_group(backend="gloo", timeout=timedelta(days=7))
         atexit.register(_destroy)
     return device
+
+
+_LONG = None  # a gloo group for waits that may last minutes (rank 0 warm-starting, writing a checkpoint)
 
 
 def _destroy() -> None:
@@ -217,10 +256,25 @@ def setup(cfg, device: torch.device) -> "Dist":
     return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), strategy=hw.strategy, device=device)
 
 
+def keyed_seed(*key, purpose: str) -> int:
+    """A 63-bit seed that is a function of `purpose` and `key` alone (e.g. seed, step): never of a rank or a clock."""
+    digest = hashlib.blake2b("-".join([purpose, *map(str, key)]).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def keyed_generator(*key, purpose: str, device="cpu") -> torch.Generator:
+    """A generator of its own for one use of randomness, seeded by `keyed_seed(*key, purpose=...)`.
+
+    Every random draw of a run comes from such a generator (sampling, minibatch shuffles, Clip-Cov's
+    pick, pass@k sampling) or from torch's global one reseeded at each step: a run is a function of
+    its seed and config, and a resumed run draws what the uninterrupted one draws.
+    """
+    return torch.Generator(device=device).manual_seed(keyed_seed(*key, purpose=purpose))
+
+
 def group_generator(seed: int, step: int, draw: int, prompt: int, device, purpose: str = "sample") -> torch.Generator:
     """A generator of one prompt group's own: keyed by (seed, step, draw, global prompt index), never by rank."""
-    key = hashlib.blake2b(f"{purpose}-{seed}-{step}-{draw}-{prompt}".encode(), digest_size=8).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(key, "little") >> 1)
+    return keyed_generator(seed, step, draw, prompt, purpose=purpose, device=device)
 
 
 def minibatches(prompt_index: torch.Tensor, group_size: int, n: int, seed: int, step: int,
@@ -276,18 +330,19 @@ class Dist:
         k = n // self.world
         return self.rank * k, (self.rank + 1) * k
 
-    def barrier(self) -> None:
+    def barrier(self, long: bool = False) -> None:
+        """Wait for every rank; `long`: without the collective time limit (rank 0 may take minutes)."""
         if self.world > 1:
-            tdist.barrier()
+            tdist.barrier(group=_LONG if long else None)
 
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (e.g. builds the warm-started base), then the others."""
+        """Rank 0 runs the block first (e.g. builds the warm-started base: minutes), then the others."""
         if not self.is_main:
-            self.barrier()
+            self.barrier(long=True)
         yield
         if self.is_main:
-            self.barrier()
+            self.barrier(long=True)
 
     # -- models ----------------------------------------------------------------
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -347,7 +402,8 @@ class Dist:
 
         `denominator`: what this rank's loss divides its row sum by (`losses.aggregate_denominator`:
         sequences, tokens or B x max_tokens); the factor is W x local / all ranks' denominator, 1 in
-        one process.
+        one process. Pass the true (unclamped) count: a rank with no tokens adds 0 to the total, not
+        the 1 its own loss divides by, and only the total is clamped (an all-empty minibatch).
         """
         if self.world == 1:
             return 1.0
@@ -356,6 +412,26 @@ class Dist:
         tdist.all_reduce(total)
         return local * self.world / max(float(total.item()), 1.0)
 
+    def all_gather_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every rank's rows of `x` (N_r, ...) concatenated in rank order, and where this rank's begin.
+
+        Ranks hold contiguous shares of the step's prompts, so the concatenation is the one-process
+        batch; ranks may hold different row counts. One process: (`x`, 0).
+        """
+        if self.world == 1:
+            return x, 0
+        n = torch.tensor([x.shape[0]], dtype=torch.long, device=self.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world)]
+        tdist.all_gather(sizes, n)
+        sizes = [int(s) for s in sizes]
+        width = max(sizes)
+        padded = torch.zeros((width, *x.shape[1:]), dtype=x.dtype, device=self.device)
+        padded[: x.shape[0]] = x.to(self.device)
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        tdist.all_gather(parts, padded)
+        whole = torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(x.device)
+        return whole, sum(sizes[: self.rank])
+
     def all_sum(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over ranks (a new tensor, no gradient); `x` itself in one process."""
         if self.world == 1:
@@ -363,6 +439,14 @@ class Dist:
         out = x.detach().clone()
         tdist.all_reduce(out)
         return out
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (an all-reduce: every rank must call it, the same number of times)."""
+        if self.world == 1:
+            return bool(flag)
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+        return bool(t.item() > 0)
 
     def common_groups(self, n_groups: int) -> int:
         """The smallest group count over ranks (dynamic sampling may leave a rank short)."""
@@ -439,7 +523,7 @@ class Dist:
         if self.is_main:
             checkpoint.save(run_dir, step, model, tokenizer, opt, sched, keep=keep, model_state=model_state,
                             optimizer_state=optim_state)
-        self.barrier()
+        self.barrier(long=True)  # writing a large checkpoint may outlast the collective time limit
 
     def load_optimizer_state(self, model, opt, state: dict) -> None:
         """Load a checkpoint's optimizer state, whichever strategy (and world size) wrote it.

@@ -10,6 +10,7 @@ import torch
 
 from gspo.rollout.generate import generate
 from gspo.tasks import Problem, Task, judge, timeouts
+from gspo.train.distributed import keyed_generator
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -33,10 +34,15 @@ def evaluate(
     batch_size: int = 256,
     examples: int = 0,
     timeout_s: float = 0.0,
+    top_p: float = 1.0,
+    key: tuple = (),
 ) -> dict:
     """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0).
 
     `timeout_s`: the task's verifier may take this long on a batch (`reward.timeout_s`; 0 = no limit).
+    pass@k samples at `temperature` and `top_p` (the training sampler's), each problem from a generator
+    of its own keyed by `key` (the trainer's: seed and step) and the prompt: the estimate is a function
+    of the seed, whatever the batching or the number of ranks.
     Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
     """
     def verdicts(r, chunk_problems) -> list:  # one problem per completion
@@ -66,7 +72,9 @@ def evaluate(
         scores = []
         for i in range(0, len(problems), max(1, batch_size // n)):
             chunk = problems[i : i + max(1, batch_size // n)]
-            r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature, chat_template=chat_template)
+            gens = [keyed_generator(*key, repr(p.prompt), purpose="eval_passk") for p in chunk]
+            r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature,
+                         top_p=top_p, generator=gens, chat_template=chat_template)
             right = [v.correct for v in verdicts(r, [p for p in chunk for _ in range(n)])]
             for j in range(len(chunk)):
                 scores.append(pass_at_k(n, sum(right[j * n : (j + 1) * n]), pass_k))

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from gspo.train import failures
+
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later", i.e. resume
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
 EXIT_CODES = {"preempted": PREEMPTED_EXIT, "stopped": STOPPED_EXIT}
@@ -86,10 +88,13 @@ class StopSignals:
                 raise SignalException(f"second {name}: stopping at once", sigval=signal.SIGKILL)
             self.kill(signum)
             return
+        if self._file and failures.any_recorded():  # torchrun stopping the ranks after one failed: nothing to finish
+            os._exit(1)
         self.signum, self._at = signum, time.monotonic()
-        # os.write, not print: the handler may interrupt a print to the same stream
-        os.write(2, f"gspo: {name}: finishing the step in progress, then saving a checkpoint "
-                    f"(send {name} again to stop at once and lose that step)\n".encode())
+        if not self._file:  # a worker of gspo's launcher stays quiet: the launcher says it once
+            # os.write, not print: the handler may interrupt a print to the same stream
+            os.write(2, f"gspo: {name}: finishing the step in progress, then saving a checkpoint "
+                        f"(send {name} again to stop at once and lose that step)\n".encode())
         if self._pass_to is not None:
             tmp = self._pass_to.with_name(self._pass_to.name + ".tmp")
             tmp.write_text(_STATUS.get(signum, "preempted"))

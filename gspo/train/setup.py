@@ -51,7 +51,7 @@ class Setup:
     moe_step: Optional[MoEStep] = None  # a no-op on dense models
     sampler: Optional[Sampler] = None  # the trainer's model, or a copy in rollout.dtype
     logger: Any = None  # MetricsLogger on rank 0, a NullLogger elsewhere
-    evaluate: Optional[Callable[[], dict]] = None  # held-out evaluation of the current policy (every rank a share)
+    evaluate: Optional[Callable[[int], dict]] = None  # held-out evaluation of the policy after a step (every rank a share)
 
 
 def setup(cfg: DictConfig, run_dir: Path) -> Setup:
@@ -105,9 +105,10 @@ def setup(cfg: DictConfig, run_dir: Path) -> Setup:
     # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
     kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
     logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
-    ev = lambda: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
+    ev = lambda step: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
-        cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s), eval_problems, model)
+        cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p,
+        key=(cfg.seed, step)), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, opt=opt, sched=sched, recompute=recompute, moe_step=moe_step,

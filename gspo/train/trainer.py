@@ -8,6 +8,7 @@ Read `train` first; everything else in this file is a helper it calls.
 from __future__ import annotations
 
 import math
+import os
 import random
 import sys
 import time
@@ -21,13 +22,13 @@ from gspo.algos.advantages import compute_advantages
 from gspo.algos.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
 from gspo.algos.shaping import dynamic_sampling, overlong_penalty
-from gspo.config.errors import ConfigError, tidy_warnings
+from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.models import adapters
-from gspo.rollout.generate import Rollout, cat_rollouts, generate, token_logprobs
+from gspo.rollout.generate import NonFiniteLogits, Rollout, cat_rollouts, generate, token_logprobs
 from gspo.rollout.sampler import Sampler
 from gspo.tasks import Problem, timeouts
 from gspo.tasks.rewards import completion_ids, score, trainer_state
-from gspo.train import checkpoint, distributed, preemption
+from gspo.train import checkpoint, distributed, failures, preemption
 from gspo.train.moe_step import MoEStep
 from gspo.train.setup import setup
 
@@ -79,9 +80,10 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     status = "failed"
     stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step, checkpoint it, leave
     saved = start  # the step of the newest checkpoint
+    step = start  # the step in progress, for an error's message (0: the base's evaluation)
     try:
         if start == 0:
-            base = s.evaluate()
+            base = s.evaluate(0)
             logger.log(base, step=0)
             summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
         for step in range(start + 1, cfg.train.steps + 1):
@@ -95,13 +97,19 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
                           f"resume with: {preemption.resume_command(run_dir)}", flush=True)
                 break
             t0 = time.time()
+            # anything that draws from torch's global generator (LoRA dropout, a user's code) draws a function
+            # of (seed, step): the same in every run of the config, and after a resume
+            torch.manual_seed(distributed.keyed_seed(cfg.seed, step, purpose="global"))
             synced = s.sampler.sync(model)  # a separate sampler takes the trainer's weights, as an engine's weight sync
-            batch, metrics = _collect(cfg, s.sampler, model, s.tokenizer, s.task, step, s.moe_step, dist)  # seeded by (seed, step)
+            try:
+                batch, metrics = _collect(cfg, s.sampler, model, s.tokenizer, s.task, step, s.moe_step, dist)  # seeded by (seed, step)
+            except NonFiniteLogits as e:
+                raise RunFailed(f"step {step}: {e} (metrics up to step {step - 1} are saved)") from None
             metrics |= synced
             t_roll = time.time() - t0
+            metrics["train/lr"] = sched.get_last_lr()[0]  # the rate this step's updates use
             metrics |= _update(cfg, policy, s.ref, opt, batch, step, s.moe_step, dist, s.recompute)
             sched.step()
-            metrics["train/lr"] = sched.get_last_lr()[0]
             metrics["time/rollout_s"], metrics["time/update_s"] = t_roll, time.time() - t0 - t_roll
             metrics["time/step_s"] = time.time() - t0
             metrics["throughput/tokens_per_s"] = float(batch.rollout.completion_mask.sum()) / metrics["time/step_s"]
@@ -109,7 +117,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
                 metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
             metrics = dist.reduce_metrics(metrics, rows=len(batch.rewards))  # over ranks; as is in one process
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                metrics |= s.evaluate()
+                metrics |= s.evaluate(step)
             logger.log(metrics, step=step)
             if logger.should_log_samples(step):
                 logger.log_samples(step, _samples(batch))
@@ -121,10 +129,13 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
                     adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(s.dtype))
             progress.update(step, metrics)
             if not math.isfinite(metrics["train/loss"]):
-                raise FloatingPointError(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
+                raise RunFailed(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
         status = stop.status or "finished"
     except KeyboardInterrupt:
         status = "stopped"
+        raise
+    except Exception as e:
+        e.gspo_step = step  # which step failed: a worker's failure record names it (gspo/train/failures.py)
         raise
     finally:
         progress.close()
@@ -142,8 +153,11 @@ def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step:
 
     Every rank draws the same prompt list and samples its own share; each group samples
     with its own generator, so the completions do not depend on the number of ranks.
+    The rollout metrics (reward/*, response/*) are over everything sampled, the groups dynamic
+    sampling dropped included, so every algorithm's reward/mean is over the same population.
     """
     draws = iter(range(10**6))
+    drawn: list[Batch] = []
 
     def draw() -> tuple[Batch, torch.Tensor]:
         d = next(draws)
@@ -160,36 +174,43 @@ def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step:
         r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
         rewards, parts = timeouts.call(
             lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids=lambda: completion_ids(r),
-                          state=lambda: trainer_state(step - 1, cfg.train.steps)),
+                          state=lambda: trainer_state(step - 1, cfg.train.steps), clean_texts=r.clean_texts),
             cfg.reward.timeout_s, f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
             rewards = rewards + parts["overlong"]
         b = Batch(r, rows, rewards, parts)
-        return b, b.parts["correct"]  # DAPO keeps the groups that are neither all right nor all wrong
+        drawn.append(b)
+        # DAPO keeps the groups whose signal differs: by default the rewards the advantages use
+        return b, b.rewards if cfg.algo.filter_metric == "reward" else b.parts[cfg.algo.filter_metric]
 
     G = cfg.rollout.group_size
     metrics: dict[str, float] = {}
     if cfg.algo.dynamic_sampling:
+        signal = "rewards" if cfg.algo.filter_metric == "reward" else f"'{cfg.algo.filter_metric}' values"
         batch, metrics = dynamic_sampling(draw, lambda b, g: b.select_groups(g, G), Batch.cat,
-                                          cfg.rollout.prompts_per_step // dist.world, G, cfg.algo.max_sample_batches)
+                                          cfg.rollout.prompts_per_step // dist.world, G, cfg.algo.max_sample_batches,
+                                          agree=dist.all_true, signal=signal)
         n_groups = dist.common_groups(len(batch.rewards) // G)  # ranks update on equal-sized batches
         if n_groups < len(batch.rewards) // G:
             batch = batch.select_groups(list(range(n_groups)), G)
+        metrics["sampling/kept_reward_mean"] = batch.rewards.mean().item()  # what the update trains on
+        population = Batch.cat(drawn) if len(drawn) > 1 else drawn[0]
     else:
         batch, _ = draw()
-    r = batch.rewards
+        population = batch
+    r = population.rewards
     grouped = r.view(-1, G)
     metrics |= {
         "reward/mean": r.mean().item(),
         "reward/std": r.std().item() if r.numel() > 1 else 0.0,
-        f"reward/{cfg.reward.name}/mean": (r - batch.parts.get("overlong", 0 * r)).mean().item(),
+        f"reward/{cfg.reward.name}/mean": (r - population.parts.get("overlong", 0 * r)).mean().item(),
         "reward/frac_zero_std": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
-        "response/len_mean": batch.rollout.lengths.mean().item(),
-        "response/truncated_frac": batch.rollout.truncated.float().mean().item(),
+        "response/len_mean": population.rollout.lengths.mean().item(),
+        "response/truncated_frac": population.rollout.truncated.float().mean().item(),
     }
-    metrics |= {f"reward/{k}/mean": v.nanmean().item() for k, v in batch.parts.items()}  # NaN: a function's None
+    metrics |= {f"reward/{k}/mean": v.nanmean().item() for k, v in population.parts.items()}  # NaN: a function's None
     return batch, metrics
 
 
@@ -207,7 +228,10 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
     mask = ro.completion_mask.clone()
     if algo.overlong_filter:
         mask[ro.truncated] = 0.0  # DAPO: truncated completions carry no signal about the answer
-    adv = compute_advantages(algo.advantage, batch.rewards, cfg.rollout.group_size, passk_k=algo.passk_k)
+    # over the whole batch (every rank's rewards): batch-level estimators normalise over all of it
+    rewards, lo = dist.all_gather_rows(batch.rewards)
+    adv = compute_advantages(algo.advantage, rewards, cfg.rollout.group_size, passk_k=algo.passk_k)
+    adv = adv[lo : lo + len(batch.rewards)]
     metrics: dict[str, float] = {}
     old_logp = ro.sampler_logp  # the rollout policy's log-probs as sampled ...
     every = cfg.rollout.mismatch_every
@@ -230,8 +254,8 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
     model.train()
     per_mb: dict[str, list[float]] = {}
     # rows shuffled within their group, dealt by global slot: one process's minibatch = the union of the ranks'
-    for rows in distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches, cfg.seed,
-                                        step, offset=dist.rank * len(ro.texts)):
+    for i, rows in enumerate(distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches,
+                                                     cfg.seed, step, offset=lo)):
         sub, m = ro.select(rows), mask[rows]
         with moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
             logp, entropy, _ = token_logprobs(model, sub, temp, with_entropy=True)
@@ -240,9 +264,10 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
                 ref_logp=None if ref_logp is None else ref_logp[rows],
-                is_weight=is_weight, **hyper)
+                is_weight=is_weight, generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"), **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
-            loss = loss * dist.loss_scale(aggregate_denominator(m, agg, cfg.rollout.max_new_tokens)) + mb.aux_loss(sub)
+            denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
+            loss = loss * dist.loss_scale(denominator) + mb.aux_loss(sub)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             stats |= mb.stats() | corr
@@ -312,12 +337,15 @@ def _worker(argv: list[str]) -> int:
         return 2
     run_dir = Path(argv[0])
     tidy_warnings()
+    failures.die_with_parent()  # a killed launcher takes its workers with it (as a preemption)
     try:
         train(OmegaConf.load(run_dir / "config.yaml"), run_dir)
-    except ConfigError as e:
-        if distributed.is_main_process():  # every rank refuses the same config: one line, not one per rank
-            print(f"gspo: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # the launcher says it, in one line, for the rank that failed first (gspo/train/failures.py)
+        failures.record(e, getattr(e, "gspo_step", None), int(os.environ.get("RANK", "0")))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # at once: tearing the process group down with a peer gone aborts in C++ ("terminate called ...")
+        os._exit(2 if isinstance(e, ConfigError) else 1)
     distributed.shutdown()  # only on success: after a failure the peers may be stuck in another collective
     return 0
 
