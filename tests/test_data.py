@@ -177,6 +177,61 @@ def test_answers_are_checked_with_math_verify(completion, answer, verdict):
     assert check_answer(completion, answer) == Verdict(*verdict)
 
 
+# MATH-500's `answer` column is bare LaTeX: no $...$, no \\boxed{}. (Before, math-verify's default extraction read
+# 2\\sqrt{3} as 2 and 10\\% as 10, and gave up on the rest, comparing them as text.)
+MATH_ANSWERS = [  # reference, a right completion, a wrong one
+    ("2\\sqrt{3}", "\\boxed{2\\sqrt{3}}", "\\boxed{2}"),
+    ("10\\%", "\\boxed{10\\%}", "\\boxed{11\\%}"),
+    ("\\sqrt{2}", "\\boxed{\\sqrt{2}}", "\\boxed{2}"),
+    ("\\dfrac{3}{4}", "\\boxed{0.75}", "\\boxed{\\frac{4}{3}}"),
+    ("(1,2)", "\\boxed{(1,2)}", "\\boxed{(2,1)}"),
+    ("x^2+1", "\\boxed{1+x^2}", "\\boxed{x^2-1}"),
+    ("\\pi", "\\boxed{\\pi}", "\\boxed{3}"),
+]
+
+
+@pytest.mark.parametrize("answer, right, wrong", MATH_ANSWERS)
+def test_math_style_references_are_read_as_latex(answer, right, wrong):
+    assert check_answer(right, answer) == Verdict(True, True)
+    assert check_answer(wrong, answer) == Verdict(False, True)
+
+
+def test_math_style_answers_score_as_tinyzero_says(tmp_path):
+    """Through the task (math-verify in its own process) and the tinyzero reward: right 1.0, wrong 0.1."""
+    from omegaconf import OmegaConf
+
+    from gspo.config.schema import RewardConfig
+    from gspo.tasks.rewards import score
+
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": a}) for i, (a, _, _) in enumerate(MATH_ANSWERS)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = task(path, eval_fraction=0.3)
+    problems = {p.answer: p for p in t.train + t.heldout}
+    rows = [problems[a] for a, _, _ in MATH_ANSWERS for _ in (0, 1)]
+    texts = [c for _, right, wrong in MATH_ANSWERS for c in (right, wrong)]
+    r, parts = score(t, OmegaConf.structured(RewardConfig(name="tinyzero")), texts, rows)
+    assert r.tolist() == pytest.approx([1.0, 0.1] * len(MATH_ANSWERS))
+    assert parts["verify_timeout"].tolist() == [0.0] * len(texts)
+
+
+def test_a_completion_can_never_hang_the_math_checker():
+    """\\boxed{9^{9^{9^{9}}}} holds the GIL in one big-integer power (still running after 200 s before, past
+    reward.timeout_s); \\boxed{10!!!!} is merely slow (it ended the run with exit 2). Both score 0 now, the first
+    counted as timed out, and the next completion is checked as usual."""
+    from gspo.tasks.mathcheck import MathChecker
+
+    checker = MathChecker(item_timeout_s=3)
+    try:
+        got = checker.verdicts([("\\boxed{9^{9^{9^{9}}}}", "3"), ("\\boxed{3}", "3"), ("\\boxed{10!!!!}", "3"),
+                                ("\\boxed{4}", "4")])
+    finally:
+        checker.close()
+    assert [v.correct for v in got] == [False, True, False, True]
+    assert got[0].timed_out and not got[1].timed_out and not got[3].timed_out
+
+
 def test_final_answer_takes_what_follows_the_last_marker():
     assert final_answer("a #### 1\nb #### 2\nc") == "2"
     assert final_answer("no marker 5") == "no marker 5"
@@ -230,3 +285,31 @@ def test_eval_reports_the_true_number_of_problems(tmp_path, cache_dir):
     assert summary["eval_n"] == n and res["n"] == n < 200
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["n"] == n
     assert isinstance(Problem("a", "b").prompt, str)
+
+
+def test_jsonl_rows_split_at_newlines_only_and_every_row_has_every_column(tmp_path):
+    """A raw U+2028 inside a JSON string is valid JSON (str.splitlines() split the row there); a column some
+    rows lack is None in the others, as a Parquet table or a datasets.Dataset has it."""
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"p{i}\u2028line", "answer": str(i), **({"level": i} if i % 2 else {})} for i in range(40)]
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = task(path, eval_fraction=0.2)
+    problems = t.train + t.heldout
+    assert len(problems) == 40 and all("\u2028" in p.prompt for p in problems)
+    assert all(set(p.meta["row"]) == {"answer", "level"} for p in problems)
+    assert {p.meta["row"]["level"] for p in problems if int(p.answer) % 2 == 0} == {None}
+
+
+def test_the_eval_set_is_a_seeded_sample_not_the_files_first_rows(tmp_path):
+    """A file sorted by level: the held-out problems scored are drawn from all of it (before: the first
+    eval_size in file order, 187 of 200 from level 1), the same ones in every run."""
+    path = tmp_path / "sorted.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i), "level": 1 + i * 5 // 2000})
+                              for i in range(2000)))
+    t = task(path, eval_fraction=0.5)
+    picked = t.eval_set(200)
+    assert len(picked) == 200 and picked == task(path, eval_fraction=0.5).eval_set(200)
+    levels = [p.meta["row"]["level"] for p in picked]
+    assert max(levels.count(level) for level in set(levels)) < 80  # about 40 of each of the 5 levels

@@ -189,6 +189,29 @@ def test_one_update_on_two_ranks_is_the_one_process_update(tmp_path):
             assert_adam_close(b0["weights"][k], a["weights"][k], lr=1e-2, name=f"{name}: {k}")
 
 
+def reduce_counted(rank: int, world: int) -> dict:
+    dist = distributed.Dist(rank=rank, world=world, strategy="ddp")
+    C = distributed.COUNT
+    mine = [{"reward/fn/a/mean": float("nan"), f"{C}reward/fn/a/mean": 0.0, "reward/fn/b/mean": 1.0,
+             f"{C}reward/fn/b/mean": 1.0, "reward/mean": 0.2},
+            {"reward/fn/a/mean": 0.5, f"{C}reward/fn/a/mean": 4.0, "reward/fn/b/mean": 0.0,
+             f"{C}reward/fn/b/mean": 3.0, "reward/mean": 0.4}][rank]
+    return dist.reduce_metrics(mine, rows=4)
+
+
+def test_a_reward_functions_mean_over_ranks_weighs_the_rows_it_scored(tmp_path):
+    """A function that returned None on every row of one rank: its mean is the other rank's, not NaN; and
+    means over different numbers of scored rows are weighed by them (before: a mean of rank means)."""
+    from gloo import run_ranks
+
+    one = distributed.Dist().reduce_metrics({"reward/mean": 0.2, f"{distributed.COUNT}reward/mean": 4.0}, rows=4)
+    assert one == {"reward/mean": 0.2}  # one process: the counts are not logged
+    for got in run_ranks(reduce_counted, 2, tmp_path):
+        assert got["reward/fn/a/mean"] == pytest.approx(0.5)
+        assert got["reward/fn/b/mean"] == pytest.approx(0.25)
+        assert got["reward/mean"] == pytest.approx(0.3) and not any(k.startswith(distributed.COUNT) for k in got)
+
+
 # --------------------------------------------------------------------------- equivalence
 
 

@@ -302,3 +302,25 @@ def test_resume_records_what_it_changes_and_from_which_step(tmp_path, cache_dir,
     assert entry["changes"] == {"train.steps": {"was": 1, "now": 3}, "eval.every": {"was": 0, "now": 2},
                                 "hardware.threads": {"was": 0, "now": 1}}  # seed=0: the same value, no change
     assert [m["step"] for m in metrics(run)] == [0, 1, 2, 3] and "eval/accuracy" in metrics(run)[2]
+
+
+def test_a_resumed_finished_run_says_running_while_it_works(tmp_path, cache_dir, monkeypatch):
+    """A finished run resumed for more steps is `running` from its first new step on, without the old final
+    accuracy: if it dies there (kill -9), it is not taken for finished. (Before: still `finished`, with the
+    final accuracy of step 3, after dying at step 9.)"""
+    import gspo.train.trainer as trainer
+
+    train(compose(tiny(cache_dir, **{"train.steps": 3})), tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "finished"
+    seen = []
+    update = trainer._update
+
+    def spy(cfg, *a, **k):
+        seen.append(json.loads((tmp_path / "summary.json").read_text()))
+        return update(cfg, *a, **k)
+
+    monkeypatch.setattr(trainer, "_update", spy)
+    train(compose(tiny(cache_dir, **{"train.steps": 5}) + [f"resume={tmp_path}"]), tmp_path)
+    assert seen[0]["status"] == "running" and "final_accuracy" not in seen[0]
+    final = json.loads((tmp_path / "summary.json").read_text())
+    assert final["status"] == "finished" and final["steps"] == 5 and "final_accuracy" in final

@@ -309,9 +309,9 @@ def test_a_verifier_that_hangs_in_the_base_evaluation_ends_the_run(tmp_path, cac
     from gspo.tasks.timeouts import ScoringTimeout
     from gspo.train.trainer import train
 
-    def verifier_that_hangs(task, text, problem, bad):
+    def verifier_that_hangs(task, texts, problems, bad):
         time.sleep(30)
 
-    monkeypatch.setattr(gspo.train.heldout, "judge", verifier_that_hangs)
+    monkeypatch.setattr(gspo.train.heldout, "judge_all", verifier_that_hangs)
     with pytest.raises(ScoringTimeout, match=r"reward.timeout_s=0.5: the task's verifier on \d+ held-out completions"):
         train(compose(tiny(cache_dir, **{"reward.timeout_s": 0.5})), tmp_path)

@@ -58,6 +58,29 @@ async def judge(prompts, completions, **kwargs):
 
 def needs_solution(completions, solution, **kwargs):
     return [0.0 for _ in completions]
+
+LIMIT = asyncio.Semaphore(1)  # a rate limiter made once at import: bound to the first loop it makes wait
+
+async def limited(completions, **kwargs):
+    async def one(c):
+        async with LIMIT:
+            await asyncio.sleep(0)
+        return 1.0
+    return list(await asyncio.gather(*(one(c) for c in completions)))
+
+def accuracy_reward(completions, solution, **kwargs):
+    """open-r1's / TRL's documented math accuracy reward: math-verify with its own time limits (SIGALRM)."""
+    from math_verify import LatexExtractionConfig, parse, verify
+    rewards = []
+    for content, sol in zip(completions, solution):
+        gold = parse(sol, extraction_mode="first_match")
+        if not gold:
+            rewards.append(None)
+            continue
+        pred = parse(content, extraction_config=[LatexExtractionConfig(boxed_match_priority=0,
+                     try_extract_without_anchor=False)], extraction_mode="first_match")
+        rewards.append(float(verify(gold, pred)))
+    return rewards
 '''
 
 
@@ -180,3 +203,25 @@ def test_cli_refuses_a_function_that_fails_on_a_sample_before_any_work(fns, cach
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "needs_solution raised TypeError" in res.output and len(res.output.strip().splitlines()) == 1
     assert not list(tmp_path.rglob("metrics.jsonl"))  # refused before the base evaluation
+
+
+def test_an_async_function_keeps_one_event_loop_across_batches(fns):
+    """TRL keeps one loop; a module-level asyncio.Semaphore failed at batch 2 when each batch had a new one."""
+    cfg = OmegaConf.structured(RewardConfig(name="python", fn=f"{fns}:limited"))
+    for _ in range(3):
+        r, _ = score(Unjudged(), cfg, ["a", "b"], TEXT[:2])
+        assert r.tolist() == [1.0, 1.0]
+
+
+def test_the_open_r1_math_verify_accuracy_reward_runs_as_the_trainer_calls_it(fns):
+    """math-verify's own time limits need the main thread: the trainer scores there (under reward.timeout_s),
+    so the usual open-r1 / TRL-docs accuracy reward runs unchanged (before: "doesn't support threaded
+    environment" at step 1; the start-up probe passed because it ran on the main thread)."""
+    from gspo.tasks import timeouts
+
+    cfg = OmegaConf.structured(RewardConfig(name="python", fn=f"{fns}:accuracy_reward"))
+    problems = [Problem("q", "x", {"row": {"solution": "$\\frac{1}{2}$"}}),
+                Problem("q", "x", {"row": {"solution": "$3$"}})]
+    texts = ["so the answer is $\\boxed{0.5}$", "$\\boxed{4}$"]
+    r, parts = timeouts.call(lambda: score(Unjudged(), cfg, texts, problems), 60, "scoring")
+    assert r.tolist() == [1.0, 0.0]

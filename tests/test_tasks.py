@@ -164,3 +164,17 @@ def test_a_raising_verifier_names_itself_and_the_sample():
 
     with pytest.raises(RewardError, match=r"tinyzero.*broken.*KeyError.*'1\+1='.*'2'"):
         score(Broken(), OmegaConf.structured(RewardConfig(name="tinyzero")), ["2"], [Problem("1+1=", "2")])
+
+
+def test_the_addition_verifier_takes_ascii_digits_only():
+    """'²' is a digit to str.isdigit() (int() then raised) and full-width '４' was read as 4."""
+    from omegaconf import OmegaConf
+
+    from gspo.config.schema import TaskConfig
+    from gspo.tasks import Problem, Verdict, build_task
+
+    t = build_task(OmegaConf.structured(TaskConfig(name="addition")))
+    p = Problem("40+2=", "42")
+    assert t.verify("42", p) == Verdict(True, True)
+    assert t.verify("４２", p) == Verdict(False, False)
+    assert t.verify("4²", p) == Verdict(False, False)

@@ -33,7 +33,8 @@ import numpy as np
 from gspo.results.groups import CompareResult, Group, Pairwise, Stat
 from gspo.results.report import print_report, write_markdown  # noqa: F401  (print_report: part of this module's API)
 from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of this module's API)
-    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, KL_OLD, LOSS, RATIO_MAX, REWARD, ROUTING, STEP_S, BrokenRun, CompareError,
+    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, KL_OLD, LOSS, RATIO_MAX, REWARD, REWARD_STD, ROUTING, STEP_S, BrokenRun,
+    CompareError,
     Run, _flatten, _looks_like_run, load_runs, lookup,
 )
 from gspo.results.stats import welch
@@ -46,10 +47,16 @@ COMPARABILITY_KEYS = ("model.", "task.", "reward.", "rollout.", "train.steps", "
 # (the sampler's precision, where the old log-probs come from, the mismatch corrections).
 TREATMENT_KEYS = ("rollout.dtype", "rollout.old_logprobs", "rollout.mismatch_every", "rollout.tis", "rollout.mask",
                   "rollout.offpolicy_mask_delta")
-# Keys that never matter for a comparison (bookkeeping, hardware, logging).
+# Keys that never make two runs different experiments (bookkeeping, logging, diagnostics, how the same
+# arithmetic is laid out on the machine). Everything else does: runs of a group differ in the seed alone.
 IGNORED_KEYS = (
-    "seed", "name", "resume", "cache_dir", "run_dir", "output_dir", "logger.", "hardware.", "eval.",
+    "seed", "name", "resume", "cache_dir", "run_dir", "output_dir", "logger.", "eval.",
+    "hardware.name", "hardware.device", "hardware.nproc", "hardware.backend", "hardware.strategy", "hardware.threads",
+    "hardware.compile", "hardware.collective_timeout_s",
     "model.name", "model.attn_implementation", "model.experts_implementation", "model.gradient_checkpointing",
+    "rollout.engine", "rollout.mismatch_every", "rollout.workers", "rollout.worker_threads", "rollout.timeout_s",
+    "moe.stats_every", "moe.stats_rows_per_group", "train.checkpoint_every", "train.keep_checkpoints",
+    "reward.timeout_s",
 )
 
 
@@ -58,16 +65,28 @@ MIN_WINDOW = 5  # the collapse rule's smallest moving-average window (steps)
 NOISE_Z = 3.0  # a collapse must exceed this many standard errors of the reward noise
 
 
-def reward_noise(rewards: np.ndarray) -> float:
-    """Robust std of the per-step reward noise: median |r_{i+1} - r_i| / (0.6745·√2).
+def reward_noise(rewards: np.ndarray, sampling_se: float = 0.0) -> float:
+    """Std of the per-step reward noise: the larger of a robust estimate from the series and the sampling floor.
 
-    For independent noise of std σ around a slowly moving mean, r_{i+1} - r_i has std σ√2
-    and median absolute value 0.6745·σ√2; the median ignores the few steps where the
-    mean itself jumps (a collapse), so the collapse does not inflate its own noise bar.
+    Robust: median |r_{i+1} - r_i| / (0.6745·√2). For independent noise of std σ around a slowly moving mean,
+    r_{i+1} - r_i has std σ√2 and median absolute value 0.6745·σ√2; the median ignores the few steps where the
+    mean itself jumps (a collapse), so the collapse does not inflate its own noise bar. But on sparse rewards
+    most steps' means are equal (all 0) and that median is 0: then the floor holds, `sampling_se` = the
+    standard error of a step's mean reward, √(mean over steps of reward/std²) / √(completions per step).
     """
     if len(rewards) < 2:
+        return sampling_se
+    return max(float(np.median(np.abs(np.diff(rewards)))) / (0.6745 * math.sqrt(2.0)), sampling_se)
+
+
+def sampling_se(run: Run) -> float:
+    """The standard error of one step's reward/mean from its logged reward/std and batch size (0 if unknown)."""
+    _, std = run.series(REWARD_STD)
+    per_step = lookup(run.config, "rollout.prompts_per_step"), lookup(run.config, "rollout.group_size")
+    std = std[np.isfinite(std)]
+    if not len(std) or not all(isinstance(x, int) and x > 0 for x in per_step):
         return 0.0
-    return float(np.median(np.abs(np.diff(rewards)))) / (0.6745 * math.sqrt(2.0))
+    return float(np.sqrt(np.mean(std**2))) / math.sqrt(per_step[0] * per_step[1])  # pooled: sparse steps' std is 0
 
 
 def detect_collapse(run: Run) -> tuple[str | None, int | None]:
@@ -76,11 +95,14 @@ def detect_collapse(run: Run) -> tuple[str | None, int | None]:
     Collapsed: (a) any NaN/inf in reward/mean or train/loss; or (b), with n reward/mean
     values, the window w = max(5, round(0.1·n)) and n >= 3·w (at least 15 steps: a window
     to start from, one to peak in, one to stay down in), ma their trailing moving average
-    over w steps, initial = ma[0], peak = max(ma), drop = 0.5·max(peak − initial, 0.5·|peak|),
-    σ = reward_noise(rewards): drop > 3·σ·sqrt(2/w) (larger than the noise of a difference of
-    two window means) and ma < peak − drop on each of the last >= w points up to the end,
-    i.e. after its peak the run lost half its gain (and at least a quarter of the peak) and
-    never came back. The step is where that final stretch began.
+    over w steps, initial = ma[0], peak = max(ma), drop = 0.5·max(peak − initial, 0.5·|peak|):
+    ma < peak − drop on each of the last >= w points up to the end (after its peak the run lost
+    half its gain, and at least a quarter of the peak, and never came back), and the fall from
+    the peak to the highest point of that final stretch exceeds 3·σ·sqrt(2/w), the noise of a
+    difference of two window means, σ = reward_noise(rewards, sampling_se(run)). The step is
+    where that final stretch began. Measured false-positive rate on trendless series (binary
+    rewards, 16 a step, p from 0.02 to 0.9, 30 to 200 steps): at most 0.1% (docs/compare.md,
+    `python scripts/collapse_rates.py`).
     """
     for key in (REWARD, LOSS):
         steps, values = run.series(key)
@@ -96,10 +118,13 @@ def detect_collapse(run: Run) -> tuple[str | None, int | None]:
     initial, peak = ma[0], ma.max()
     drop = 0.5 * max(peak - initial, 0.5 * abs(peak))  # half the gain, at least a quarter of the peak
     below = ma < peak - drop
-    if drop <= NOISE_Z * reward_noise(rewards) * math.sqrt(2.0 / w) or not below[-1]:
+    if not below[-1]:
         return None, None
     start = len(below) - int(np.argmin(below[::-1])) if not below.all() else 0
     if len(below) - start < w:
+        return None, None
+    # the fall, peak to the highest point of the stretch it stayed down in, beyond the noise of two window means
+    if peak - ma[start:].max() <= NOISE_Z * reward_noise(rewards, sampling_se(run)) * math.sqrt(2.0 / w):
         return None, None
     step = int(steps[start + w - 1])
     return (
@@ -114,7 +139,10 @@ def _label(key: str, value: Any) -> str:
 
 
 def group_runs(runs: Sequence[Run], key: str) -> list[Group]:
-    """Group runs by the value of `key` (several keys: comma-separated, e.g. "algo.name,moe.routing_replay")."""
+    """Group runs by the value of `key` (several keys: comma-separated, e.g. "algo.name,moe.routing_replay"), then
+    split each group by every other config key its runs differ in (`differing_keys`): a group is one config up
+    to the seed, so what differs is never averaged as if it were seeds. A split group is named by what differs
+    (`grpo eps_high=0.28`)."""
     keys = key.split(",")
     by_value: dict[str, list[Run]] = {}
     values: dict[str, Any] = {}
@@ -126,7 +154,41 @@ def group_runs(runs: Sequence[Run], key: str) -> list[Group]:
         values[label] = value
     numeric = all(isinstance(v, (int, float)) for v in values.values())
     order = sorted(by_value, key=(lambda l: values[l]) if numeric else str)
-    return [Group(label, values[label], by_value[label]) for label in order]
+    groups = []
+    for label in order:
+        members = by_value[label]
+        split = differing_keys(members, keys)
+        subs: dict[str, list[Run]] = {}
+        for run in members:
+            flat = _flatten(run.config)
+            sub = " ".join(_label(k, flat.get(k, _MISSING)) for k in split)
+            subs.setdefault(sub, []).append(run)
+        for sub in sorted(subs):
+            groups.append(Group(f"{label} {sub}".strip(), values[label], subs[sub]))
+    return groups
+
+
+def differing_keys(runs: Sequence[Run], group_keys: Sequence[str] = ()) -> list[str]:
+    """The config keys (not ignored, not the grouping keys) whose values differ between `runs`.
+
+    A key missing from some runs' config.yaml (written by an older gspo) counts as differing only when the
+    runs that have it disagree."""
+    flats = [_flatten(r.config) for r in runs]
+    own = tuple(k[: -len(".name")] if k.endswith(".name") else k for k in group_keys)
+    out = []
+    for k in sorted({k for f in flats for k in f}):
+        if k in group_keys or k in own or k.startswith(IGNORED_KEYS):
+            continue
+        if len({repr(f[k]) for f in flats if k in f}) > 1:
+            out.append(k)
+    # a preset's own keys (algo.loss, algo.eps_high, ...) follow its name: the name alone tells those runs apart
+    names = [k for k in out if k.endswith(".name")]
+    for name in names:
+        node = name[: -len("name")]
+        follows = {k for k in out if k.startswith(node) and k != name and all(
+            len({repr(f.get(k, _MISSING)) for f in flats if f.get(name) == v}) == 1 for v in {f.get(name) for f in flats})}
+        out = [k for k in out if k not in follows]
+    return out
 
 
 def _diff_text(flats: list[dict], key: str) -> str:
@@ -151,13 +213,15 @@ def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
     if differ:
         warnings.append("runs are NOT comparable (base model, task or rollout budget differ): "
                         + "; ".join(_diff_text(flats, k) for k in differ))
+    by_key: dict[str, list[Group]] = {}
+    for g in groups:  # groups that group_runs split: say so once per grouping value
+        by_key.setdefault(repr(g.value), []).append(g)
+    for same in by_key.values():
+        if len(same) > 1:
+            split = differing_keys([r for g in same for r in g.runs], group_keys)
+            warnings.append(f"{same[0].label.split(' ')[0]}: its runs differ in {', '.join(split)}, so they are "
+                            f"{len(same)} groups, not one ({', '.join(g.label for g in same)})")
     for g in groups:
-        gflats = [_flatten(r.config) for r in g.runs]
-        mixed = [k for k in keys if relevant(k) and not budget(k) and len({repr(f.get(k, _MISSING)) for f in gflats}) > 1]
-        if mixed:
-            warnings.append(f"group {g.label} mixes runs that differ in "
-                            + "; ".join(_diff_text(gflats, k) for k in mixed)
-                            + " — they are averaged as if they were seeds")
         dupes = [s for s, c in Counter(repr(r.seed) for r in g.runs).items() if c > 1]
         if dupes:
             warnings.append(f"group {g.label} has several runs with seed {', '.join(dupes)}")
@@ -306,6 +370,13 @@ def compare(
                         "group means use the runs that reached each step")
     target, target_note = accuracy_target(groups, threshold)
     rows = [summarize_group(g, target) for g in groups]
+    schedules = Counter(repr(lookup(r.config, "eval.every")) for r in runs)
+    if len(schedules) > 1:  # a run evaluated more often has more chances at a high point, and reaches a target sooner
+        warnings.append("best acc and steps to target are left out: they depend on how often a run is evaluated, "
+                        "and eval.every differs (" + ", ".join(f"{v} ×{c}" for v, c in schedules.most_common())
+                        + "); final acc is compared")
+        for row in rows:
+            row["best_acc"] = row["steps_to_target"] = Stat.of([])
     pairs = pairwise(rows, baseline) if baseline is not None else []
     out_dir = Path(out) if out is not None else _default_out(paths, runs)
     out_dir.mkdir(parents=True, exist_ok=True)

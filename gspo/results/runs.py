@@ -18,7 +18,7 @@ import numpy as np
 
 from gspo.config.errors import ConfigError
 
-REWARD, LOSS, ACC = "reward/mean", "train/loss", "eval/accuracy"
+REWARD, REWARD_STD, LOSS, ACC = "reward/mean", "reward/std", "train/loss", "eval/accuracy"
 CLIP, CLIP_LOW, CLIP_HIGH = "clip/frac", "clip/frac_low", "clip/frac_high"
 KL_REF, KL_OLD, ENTROPY = "kl/ref", "kl/old", "policy/entropy"
 LENGTH, ROUTING, STEP_S = "response/len_mean", "moe/routing_volatility", "time/step_s"
@@ -58,10 +58,16 @@ class Run:
         return max((int(s[-1]) for s, _ in self.metrics.values() if len(s)), default=0)
 
     @property
+    def finished(self) -> bool:
+        """summary.json says finished, and metrics.jsonl does not go past the steps it says were done (a finished
+        run resumed for more steps and killed keeps a stale `finished` if it was written by an older gspo)."""
+        s = self.summary or {}
+        return s.get("status") == "finished" and self.last_step <= int(s.get("steps", self.last_step) or 0)
+
+    @property
     def partial(self) -> bool:
         planned = lookup(self.config, "train.steps")
-        finished = (self.summary or {}).get("status") == "finished"
-        return not finished and isinstance(planned, int) and self.last_step < planned
+        return not self.finished and isinstance(planned, int) and self.last_step < planned
 
 
 @dataclass
@@ -153,7 +159,11 @@ def _load_run(path: Path) -> Run:
             summary = json.loads((path / "summary.json").read_text())
         except ValueError:
             notes.append(f"{path}: summary.json is unreadable; ignored")
-    return Run(path, config, metrics, summary, notes)
+    run = Run(path, config, metrics, summary, notes)
+    if summary is not None and summary.get("status") == "finished" and not run.finished:
+        notes.append(f"{path}: summary.json says finished at step {summary.get('steps')} but metrics.jsonl goes to "
+                     f"step {run.last_step}: a resume that did not finish; counted as partial")
+    return run
 
 
 def _looks_like_run(path: Path) -> bool:

@@ -3,7 +3,8 @@
 `base` holds what every task shares (Problem, Verdict, the Task protocol, the held-out split,
 the registry), re-exported here; `arithmetic`, `reasoning` and `data` register the tasks;
 `rewards` turns verdicts (or a user's functions) into rewards; `timeouts` bounds untrusted
-reward and verifier code. Imports only `gspo.config`.
+reward and verifier code; `answers` checks math answers, in `mathcheck`'s child process.
+Imports only `gspo.config`.
 """
 
 from __future__ import annotations

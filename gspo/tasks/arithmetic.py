@@ -75,7 +75,8 @@ class Addition(_HeldOutSplit):
 
     def verify(self, completion: str, problem: Problem) -> Verdict:
         text = completion.strip()
-        well_formed = text.isdigit() and len(text) <= self.digits + 1
+        # ASCII digits only: str.isdigit() also takes '²' (then int() raises) and full-width '４２' (int() reads 42)
+        well_formed = text.isascii() and text.isdigit() and len(text) <= self.digits + 1
         return Verdict(correct=well_formed and int(text) == int(problem.answer), well_formed=well_formed)
 
 

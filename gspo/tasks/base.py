@@ -28,6 +28,7 @@ class Problem:
 class Verdict:
     correct: bool  # the completion solves the problem
     well_formed: bool  # the completion has the expected form (TinyZero's format reward)
+    timed_out: bool = False  # the checker ran out of time on it (gspo/tasks/mathcheck.py): scored as wrong
 
 
 class Task(Protocol):
@@ -51,6 +52,17 @@ def judge(task: Task, text: str, problem: Problem, ill_formed: bool = False) -> 
     before its final EOS (a sampled `<pad>`, a stray `<|im_start|>`) is ill-formed whatever the task
     would say. Decoding skips special tokens, so without this `1<pad>25` would be scored as `125`."""
     return Verdict(False, False) if ill_formed else task.verify(text, problem)
+
+
+def judge_all(task: Task, texts: list[str], problems: list[Problem], ill_formed: list[bool]) -> list[Verdict]:
+    """`judge` on every completion; through the task's `verify_batch` when it has one (a batch at a time: the
+    data task checks math in a process of its own, gspo/tasks/mathcheck.py)."""
+    batch = getattr(task, "verify_batch", None)
+    if batch is None:
+        return [judge(task, t, p, bad) for t, p, bad in zip(texts, problems, ill_formed)]
+    keep = [i for i, bad in enumerate(ill_formed) if not bad]
+    got = dict(zip(keep, batch([texts[i] for i in keep], [problems[i] for i in keep]) if keep else []))
+    return [got.get(i, Verdict(False, False)) for i in range(len(texts))]
 
 
 def is_heldout(key: str, fraction: float) -> bool:

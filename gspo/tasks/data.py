@@ -21,14 +21,15 @@ from __future__ import annotations
 import functools
 import json
 import random
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
 from gspo.config.errors import ConfigError
+from gspo.tasks.answers import check_answer, final_answer  # noqa: F401  (check_answer, final_answer: this task's API)
 from gspo.tasks.base import Problem, Verdict, is_heldout, register_task
 
+EVAL_SEED = 12345  # the held-out sample's own seed: every run of a file scores the same problems
 SMALL_HELDOUT = 50  # fewer held-out problems than this: eval/accuracy is too coarse to compare runs, so we warn
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _WARNED: set[tuple[str, int]] = set()
@@ -57,7 +58,10 @@ def _read(path: str, mtime_ns: int, size: int) -> tuple[tuple[int, dict], ...]:
     except UnicodeDecodeError as e:
         raise ConfigError(f"task.path={path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):  # numbered as an editor numbers the file's lines
+    # JSON Lines separates records by "\n" alone: str.splitlines() would also split at U+2028, U+0085 ..., which
+    # JSON allows raw inside a string
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
@@ -120,8 +124,11 @@ def load_problems(cfg) -> list[Problem]:
     if not path:
         raise ConfigError(f"task={cfg.name} needs task.path=FILE: a .jsonl or .parquet file, one problem per row")
     parquet = str(path).lower().endswith(PARQUET_SUFFIXES)
+    rows = read_rows(path)
+    # every row has every column (None where a JSONL row lacks it), as a Parquet table or a datasets.Dataset has
+    columns = list(dict.fromkeys(k for _, row in rows for k in row if k != cfg.prompt_column))
     problems = []
-    for line, row in read_rows(path):
+    for line, row in rows:
         where = _where(path, line, parquet)
         for column in (cfg.prompt_column, cfg.answer_column):
             if column not in row:
@@ -129,7 +136,7 @@ def load_problems(cfg) -> list[Problem]:
                                   f"name the column with task.prompt_column / task.answer_column")
         prompt = _with_system(_prompt(row[cfg.prompt_column], where, cfg.prompt_column), cfg.system_prompt)
         answer = _answer(row[cfg.answer_column], where, cfg.answer_column)
-        fields = {k: v for k, v in row.items() if k != cfg.prompt_column}
+        fields = {k: row.get(k) for k in columns}
         problems.append(Problem(prompt, answer, {"row": fields, "where": where}))
     return problems
 
@@ -146,45 +153,15 @@ def uses_chat(problems: list[Problem]) -> bool:
     return any(not isinstance(p.prompt, str) for p in problems)
 
 
-# --------------------------------------------------------------------------- answers
+@functools.lru_cache(maxsize=1)
+def _checker():
+    import atexit
 
+    from gspo.tasks.mathcheck import MathChecker
 
-def final_answer(text: str) -> str:
-    """The answer part of a text: what follows the last `####` on its line (GSM8K), else the whole text."""
-    if "####" in text:
-        text = text.rsplit("####", 1)[1].split("\n", 1)[0]
-    return text.strip()
-
-
-def _parse(text: str) -> list:
-    from math_verify import parse
-
-    # math-verify times out with signal.alarm, which only the main thread may use
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    return parse(text, parsing_timeout=timeout)
-
-
-@functools.lru_cache(maxsize=65536)
-def _gold(answer: str) -> tuple[list, str]:
-    text = final_answer(answer)
-    return _parse(text), " ".join(text.split()).casefold()
-
-
-def check_answer(completion: str, answer: str) -> Verdict:
-    """Verdict on a completion against a reference answer (math-verify; text equality for non-math answers).
-
-    Well-formed = an answer could be read from the completion.
-    """
-    from math_verify import verify
-
-    gold, gold_text = _gold(answer)
-    text = final_answer(completion)
-    if not gold:  # not math: compare as text
-        ok = " ".join(text.split()).casefold() == gold_text
-        return Verdict(ok, bool(text))
-    pred = _parse(text)
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    return Verdict(bool(pred) and bool(verify(gold, pred, timeout_seconds=timeout)), bool(pred))
+    checker = MathChecker()  # one child process per process, started at the first batch
+    atexit.register(checker.close)
+    return checker
 
 
 # --------------------------------------------------------------------------- the task
@@ -228,11 +205,19 @@ class DataTask:
         return [rng.choice(self.train) for _ in range(n)]
 
     def eval_set(self, n: int) -> list[Problem]:
-        """The first n held-out problems (all of them when there are fewer: the true count is len() of this)."""
-        return self.heldout[:n]
+        """n held-out problems drawn at random with a fixed seed, the same for every run of the file (all of them
+        when there are fewer: the true count is len() of this). Not the first n: a file sorted by difficulty
+        would be evaluated on its easiest rows."""
+        if n >= len(self.heldout):
+            return list(self.heldout)
+        return random.Random(EVAL_SEED).sample(self.heldout, n)
 
     def verify(self, completion: str, problem: Problem) -> Verdict:
-        return check_answer(completion, problem.answer)
+        return self.verify_batch([completion], [problem])[0]
+
+    def verify_batch(self, completions: list[str], problems: list[Problem]) -> list[Verdict]:
+        """math-verify in a process of its own (gspo/tasks/mathcheck.py): a completion can never hang the run."""
+        return _checker().verdicts([(c, p.answer) for c, p in zip(completions, problems)])
 
 
 # --------------------------------------------------------------------------- config check

@@ -50,7 +50,7 @@ from typing import Callable
 import torch
 
 from gspo.config.errors import ConfigError
-from gspo.tasks.base import Problem, Task, Verdict, judge
+from gspo.tasks.base import Problem, Task, Verdict, judge, judge_all
 
 RewardFn = Callable[[Verdict, object], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -229,9 +229,17 @@ async def _wait(awaitable):
     return await awaitable
 
 
+_LOOP: list = []  # one event loop for the process, as TRL keeps one: asyncio objects a reward module creates
+# once (a Semaphore rate limiter, a client session) are bound to the loop they were first used on
+
+
 def _run(out):
     """A reward function's result; an async function's coroutine is awaited first (one function at a time)."""
-    return asyncio.run(_wait(out)) if inspect.isawaitable(out) else out
+    if not inspect.isawaitable(out):
+        return out
+    if not _LOOP or _LOOP[0].is_closed():
+        _LOOP[:] = [asyncio.new_event_loop()]
+    return _LOOP[0].run_until_complete(_wait(out))
 
 
 def _call(f: UserFn, kwargs: dict):
@@ -349,8 +357,9 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed
     flags = [False] * len(texts) if ill_formed is None else [bool(x) for x in ill_formed]
     if cfg.name != PYTHON and cfg.name not in REWARDS:
         raise ConfigError(f"reward={cfg.name}: no such reward. Valid: {', '.join(sorted([*REWARDS, PYTHON]))}")
-    verdicts = []
-    for text, problem, bad in zip(texts, problems, flags):
+    batched = hasattr(task, "verify_batch")  # the data task: math-verify in a process it can kill
+    verdicts = judge_all(task, texts, problems, flags) if batched else []
+    for text, problem, bad in ([] if batched else zip(texts, problems, flags)):
         try:
             verdicts.append(judge(task, text, problem, bad))
         except Exception as e:  # name the culprit: a user's verifier on a user's data
@@ -360,6 +369,8 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed
             ) from e
     parts = {"correct": torch.tensor([float(v.correct) for v in verdicts]),
              "format": torch.tensor([float(v.well_formed) for v in verdicts])}
+    if batched:  # the share the checker had to give up on (scored as wrong)
+        parts["verify_timeout"] = torch.tensor([float(v.timed_out) for v in verdicts])
     if cfg.name == PYTHON:
         ids, state = (x() if callable(x) else x for x in (completion_ids, state))
         rewards, user_parts = _user_rewards(cfg, clean_texts if clean_texts is not None else texts, problems,

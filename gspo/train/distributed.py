@@ -256,6 +256,9 @@ def setup(cfg, device: torch.device) -> "Dist":
     return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), strategy=hw.strategy, device=device)
 
 
+COUNT = "_count/"  # a metric key prefixed so: the row count of the mean under the rest of the key (reduce_metrics)
+
+
 def keyed_seed(*key, purpose: str) -> int:
     """A 63-bit seed that is a function of `purpose` and `key` alone (e.g. seed, step): never of a rank or a clock."""
     digest = hashlib.blake2b("-".join([purpose, *map(str, key)]).encode(), digest_size=8).digest()
@@ -459,11 +462,16 @@ class Dist:
     def reduce_metrics(self, metrics: dict, rows: int) -> dict:
         """Step metrics over ranks: mean, min for *_min, max for *_max and time/*, sum for throughput/*.
 
-        `reward/std` is recombined from the ranks' first and second moments (`rows` each).
+        `reward/std` is recombined from the ranks' first and second moments (`rows` each). A mean that comes
+        with a count (`COUNT + key`: the rows it is over, e.g. a reward function's rows not None) is the
+        count-weighted mean over ranks, a rank with count 0 (its mean NaN) left out; the counts are not logged.
         """
         if self.world == 1:
-            return metrics
+            return {k: v for k, v in metrics.items() if not k.startswith(COUNT)}
         m = dict(metrics)
+        for k in [k for k in m if k.startswith(COUNT)]:  # sums of value x count, then divided by the summed count
+            key = k[len(COUNT):]
+            m[key] = m[key] * m[k] if m[k] > 0 else 0.0
         has_std = "reward/std" in m and "reward/mean" in m
         if has_std:  # E[r^2] of this rank's rows, from its unbiased std
             m["reward/_sq"] = m["reward/std"] ** 2 * (rows - 1) / max(rows, 1) + m["reward/mean"] ** 2
@@ -486,6 +494,10 @@ class Dist:
                 out[k] = total[i].item()
             else:
                 out[k] = total[i].item() / self.world
+        for k in [k for k in out if k.startswith(COUNT)]:
+            n = out.pop(k) * self.world  # the mean over ranks back to the sum
+            key = k[len(COUNT):]
+            out[key] = out[key] * self.world / n if n > 0 else float("nan")
         if has_std:
             n = rows * self.world
             var = max(out.pop("reward/_sq") - out["reward/mean"] ** 2, 0.0) * n / max(n - 1, 1)

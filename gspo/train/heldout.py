@@ -9,7 +9,8 @@ from math import comb
 import torch
 
 from gspo.rollout.generate import generate
-from gspo.tasks import Problem, Task, judge, timeouts
+from gspo.tasks import Problem, Task, timeouts
+from gspo.tasks.base import judge_all
 from gspo.train.distributed import keyed_generator
 
 
@@ -46,8 +47,7 @@ def evaluate(
     Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
     """
     def verdicts(r, chunk_problems) -> list:  # one problem per completion
-        return timeouts.call(lambda: [judge(task, t, p, bool(b)) for t, p, b in
-                                      zip(r.texts, chunk_problems, r.ill_formed.tolist())],
+        return timeouts.call(lambda: judge_all(task, r.texts, chunk_problems, [bool(b) for b in r.ill_formed.tolist()]),
                              timeout_s, f"the task's verifier on {len(r.texts)} held-out completions")
 
     was_training = model.training

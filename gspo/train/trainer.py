@@ -86,6 +86,9 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             base = s.evaluate(0)
             logger.log(base, step=0)
             summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
+        else:  # a resumed run is running again: not `finished` with an old final accuracy while it works
+            summary.data.pop("final_accuracy", None)
+            summary.write(status="running")
         for step in range(start + 1, cfg.train.steps + 1):
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 if step - 1 > saved:
@@ -210,7 +213,9 @@ def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step:
         "response/len_mean": population.rollout.lengths.mean().item(),
         "response/truncated_frac": population.rollout.truncated.float().mean().item(),
     }
-    metrics |= {f"reward/{k}/mean": v.nanmean().item() for k, v in population.parts.items()}  # NaN: a function's None
+    for k, v in population.parts.items():  # NaN: a function's None, left out of its mean
+        metrics[f"reward/{k}/mean"] = v.nanmean().item()
+        metrics[f"{distributed.COUNT}reward/{k}/mean"] = float((~v.isnan()).sum())  # ranks weigh the means by it
     return batch, metrics
 
 
