@@ -44,21 +44,39 @@ from bench_workers import gspo_side
 WORKERS = Path(__file__).resolve().parent / "bench_workers.py"
 
 
+ASYNC = ["rollout.workers=1", "rollout.staleness=1", "rollout.worker_threads=1"]  # the async row's settings
+
+
 def sides(a, model_dir: Path) -> dict:
-    """The two alternating sides: each runs one subprocess and returns its Run."""
+    """The alternating sides: each runs one subprocess and returns its Run. With --async (the default) a third:
+    gspo with one rollout worker sampling one step behind, the cores split (trainer 1 thread, worker 1)."""
     spec = {"overrides": gspo_overrides(a, model_dir), "threads": a.threads}
 
     def trl(work: Path) -> Run:
         res, rss, others = run_worker("trl", WORKERS, spec, work, a.wait_idle)
         return Run(res["steps"], rss, others, {"len_mean": res["len_mean"], "reward_mean": res["reward_mean"]})
 
-    return {"trl": trl, "gspo": gspo_side(spec, a.wait_idle)}
+    out = {"trl": trl, "gspo": gspo_side(spec, a.wait_idle)}
+    if a.async_row:
+        split = ["hardware=cpu", "hardware.dtype=float32", f"hardware.threads={max(1, a.threads - 1)}"]
+        async_spec = {"overrides": gspo_overrides(a, model_dir, hardware=split) + ASYNC, "threads": a.threads}
+        out["gspo-async"] = gspo_side(async_spec, a.wait_idle, workers=1)
+    return out
+
+
+def more_args(p) -> None:
+    p.add_argument("--no-async", dest="async_row", action="store_false",
+                   help="leave out the row of gspo with one rollout worker, staleness 1")
 
 
 def table(results: dict[str, list[Run]], a) -> str:
-    """Pooled post-warm-up steps of every round, per trainer, and gspo / TRL."""
+    """Pooled post-warm-up steps of every round, per trainer, and each gspo row / TRL."""
     rows, stats = [], {}
-    for kind, name in (("trl", "TRL GRPOTrainer"), ("gspo", "gspo train")):
+    names = [("trl", "TRL GRPOTrainer"), ("gspo", "gspo train (synchronous)"),
+             ("gspo-async", f"gspo train {' '.join(ASYNC[:2])}")]
+    for kind, name in names:
+        if kind not in results:
+            continue
         runs = results[kind]
         steps = pooled(runs)
         stats[kind] = (statistics.median(steps), statistics.mean(steps), max(r.rss_mib for r in runs))
@@ -66,15 +84,18 @@ def table(results: dict[str, list[Run]], a) -> str:
                      ", ".join(fmt(statistics.median(r.steps[1:])) for r in runs),
                      fmt(statistics.mean(pooled(runs, "len_mean")), 1),
                      fmt(statistics.mean(pooled(runs, "reward_mean")), 3), f"{stats[kind][2]:,.0f}"])
-    (gm, gmean, grss), (tm, tmean, trss) = stats["gspo"], stats["trl"]
-    rows.append(["**gspo / TRL**", ratio(gm, tm), ratio(gmean, tmean), "", "", "", ratio(grss, trss)])
+    tm, tmean, trss = stats["trl"]
+    for kind, label in (("gspo", "**gspo sync / TRL**"), ("gspo-async", "**gspo async / TRL**")):
+        if kind in stats:
+            gm, gmean, grss = stats[kind]
+            rows.append([label, ratio(gm, tm), ratio(gmean, tmean), "", "", "", ratio(grss, trss)])
     header = ["trainer", "median s/step", "mean s/step", "per-round medians (s)", "mean completion length",
-              "mean reward", "peak RSS (MiB)"]
-    work = describe_work(a, "TRL, gspo")
+              "mean reward", "peak RSS (MiB; async: trainer + worker)"]
+    work = describe_work(a, "TRL, gspo" + (", gspo async" if a.async_row else ""))
     extra = f"gspo overrides added: {' '.join(a.override)}" if a.override else "gspo overrides added: none"
     return "\n".join([f"Work: {work}.", extra + ".", "", markdown_table(header, rows, right={1, 2, 4, 5, 6}), "",
                       f"Versions: {versions(a.threads)}."])
 
 
 if __name__ == "__main__":
-    run_benchmark(__doc__.split("\n\n")[0], sides, table, "bench-vs-trl-")
+    run_benchmark(__doc__.split("\n\n")[0], sides, table, "bench-vs-trl-", more_args)

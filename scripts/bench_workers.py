@@ -42,13 +42,18 @@ def gspo_worker(spec: dict) -> None:
     Path(spec["out"]).write_text(json.dumps({"rows": [r for r in rows if "time/step_s" in r], **cuda_memory()}))
 
 
-def gspo_side(spec: dict, wait_idle: float):
-    """A benchmark side (work dir -> bench_common.Run): `gspo train` on `spec` in a fresh worker process."""
+def gspo_side(spec: dict, wait_idle: float, workers: int = 0):
+    """A benchmark side (work dir -> bench_common.Run): `gspo train` on `spec` in a fresh worker process.
+
+    With `workers` rollout workers, the peak RSS is the trainer's plus each worker's own peak (they report it:
+    memory/worker_rss_mib): a sum of peaks, at least the peak of the sum."""
 
     def run(work: Path) -> bench_common.Run:
         res, rss, others = bench_common.run_worker("gspo", Path(__file__), {**spec, "run_dir": str(work / "run")},
                                                    work, wait_idle)
         steps, extra = gspo_run(res["rows"])
+        if workers:
+            rss += workers * max(r.get("memory/worker_rss_mib", 0.0) for r in res["rows"])
         return bench_common.Run(steps, rss, others, extra)
 
     return run

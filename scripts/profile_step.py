@@ -12,7 +12,7 @@ Usage (repository root, in the venv; nothing else running, as for every benchmar
   python scripts/profile_step.py --steps 10 --gspo "+experiment=moe_long algo=grpo rollout.old_logprobs=recompute \\
       algo.beta=0 hardware.threads=1 eval.every=0"
 
-The timers wrap functions of the loop by name (gspo/train/trainer.py and the MoE component); a
+The timers wrap functions of the loop by name (gspo/train/trainer.py, gspo/rollout/batch.py, the MoE component); a
 renamed function fails this script at start, and its smoke test (tests/test_bench.py) with it.
 """
 
@@ -33,10 +33,10 @@ import bench_common
 
 # (label, parent label or None, where the function lives, its attribute): the parts the table shows
 PARTS = [
-    ("rollout", None, "gspo.train.trainer", "_collect"),
-    ("generate", "rollout", "gspo.train.trainer", "generate"),
+    ("rollout", None, "gspo.train.setup", "collect"),
+    ("generate", "rollout", "gspo.rollout.batch", "generate"),
     ("decode steps (fast engine)", "generate", "gspo.rollout.fast_decode", "FastDecoder.step"),
-    ("scoring (task verifier, reward)", "rollout", "gspo.train.trainer", "timeouts.call"),
+    ("scoring (task verifier, reward)", "rollout", "gspo.rollout.batch", "timeouts.call"),
     ("update", None, "gspo.train.trainer", "_update"),
     ("forwards (token_logprobs: old policy, minibatches)", "update", "gspo.train.trainer", "token_logprobs"),
     ("backward", "update", "torch", "Tensor.backward"),
@@ -47,7 +47,7 @@ PARTS = [
     ("MoE: load-balancing loss", "update", "gspo.train.moe_step", "_Minibatch.aux_loss"),
     ("MoE: routing statistics of the updated policy", "update", "gspo.train.moe_step", "_MoE.end_step"),
 ]
-TOP = {"_collect", "_update"}  # the two halves of the timed step: the other timers count only inside them
+TOP = {"collect", "_update"}  # the two halves of the timed step: the other timers count only inside them
 
 
 class Timers:

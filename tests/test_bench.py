@@ -253,8 +253,8 @@ TINY_CPU = ["--steps", "2", "--rounds", "1", "--threads", "1", "--wait-idle", "0
 def test_bench_vs_trl_prints_one_table_at_a_small_size():
     pytest.importorskip("trl")
     out = _script("scripts/bench_vs_trl.py", "--variant", "long16", *TINY_CPU)
-    assert "| **gspo / TRL** |" in out and "| TRL GRPOTrainer |" in out
-    assert out.count("| 16.0 |") == 2  # both trainers saw full-length completions
+    assert "| **gspo sync / TRL** |" in out and "| **gspo async / TRL** |" in out and "| TRL GRPOTrainer |" in out
+    assert out.count("| 16.0 |") == 3  # every trainer saw full-length completions (gspo async: one worker)
 
 
 @pytest.mark.slow

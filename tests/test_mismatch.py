@@ -140,3 +140,26 @@ def test_tis_weights_multiply_the_policy_term():
     (grad,) = torch.autograd.grad(loss, logp)
     # d/dlogp of -w A exp(logp - old) / |y| / B at ratio 1: -w A / |y| / B
     torch.testing.assert_close(grad, torch.tensor([[-0.5 / 6, -1 / 6, -2 / 6], [1.5 / 2, 1 / 2, 0.0]]))
+
+
+def test_arealss_decoupled_ppo_is_token_tis_times_a_token_mask():
+    """AReaL's decoupled objective (arXiv 2505.24298, Eq. 5): J = (pi_prox / pi_behav) min(r A, clip(r) A), r =
+    pi_theta / pi_prox, the behaviour weight dropped (0) above behav_imp_weight_cap. With the proximal policy
+    the trainer's recomputed one (what staleness > 0 uses), it is rollout.tis=token rollout.tis_cap=C
+    rollout.mask=token rollout.mask_low=0 rollout.mask_high=C: weight rho 1[rho <= C]."""
+    cap = 5.0
+    r = OmegaConf.create({"tis": "token", "tis_cap": cap, "mask": "token", "mask_low": 0.0, "mask_high": cap,
+                          "offpolicy_mask_delta": None})
+    prox = torch.tensor([[-1.0, -0.5, 0.2], [-2.0, -1.0, 0.0]])  # log pi_prox (the recomputed old log-probs)
+    behav = torch.tensor([[-1.0, -1.5, -2.0], [-1.5, -1.0, 0.0]])  # log mu: rho = e^0, e^1, e^2.2 (> 5), e^-0.5, 1
+    adv = torch.tensor([1.0, -1.0])
+    w, _ = correction_weights(active(r), MismatchBatch(prox, behav, MASK, adv), r)
+    rho = (prox - behav).exp()
+    want = torch.where(rho <= cap, rho, torch.zeros_like(rho)) * MASK + (1 - MASK)
+    torch.testing.assert_close(w, want)
+    assert w[0, 2] == 0 and w[0, 1] == pytest.approx(math.e)
+    # in the loss: -(1/B) sum_i mean_t w_t min(r_t A, clip(r_t) A), by hand at r = 1.1 on every token
+    logp = (prox + math.log(1.1)).requires_grad_()
+    loss, _ = policy_loss("grpo", logp, prox, adv, MASK, is_weight=w, eps_low=0.2, eps_high=0.2)
+    per = [w[0, :3].sum() / 3 * 1.1 * 1.0, w[1, :2].sum() / 2 * 1.1 * -1.0]  # r = 1.1 is inside the clip
+    assert loss.item() == pytest.approx(-(per[0] + per[1]).item() / 2, rel=1e-5)

@@ -19,7 +19,7 @@ from conftest import tiny
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-import gspo.train.trainer as trainer
+import gspo.rollout.batch as trainer  # where the loop scores its rollouts
 from cli.main import app
 from gspo.config.loading import compose
 from gspo.train import checkpoint, preemption

@@ -129,9 +129,9 @@ def _dapo_score(n_correct_in_group):
 def test_dynamic_sampling_filters_on_the_rewards_the_advantages_use(tmp_path, cache_dir, monkeypatch):
     """DAPO keeps a group whose rewards differ (its advantages are not 0), whatever the task's verdict says;
     algo.filter_metric=correct filters on the verdict instead (the DAPO paper's accuracy)."""
-    import gspo.train.trainer as trainer
+    import gspo.rollout.batch as batch
 
-    monkeypatch.setattr(trainer, "score", _dapo_score(0.0))
+    monkeypatch.setattr(batch, "score", _dapo_score(0.0))
     train(compose(tiny(cache_dir, algo="dapo", **{"train.steps": 1, "algo.overlong_buffer": 0})), tmp_path / "reward")
     step = metrics(tmp_path / "reward")[1]
     assert step["sampling/groups_dropped"] == 0 and step["sampling/groups_kept"] == 4 and step["sampling/batches"] == 1
@@ -145,7 +145,7 @@ def test_dynamic_sampling_filters_on_the_rewards_the_advantages_use(tmp_path, ca
 def test_dapo_logs_rewards_over_everything_sampled(tmp_path, cache_dir):
     """reward/mean is over every completion drawn (the population every algorithm reports); the kept groups'
     mean is sampling/kept_reward_mean."""
-    import gspo.train.trainer as trainer
+    import gspo.rollout.batch as trainer  # where the loop's scoring happens
 
     seen = []
     real = trainer.score

@@ -111,6 +111,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "hardware.collective_timeout_s": (*_above(0), "how long a rank may wait for the others in a collective"),
     "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
     "rollout.mismatch_every": (*_at_least(0), "0 = never"),
+    "rollout.staleness": (*_at_least(0), "the policy lag of a batch, in steps; 0 = synchronous"),
+    "rollout.workers": (*_at_least(0), "0 = sample in the trainer's process"),
+    "rollout.worker_threads": (*_at_least(0), "0 = split the cores"),
+    "rollout.timeout_s": (*_above(0), "how long a rollout worker may go without delivering"),
     "moe.stats_every": (*_at_least(0), "0 = never"),
     "moe.stats_rows_per_group": (*_at_least(0), "0 = all"),
     "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
@@ -165,6 +169,12 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if cfg.algo.overlong_buffer > r.max_new_tokens:
         return (f"algo.overlong_buffer={cfg.algo.overlong_buffer}: must be at most rollout.max_new_tokens="
                 f"{r.max_new_tokens} (the punishment starts max_new_tokens - overlong_buffer tokens in)")
+    if r.staleness > cfg.train.steps:
+        return (f"rollout.staleness={r.staleness}: must be at most train.steps={cfg.train.steps} (every batch would "
+                "be sampled by the initial policy)")
+    if r.workers and cfg.hardware.strategy == "fsdp":
+        return ("rollout.workers needs the full weights on each rank to push to its workers: not with "
+                "hardware.strategy=fsdp (sharded weights); use hardware.strategy=ddp or rollout.workers=0")
     if cfg.algo.advantage == "passk" and cfg.algo.passk_k > r.group_size:
         return f"algo.passk_k={cfg.algo.passk_k}: must be at most rollout.group_size={r.group_size} (k of the group's samples)"
     positions = _max_positions(cfg)

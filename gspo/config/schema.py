@@ -187,6 +187,12 @@ class RolloutConfig:
     mask_low: Optional[float] = None  # None = the peers' default: 0.5 (token), 0.99 (geometric)
     mask_high: Optional[float] = None  # None = 5 (token), 1.01 (geometric)
     offpolicy_mask_delta: Optional[float] = None  # DeepSeek-V3.2: drop A < 0 sequences with mean log(mu/pi_theta) > delta; None = off
+    # the batch of step t is sampled by the policy after step t-1-staleness (the initial one while <= 0): exactly,
+    # so the run is a function of the seed and config; 0 = synchronous. gspo/rollout/source.py
+    staleness: int = 0
+    workers: int = 0  # sampling processes that work ahead while the trainer updates; 0 = in the trainer's process
+    worker_threads: int = 0  # torch threads of each worker (and of in-process sampling when set); 0 = split the cores
+    timeout_s: float = 900.0  # a worker that delivers nothing for this long is taken as hung: the run ends in one line
 
 
 @dataclass

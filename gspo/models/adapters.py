@@ -118,6 +118,41 @@ def apply(model: torch.nn.Module, lora, base_dir: str | Path, seed: int = 0) -> 
     return peft_model
 
 
+def merged_parameters(model: torch.nn.Module):
+    """(name, value, adapted) for every parameter of the plain model `merge_and_unload()` would give, without
+    building it: W0 + ΔW (peft's own `get_delta_weight`, scaling included) where LoRA adapts the weight, the
+    frozen base weight itself elsewhere (`adapted` False: it never changes, so a sampler copies it once).
+
+    This is what a separate sampler (and a rollout worker) takes at every weight sync of a LoRA run: the
+    adapted weights only, computed from the rank-r factors, instead of a deep copy of the model merged.
+    A plain (not adapted) model: its own parameters, all `adapted` (they all train).
+    """
+    if not is_adapted(model):
+        for name, p in model.named_parameters():
+            yield name, p.detach(), True
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    strip = lambda name: name.replace(".base_layer", "")  # noqa: E731  (peft's wrappers: the plain model's name)
+    adapted = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters:
+            param = getattr(module, "parameter_name", None)  # a ParamWrapper (fused MoE experts) adapts that one
+            adapted[f"{strip(name)}.{param or 'weight'}"] = module
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        plain = strip(name)
+        module = adapted.get(plain)
+        if module is None:
+            yield plain, p.detach(), False
+            continue
+        with torch.no_grad():
+            delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+        yield plain, p.detach() + delta.to(p.dtype), True
+
+
 def _assert_routers_untouched(peft_model, routers: set[int]) -> None:
     from peft.tuners.lora import LoraLayer
 

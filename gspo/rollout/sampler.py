@@ -4,7 +4,7 @@ By default the trainer's own model samples (`rollout.dtype` unset = `hardware.dt
 `rollout.dtype` set to another precision, a copy of the policy in that precision samples, the
 way an inference engine (vLLM, SGLang) serves a bf16 policy while the trainer keeps float32
 weights. Like an engine's weight sync, the copy is refreshed from the trainer's weights before
-every rollout (`time/sync_s`); a LoRA run's copy carries the adapters merged into the base,
+every rollout (`time/weight_sync_s`); a LoRA run's copy carries the adapters merged into the base,
 as an engine that serves one merged checkpoint does. Under DDP every rank holds and syncs its
 own copy from its own (identical) replica; FSDP2 shards the trainer's weights, so the
 combination is refused (`check`).
@@ -43,12 +43,16 @@ def old_logprobs_mode(cfg) -> str:
     `auto`: the sampler's when the sampler IS the float32 trainer, where they equal a recomputed
     forward to ~1e-6 per token (tests/test_logprobs.py), so the old-policy pass is wasted work; a
     recomputed pass whenever the two differ (a bf16/fp16 trainer, whose sampling and training kernels
-    disagree by more than GSPO's clip range, docs/benchmarks.md, or a sampler in another precision).
+    disagree by more than GSPO's clip range, docs/benchmarks.md, a sampler in another precision, or a batch
+    sampled `rollout.staleness` steps ago).
     """
     mode = cfg.rollout.old_logprobs
     if mode != "auto":
         return mode
-    return "sampler" if cfg.hardware.dtype == "float32" and not separate(cfg) else "recompute"
+    # a stale batch (rollout.staleness > 0) was sampled by an older policy: the ratio is taken against the current
+    # weights (the proximal policy), the behaviour gap left to the mismatch corrections
+    same = cfg.hardware.dtype == "float32" and not separate(cfg) and not cfg.rollout.staleness
+    return "sampler" if same else "recompute"
 
 
 def check(cfg) -> None:
@@ -68,7 +72,7 @@ class Sampler:
         return _Copy(model, getattr(torch, sampler_dtype(cfg))) if separate(cfg) else Sampler()
 
     def sync(self, model: torch.nn.Module) -> dict[str, float]:
-        """Refresh the sampler from the trainer's weights; its metrics (`time/sync_s`)."""
+        """Refresh the sampler from the trainer's weights; its metrics (`time/weight_sync_s`)."""
         return {}
 
     @contextlib.contextmanager
@@ -91,11 +95,14 @@ class _Copy(Sampler):
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module) -> dict[str, float]:
+        """Copy what training changes into the copy, cast to its precision: every weight, or under LoRA only the
+        adapted ones, W0 + ΔW from the adapters' factors (`adapters.merged_parameters`: no merged model built)."""
         t0 = time.time()
-        source = dict(_plain(model).named_parameters()) if adapters.is_adapted(model) else dict(model.named_parameters())
-        for name, p in self.module.named_parameters():
-            p.copy_(source[name])  # cast to the sampler's precision on the way
-        return {"time/sync_s": time.time() - t0}
+        mine = dict(self.module.named_parameters())
+        for name, value, trained in adapters.merged_parameters(model):
+            if trained:
+                mine[name].copy_(value)
+        return {"time/weight_sync_s": time.time() - t0}
 
     @contextlib.contextmanager
     def serve(self, model: torch.nn.Module, dist) -> Iterator[torch.nn.Module]:

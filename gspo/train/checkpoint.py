@@ -28,11 +28,13 @@ class CheckpointError(ConfigError):
 
 
 def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep: int = 1,
-         model_state: Optional[dict] = None, optimizer_state: Optional[dict] = None) -> Path:
+         model_state: Optional[dict] = None, optimizer_state: Optional[dict] = None,
+         extra: Optional[dict] = None) -> Path:
     """Save step `step`; keep the newest `keep` checkpoints.
 
     `model_state` / `optimizer_state`: full state dicts gathered by the caller (FSDP);
-    None = the model's and optimizer's own.
+    None = the model's and optimizer's own. `extra`: more of the trainer's state (plain containers and
+    tensors, loadable with weights_only), e.g. the batches sampled ahead under rollout.staleness.
     """
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:06d}", None
@@ -45,7 +47,7 @@ def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep:
             unwrap(model).save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(tmp)
         optim = optimizer.state_dict() if optimizer_state is None else optimizer_state
-        state = {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict()}
+        state = {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), **(extra or {})}
         torch.save(state, tmp / "trainer_state.pt")
         if final.exists():
             shutil.rmtree(final)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import inspect
 import json
 import logging
@@ -52,6 +51,8 @@ import torch
 import torch.distributed as tdist
 
 from gspo.config.errors import ConfigError, RunFailed
+from gspo.rollout.batch import COUNT
+from gspo.rollout.seeds import group_generator, keyed_generator, keyed_seed  # noqa: F401  (re-exported: the loop's)
 from gspo.train import checkpoint, failures, preemption
 
 # --------------------------------------------------------------------------- launching
@@ -254,30 +255,6 @@ def setup(cfg, device: torch.device) -> "Dist":
     device = _init(hw, device)
     check(cfg, tdist.get_world_size())
     return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), strategy=hw.strategy, device=device)
-
-
-COUNT = "_count/"  # a metric key prefixed so: the row count of the mean under the rest of the key (reduce_metrics)
-
-
-def keyed_seed(*key, purpose: str) -> int:
-    """A 63-bit seed that is a function of `purpose` and `key` alone (e.g. seed, step): never of a rank or a clock."""
-    digest = hashlib.blake2b("-".join([purpose, *map(str, key)]).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def keyed_generator(*key, purpose: str, device="cpu") -> torch.Generator:
-    """A generator of its own for one use of randomness, seeded by `keyed_seed(*key, purpose=...)`.
-
-    Every random draw of a run comes from such a generator (sampling, minibatch shuffles, Clip-Cov's
-    pick, pass@k sampling) or from torch's global one reseeded at each step: a run is a function of
-    its seed and config, and a resumed run draws what the uninterrupted one draws.
-    """
-    return torch.Generator(device=device).manual_seed(keyed_seed(*key, purpose=purpose))
-
-
-def group_generator(seed: int, step: int, draw: int, prompt: int, device, purpose: str = "sample") -> torch.Generator:
-    """A generator of one prompt group's own: keyed by (seed, step, draw, global prompt index), never by rank."""
-    return keyed_generator(seed, step, draw, prompt, purpose=purpose, device=device)
 
 
 def minibatches(prompt_index: torch.Tensor, group_size: int, n: int, seed: int, step: int,
@@ -517,8 +494,20 @@ class Dist:
         return {k: (x[i] / x[-1].clamp(min=1)).item() for i, k in enumerate(keys)}
 
     # -- checkpoints -----------------------------------------------------------
-    def save_checkpoint(self, run_dir: Path, step: int, model, tokenizer, opt, sched, keep: int = 1) -> None:
-        """Rank 0 writes the checkpoint (FSDP: full tensors gathered from every rank first)."""
+    def save_checkpoint(self, run_dir: Path, step: int, model, tokenizer, opt, sched, keep: int = 1,
+                        pending: Optional[dict] = None) -> None:
+        """Rank 0 writes the checkpoint (FSDP: full tensors gathered from every rank first).
+
+        `pending`: this rank's batches sampled ahead by older weights (rollout.staleness), gathered from
+        every rank into the trainer state, which a resume needs to compute what the uninterrupted run does."""
+        extra = {}
+        if pending:
+            everyone = [None] * self.world
+            if self.world > 1:
+                tdist.gather_object(pending, everyone if self.is_main else None, dst=0)
+            else:
+                everyone = [pending]
+            extra = {"pending": dict(enumerate(everyone)) if self.is_main else {}, "pending_world": self.world}
         model_state = optim_state = None
         if self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import (
@@ -534,7 +523,7 @@ class Dist:
             model_state = {k: v for k, v in model_state.items() if k not in tied}
         if self.is_main:
             checkpoint.save(run_dir, step, model, tokenizer, opt, sched, keep=keep, model_state=model_state,
-                            optimizer_state=optim_state)
+                            optimizer_state=optim_state, extra=extra)
         self.barrier(long=True)  # writing a large checkpoint may outlast the collective time limit
 
     def load_optimizer_state(self, model, opt, state: dict) -> None:

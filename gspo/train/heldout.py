@@ -11,7 +11,7 @@ import torch
 from gspo.rollout.generate import generate
 from gspo.tasks import Problem, Task, timeouts
 from gspo.tasks.base import judge_all
-from gspo.train.distributed import keyed_generator
+from gspo.rollout.seeds import keyed_generator
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.models.build import load_pretrained, tokenizer_encode
-from gspo.rollout.sampler import Sampler, old_logprobs_mode
+from gspo.rollout.batch import Share, collect
+from gspo.rollout.sampler import Sampler, old_logprobs_mode, sampler_dtype
+from gspo.rollout.source import Inline, describe, pending_of
+from gspo.rollout.workers import WorkerPool
 from gspo.tasks import Task, build_task
 from gspo.tasks.rewards import probe
 from gspo.train import checkpoint, distributed
@@ -50,6 +54,8 @@ class Setup:
     recompute: bool = False  # the old policy's log-probs are recomputed by the trainer
     moe_step: Optional[MoEStep] = None  # a no-op on dense models
     sampler: Optional[Sampler] = None  # the trainer's model, or a copy in rollout.dtype
+    source: Any = None  # where each step's batch comes from (gspo/rollout/source.py): in process, or workers
+    pending: Optional[dict] = None  # a resumed run's batches sampled ahead (rollout.staleness), for source.start
     logger: Any = None  # MetricsLogger on rank 0, a NullLogger elsewhere
     evaluate: Optional[Callable[[int], dict]] = None  # held-out evaluation of the policy after a step (every rank a share)
 
@@ -57,7 +63,7 @@ class Setup:
 def setup(cfg: DictConfig, run_dir: Path) -> Setup:
     """Build what the loop needs for `cfg` in `run_dir`, restoring a resumed run's weights and optimizer."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    device, dtype = _setup_hardware(cfg.hardware)
+    device, dtype = _setup_hardware(cfg.hardware, cfg)
     dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/train/distributed.py)
     device = dist.device
     start, resume_ckpt = _resume_point(cfg, run_dir, dist)
@@ -95,13 +101,24 @@ def setup(cfg: DictConfig, run_dir: Path) -> Setup:
                             lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, **fused)
     # warmup counts RL steps, like train.steps: the scheduler steps once per rollout batch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.train.warmup_steps)))
+    pending: dict = {}
     if resume_ckpt is not None:
         state = checkpoint.load_state(resume_ckpt)
         dist.load_optimizer_state(policy, opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
+        pending = pending_of(state, dist.rank)
+        if state.get("pending") and int(state.get("pending_world", dist.world)) != dist.world:
+            raise ConfigError(f"{resume_ckpt} holds batches sampled ahead (rollout.staleness={cfg.rollout.staleness}) "
+                              f"by {state['pending_world']} ranks' shares of the prompts; resume with "
+                              f"hardware.nproc={state['pending_world']}")
     recompute = old_logprobs_mode(cfg) == "recompute"
     moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
-    sampler = Sampler.for_run(model, cfg)  # the trainer's model, or a copy in rollout.dtype (gspo/rollout/sampler.py)
+    # where batches come from: sampled in this process (the trainer's model, or a copy in rollout.dtype), or by
+    # rollout.workers processes; rollout.staleness steps behind either way (gspo/rollout/source.py)
+    sampler = Sampler.for_run(model, cfg) if not cfg.rollout.workers else None
+    source = _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir)
+    if dist.is_main and describe(cfg.rollout.staleness, cfg.rollout.workers):
+        print(f"gspo: {describe(cfg.rollout.staleness, cfg.rollout.workers)}", flush=True)
     # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
     kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
     logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
@@ -112,15 +129,52 @@ def setup(cfg: DictConfig, run_dir: Path) -> Setup:
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, opt=opt, sched=sched, recompute=recompute, moe_step=moe_step,
-                 sampler=sampler, logger=logger, evaluate=ev)
+                 sampler=sampler, source=source, pending=pending, logger=logger, evaluate=ev)
+
+
+def _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir):
+    """The batch source: `Inline` (rollout.workers=0) or a `WorkerPool`, `rollout.staleness` steps behind."""
+    r = cfg.rollout
+    lo, hi = dist.share(r.prompts_per_step)
+    share = Share(lo, hi, dist.world, dist.device)
+    if not r.workers:
+        agree = dist.all_true if dist.world > 1 else None
+        step_batch = lambda step: collect(cfg, step, lambda: sampler.serve(model, dist), tokenizer, task,  # noqa: E731
+                                          share, moe_step.sample_kwargs(), agree)
+        return Inline(step_batch, sampler.sync, r.staleness, cfg.train.steps, r.worker_threads)
+    threads = worker_threads(cfg, dist.world)
+    spec = {"config": OmegaConf.to_container(cfg, resolve=True), "base_dir": str(base_dir), "threads": threads,
+            "lo": lo, "hi": hi, "world": dist.world, "device": str(dist.device),
+            "sample_kwargs": moe_step.sample_kwargs()}
+    return WorkerPool(spec, r.workers, r.staleness, cfg.train.steps, getattr(torch, sampler_dtype(cfg)), r.timeout_s,
+                      dist.rank)
+
+
+def worker_threads(cfg, world: int) -> int:
+    """Each rollout worker's torch threads: rollout.worker_threads, or the cores split evenly between the
+    trainers and their workers (one each on a 2-core machine with one worker)."""
+    if cfg.rollout.worker_threads:
+        return int(cfg.rollout.worker_threads)
+    return max(1, _cores() // (world * (cfg.rollout.workers + 1)))
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _setup_hardware(hw) -> tuple[torch.device, torch.dtype]:
+def _setup_hardware(hw, cfg=None) -> tuple[torch.device, torch.dtype]:
     if hw.threads:
         torch.set_num_threads(hw.threads)
+    elif cfg is not None and cfg.rollout.workers and distributed.device_of(hw).type == "cpu":
+        # the trainer's share of the cores, beside its workers' (rollout.worker_threads each)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, _cores() // world - cfg.rollout.workers * worker_threads(cfg, world)))
     device = distributed.device_of(hw)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")

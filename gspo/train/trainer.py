@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,45 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 from gspo.algos.advantages import compute_advantages
 from gspo.algos.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
-from gspo.algos.shaping import dynamic_sampling, overlong_penalty
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.models import adapters
-from gspo.rollout.generate import NonFiniteLogits, Rollout, cat_rollouts, generate, token_logprobs
-from gspo.rollout.sampler import Sampler
-from gspo.tasks import Problem, timeouts
-from gspo.tasks.rewards import completion_ids, score, trainer_state
+from gspo.rollout.batch import Batch
+from gspo.rollout.generate import NonFiniteLogits, token_logprobs
 from gspo.train import checkpoint, distributed, failures, preemption
 from gspo.train.moe_step import MoEStep
 from gspo.train.setup import setup
-
-
-@dataclass
-class Batch:
-    """A scored rollout batch: rows group-contiguous, one Problem per row."""
-
-    rollout: Rollout
-    problems: list[Problem]
-    rewards: torch.Tensor  # (N,)
-    parts: dict[str, torch.Tensor]  # per-part diagnostics (N,) each
-
-    def select_groups(self, groups, group_size: int) -> "Batch":
-        rows = (torch.as_tensor(groups)[:, None] * group_size + torch.arange(group_size)).reshape(-1)
-        idx = rows.tolist()
-        return Batch(
-            self.rollout.select(rows),
-            [self.problems[i] for i in idx],
-            self.rewards[rows],
-            {k: v[rows] for k, v in self.parts.items()},
-        )
-
-    @staticmethod
-    def cat(batches: list["Batch"]) -> "Batch":
-        return Batch(
-            cat_rollouts([b.rollout for b in batches]),
-            [p for b in batches for p in b.problems],
-            torch.cat([b.rewards for b in batches]),
-            {k: torch.cat([b.parts[k] for b in batches]) for k in batches[0].parts},
-        )
 
 
 def train(cfg: DictConfig, run_dir: Path | str) -> dict:
@@ -74,7 +40,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     s = setup(cfg, run_dir)  # hardware, resume point, base model, LoRA, reference, optimizer, MoE, sampler, logger
     if s.finished:
         return s.summary.data
-    dist, summary, start, logger = s.dist, s.summary, s.start, s.logger
+    dist, summary, start, logger, source = s.dist, s.summary, s.start, s.logger, s.source
     model, policy, opt, sched = s.model, s.policy, s.opt, s.sched
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
@@ -89,10 +55,12 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         else:  # a resumed run is running again: not `finished` with an old final accuracy while it works
             summary.data.pop("final_accuracy", None)
             summary.write(status="running")
+        source.start(start, model, s.pending)  # samples ahead what the first steps need (rollout.staleness)
         for step in range(start + 1, cfg.train.steps + 1):
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 if step - 1 > saved:
-                    dist.save_checkpoint(run_dir, step - 1, policy, s.tokenizer, opt, sched, cfg.train.keep_checkpoints)
+                    dist.save_checkpoint(run_dir, step - 1, policy, s.tokenizer, opt, sched, cfg.train.keep_checkpoints,
+                                         pending=source.pending())
                     summary.write(steps=step - 1)
                 if dist.is_main:
                     kept = "checkpoint saved" if step > 1 else "no step finished yet"
@@ -103,17 +71,16 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             # anything that draws from torch's global generator (LoRA dropout, a user's code) draws a function
             # of (seed, step): the same in every run of the config, and after a resume
             torch.manual_seed(distributed.keyed_seed(cfg.seed, step, purpose="global"))
-            synced = s.sampler.sync(model)  # a separate sampler takes the trainer's weights, as an engine's weight sync
-            try:
-                batch, metrics = _collect(cfg, s.sampler, model, s.tokenizer, s.task, step, s.moe_step, dist)  # seeded by (seed, step)
-            except NonFiniteLogits as e:
-                raise RunFailed(f"step {step}: {e} (metrics up to step {step - 1} are saved)") from None
-            metrics |= synced
-            t_roll = time.time() - t0
+            # the step's batch: sampled now, or ahead by the policy rollout.staleness steps older, exactly
+            batch, metrics = _sampled(lambda: source.batch(step, model), step)
+            batch, metrics = _trimmed(cfg, batch, metrics, dist)
             metrics["train/lr"] = sched.get_last_lr()[0]  # the rate this step's updates use
+            t_update = time.time()
             metrics |= _update(cfg, policy, s.ref, opt, batch, step, s.moe_step, dist, s.recompute)
             sched.step()
-            metrics["time/rollout_s"], metrics["time/update_s"] = t_roll, time.time() - t0 - t_roll
+            metrics["time/update_s"] = time.time() - t_update
+            for k, v in _sampled(lambda: source.updated(step, model), step).items():  # push the weights, sample ahead
+                metrics[k] = metrics.get(k, 0.0) + v
             metrics["time/step_s"] = time.time() - t0
             metrics["throughput/tokens_per_s"] = float(batch.rollout.completion_mask.sum()) / metrics["time/step_s"]
             if dist.device.type == "cuda":
@@ -124,8 +91,9 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             logger.log(metrics, step=step)
             if logger.should_log_samples(step):
                 logger.log_samples(step, _samples(batch))
-            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                dist.save_checkpoint(run_dir, step, policy, s.tokenizer, opt, sched, cfg.train.keep_checkpoints)  # rank 0 writes
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:  # rank 0 writes
+                dist.save_checkpoint(run_dir, step, policy, s.tokenizer, opt, sched, cfg.train.keep_checkpoints,
+                                     pending=source.pending())
                 saved = step
                 summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
                 if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
@@ -141,6 +109,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         e.gspo_step = step  # which step failed: a worker's failure record names it (gspo/train/failures.py)
         raise
     finally:
+        source.close()  # rollout workers stop (and never outlive the trainer)
         progress.close()
         logger.close(exit_code=0 if status == "finished" else 1)
         summary.write(status=status)
@@ -151,72 +120,23 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
 # --------------------------------------------------------------------------- rollout
 
 
-def _collect(cfg, sampler: Sampler, model, tokenizer, task, step: int, moe_step: MoEStep, dist) -> tuple[Batch, dict]:
-    """One scored rollout batch (refilled by dynamic sampling when the algorithm asks for it).
+def _sampled(fetch, step: int):
+    """`fetch()` (the source's batch or push), with NaN logits said as the run's failure at `step`."""
+    try:
+        return fetch()
+    except NonFiniteLogits as e:
+        raise RunFailed(f"step {step}: {e} (metrics up to step {step - 1} are saved)") from None
 
-    Every rank draws the same prompt list and samples its own share; each group samples
-    with its own generator, so the completions do not depend on the number of ranks.
-    The rollout metrics (reward/*, response/*) are over everything sampled, the groups dynamic
-    sampling dropped included, so every algorithm's reward/mean is over the same population.
-    """
-    draws = iter(range(10**6))
-    drawn: list[Batch] = []
 
-    def draw() -> tuple[Batch, torch.Tensor]:
-        d = next(draws)
-        rng = random.Random(f"{cfg.seed}-{step}-{d}")
-        lo, hi = dist.share(cfg.rollout.prompts_per_step)
-        problems = task.sample_train(rng, cfg.rollout.prompts_per_step)[lo:hi]  # this rank's share of the prompts
-        gens = [distributed.group_generator(cfg.seed, step, d, i, dist.device) for i in range(lo, hi)]
-        with sampler.serve(model, dist) as sampling_model:
-            r = generate(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
-                         cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
-                         chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
-                         engine=cfg.rollout.engine, **moe_step.sample_kwargs())
-        rows = [problems[i] for i in r.prompt_index.tolist()]
-        r.prompt_index += lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
-        rewards, parts = timeouts.call(
-            lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids=lambda: completion_ids(r),
-                          state=lambda: trainer_state(step - 1, cfg.train.steps), clean_texts=r.clean_texts),
-            cfg.reward.timeout_s, f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
-        if cfg.algo.overlong_buffer > 0:
-            parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
-                                                 cfg.algo.overlong_penalty)
-            rewards = rewards + parts["overlong"]
-        b = Batch(r, rows, rewards, parts)
-        drawn.append(b)
-        # DAPO keeps the groups whose signal differs: by default the rewards the advantages use
-        return b, b.rewards if cfg.algo.filter_metric == "reward" else b.parts[cfg.algo.filter_metric]
-
+def _trimmed(cfg, batch: Batch, metrics: dict, dist) -> tuple[Batch, dict]:
+    """DAPO: every rank updates on as many groups as the one that kept the fewest (a collective)."""
+    if not cfg.algo.dynamic_sampling:
+        return batch, metrics
     G = cfg.rollout.group_size
-    metrics: dict[str, float] = {}
-    if cfg.algo.dynamic_sampling:
-        signal = "rewards" if cfg.algo.filter_metric == "reward" else f"'{cfg.algo.filter_metric}' values"
-        batch, metrics = dynamic_sampling(draw, lambda b, g: b.select_groups(g, G), Batch.cat,
-                                          cfg.rollout.prompts_per_step // dist.world, G, cfg.algo.max_sample_batches,
-                                          agree=dist.all_true, signal=signal)
-        n_groups = dist.common_groups(len(batch.rewards) // G)  # ranks update on equal-sized batches
-        if n_groups < len(batch.rewards) // G:
-            batch = batch.select_groups(list(range(n_groups)), G)
-        metrics["sampling/kept_reward_mean"] = batch.rewards.mean().item()  # what the update trains on
-        population = Batch.cat(drawn) if len(drawn) > 1 else drawn[0]
-    else:
-        batch, _ = draw()
-        population = batch
-    r = population.rewards
-    grouped = r.view(-1, G)
-    metrics |= {
-        "reward/mean": r.mean().item(),
-        "reward/std": r.std().item() if r.numel() > 1 else 0.0,
-        f"reward/{cfg.reward.name}/mean": (r - population.parts.get("overlong", 0 * r)).mean().item(),
-        "reward/frac_zero_std": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
-        "response/len_mean": population.rollout.lengths.mean().item(),
-        "response/truncated_frac": population.rollout.truncated.float().mean().item(),
-    }
-    for k, v in population.parts.items():  # NaN: a function's None, left out of its mean
-        metrics[f"reward/{k}/mean"] = v.nanmean().item()
-        metrics[f"{distributed.COUNT}reward/{k}/mean"] = float((~v.isnan()).sum())  # ranks weigh the means by it
-    return batch, metrics
+    n_groups = dist.common_groups(len(batch.rewards) // G)
+    if n_groups < len(batch.rewards) // G:
+        batch = batch.select_groups(list(range(n_groups)), G)
+    return batch, metrics | {"sampling/kept_reward_mean": batch.rewards.mean().item()}  # what the update trains on
 
 
 # --------------------------------------------------------------------------- update
@@ -320,6 +240,8 @@ class _Progress:
         if not self.enabled:
             return
         info = f"reward {m['reward/mean']:.3f}  clip {m.get('clip/frac', 0.0):.2%}"
+        if m.get("rollout/staleness"):
+            info += f"  staleness {m['rollout/staleness']:.0f}"
         if "eval/accuracy" in m:
             info += f"  held-out acc {m['eval/accuracy']:.1%}"
         if self.bar is not None:

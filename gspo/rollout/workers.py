@@ -1,0 +1,286 @@
+"""Rollout worker processes (`rollout.workers=N`): sampling ahead while the trainer updates, `staleness` exact.
+
+Design (docs/scaling.md, "Asynchronous rollouts"):
+- Each worker is a plain subprocess, `python -m gspo.rollout.worker` (not multiprocessing's spawn, which
+  re-imports the parent's main module), holding its own copy of the sampling model: the base checkpoint's
+  architecture in `rollout.dtype`, whose parameters are views of a weight slot (below). It builds the task
+  and the reward functions itself and runs `batch.collect`, scoring included: the trainer never waits on a
+  reward function. Messages (jobs, scored batches) are pickled over an authenticated Unix socket.
+- Weight slots: files in /dev/shm (the temp dir elsewhere) holding every sampling weight, flat, in the
+  sampler's dtype, mapped by the trainer and the workers alike (`torch.from_file(shared=True)`). The push
+  after an update is one copy of the trainer's weights into a free slot, cast (LoRA: only the adapted
+  weights, W0 + ΔW, after the slot's first use); a worker points its parameters at the slot its job names,
+  without a copy. A slot is free again once every job that samples with it has delivered its batch.
+- Steps go round-robin: worker (t - 1) mod N samples step t, with the weights after step t-1-K. Only a lag
+  K >= 1 lets sampling overlap the update; with K = 0 the trainer waits for each batch (as it would sample
+  it itself). With N > 1 and a sampler slower than the update, N steps are sampled at once.
+- Faults: a worker that raises sends its error (one line), a worker that dies (kill -9) closes its socket,
+  a worker that sends nothing for `rollout.timeout_s` is taken as hung: each ends the run in one line naming
+  the worker and the step (`RunFailed`, or `ConfigError` for a user's reward function), and every worker is
+  killed. Workers ignore SIGINT / SIGTERM (the trainer finishes its step and stops them) and die with the
+  trainer (Linux PR_SET_PDEATHSIG): none outlives it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pickle
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from gspo.config.errors import ConfigError, RunFailed
+from gspo.models import adapters
+from gspo.rollout.batch import Batch
+from gspo.rollout.source import Collected
+
+PREFIX = "gspo-weights-"
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def layout_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every sampling weight, in slot order: the plain model's parameters (LoRA merged)."""
+    return [(name, tuple(value.shape)) for name, value, _ in adapters.merged_parameters(model)]
+
+
+def map_slot(path: str, layout: list, dtype: torch.dtype, create: bool = False) -> dict[str, torch.Tensor]:
+    """Views (name -> tensor) of the weights in the slot file `path`, shared with every process that maps it."""
+    total = sum(int(torch.Size(shape).numel()) for _, shape in layout)
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(total * torch.tensor([], dtype=dtype).element_size())
+    flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
+    views, at = {}, 0
+    for name, shape in layout:
+        n = int(torch.Size(shape).numel())
+        views[name] = flat[at : at + n].view(shape)
+        at += n
+    return views
+
+
+@dataclass
+class _Slot:
+    path: str
+    views: dict[str, torch.Tensor]
+    users: int = 0  # jobs sampling with it, not yet delivered
+    written: bool = False  # the frozen (LoRA base) weights are in it
+
+
+@dataclass
+class _Worker:
+    index: int
+    proc: subprocess.Popen
+    conn: Connection
+    jobs: list[int] = field(default_factory=list)  # steps sent, not yet delivered
+
+
+class WorkerPool:
+    """`rollout.workers=N` processes sampling step t's batch with the weights after step t-1-`staleness`."""
+
+    def __init__(self, spec: dict, n_workers: int, staleness: int, last_step: int, dtype: torch.dtype,
+                 timeout_s: float, rank: int = 0):
+        self.spec, self.N, self.K, self.last, self.dtype = spec, n_workers, staleness, last_step, dtype
+        self.timeout_s, self.rank = timeout_s, rank
+        self.workers: list[_Worker] = []
+        self.slots: list[_Slot] = []
+        self.layout: list = []
+        self.version = 0
+        self.done: dict[int, tuple[Batch, dict, int]] = {}  # step -> (batch, metrics, version)
+        self.slot_of: dict[int, _Slot] = {}  # step in flight -> the slot its weights are in
+        self.version_of: dict[int, int] = {}
+        self._tag = f"{PREFIX}{os.getpid()}-{rank}-{secrets.token_hex(4)}"
+
+    # -- lifetime ---------------------------------------------------------------
+    def start(self, start: int, model, pending: dict[int, dict]) -> None:
+        _remove_stale_slots()
+        self.version = start
+        self.layout = layout_of(model)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")]))}
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            env.pop(k, None)  # a worker is no rank of the trainer's process group
+        for i in range(self.N):
+            ours, theirs = socket.socketpair()  # a private channel: nothing else can connect to it
+            proc = subprocess.Popen([sys.executable, "-m", "gspo.rollout.worker", str(theirs.fileno())], env=env,
+                                    pass_fds=(theirs.fileno(),))
+            theirs.close()
+            self.workers.append(_Worker(i, proc, Connection(ours.detach())))
+            self._send(self.workers[-1], ("spec", {**self.spec, "worker": i, "layout": self.layout,
+                                                   "dtype": str(self.dtype).removeprefix("torch.")}))
+        for w in self.workers:
+            self._expect(w, "ready", step=None)
+        for step, item in pending.items():
+            self.done[int(step)] = (Batch.from_state(item["batch"]), dict(item["metrics"]), int(item["version"]))
+        first = [s for s in range(start + 1, min(start + self.K + 1, self.last) + 1) if s not in self.done]
+        if first:
+            slot, _ = self._push(model)
+            for s in first:
+                self._job(s, slot)
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                self._send(w, ("stop",))
+            except (OSError, RunFailed):
+                pass
+        deadline = time.time() + 10
+        for w in self.workers:
+            try:
+                w.proc.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            w.conn.close()
+        self.workers = []
+        for slot in self.slots:
+            Path(slot.path).unlink(missing_ok=True)
+        self.slots = []
+
+    def kill(self) -> None:
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+        for w in self.workers:
+            w.proc.wait()
+        self.workers = []
+        for slot in self.slots:
+            Path(slot.path).unlink(missing_ok=True)
+        self.slots = []
+
+    # -- the loop's side --------------------------------------------------------
+    def batch(self, step: int, model) -> Collected:
+        t0 = time.time()
+        while step not in self.done:
+            self._receive(step)
+        batch, metrics, version = self.done.pop(step)
+        return batch, metrics | {"rollout/staleness": float(step - 1 - version), "time/sampler_wait_s": time.time() - t0}
+
+    def updated(self, step: int, model) -> dict:
+        self.version = step
+        ahead = step + self.K + 1
+        if ahead > self.last:
+            return {}
+        slot, synced = self._push(model)
+        self._job(ahead, slot)
+        return synced
+
+    def pending(self) -> dict[int, dict]:
+        """The batches sampled by weights older than the current ones (waiting for those still in flight)."""
+        while any(v < self.version for s, v in self.version_of.items()):
+            self._receive(min(s for s, v in self.version_of.items() if v < self.version))
+        return {s: {"batch": b.state(), "metrics": m, "version": v} for s, (b, m, v) in self.done.items()
+                if v < self.version}
+
+    # -- internals --------------------------------------------------------------
+    def _push(self, model) -> tuple[_Slot, dict]:
+        """The current weights, cast, in a free slot (a new one if none is free); `time/weight_sync_s`."""
+        t0 = time.time()
+        slot = next((s for s in self.slots if s.users == 0), None)
+        if slot is None:
+            path = os.path.join(shm_dir(), f"{self._tag}-{len(self.slots)}.bin")
+            slot = _Slot(path, map_slot(path, self.layout, self.dtype, create=True))
+            self.slots.append(slot)
+        with torch.no_grad():
+            for name, value, trained in adapters.merged_parameters(model):
+                if trained or not slot.written:
+                    slot.views[name].copy_(value)
+        slot.written = True
+        return slot, {"time/weight_sync_s": time.time() - t0}
+
+    def _job(self, step: int, slot: _Slot) -> None:
+        w = self.workers[(step - 1) % self.N]
+        slot.users += 1
+        self.slot_of[step], self.version_of[step] = slot, self.version
+        w.jobs.append(step)
+        self._send(w, ("job", step, self.version, slot.path))
+
+    def _send(self, w: _Worker, message) -> None:
+        try:
+            w.conn.send_bytes(pickle.dumps(message))
+        except OSError:  # it is gone: its last words (an error it sent before exiting) say why, if it had any
+            at = w.jobs[0] if w.jobs else None
+            while w.conn.poll(0):
+                self._recv(w, at)  # raises on its error message, or on the end of the stream
+            raise self._fail(RunFailed(self._died(w, at))) from None
+
+    def _expect(self, w: _Worker, kind: str, step: Optional[int]) -> tuple:
+        if not w.conn.poll(self.timeout_s):
+            raise self._fail(RunFailed(f"rollout worker {w.index}: nothing from it for rollout.timeout_s="
+                                       f"{self.timeout_s:g} s{_at(step)} (hung?); every worker was stopped"))
+        message = self._recv(w, step)
+        if message[0] != kind:
+            raise self._fail(RunFailed(f"rollout worker {w.index}: expected {kind!r}, got {message[0]!r}"))
+        return message
+
+    def _recv(self, w: _Worker, step: Optional[int]) -> tuple:
+        try:
+            message = pickle.loads(w.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise self._fail(RunFailed(self._died(w, step))) from None
+        if message[0] == "error":  # the worker's own exception, in one line
+            _, at, kind, text, users = message
+            error = (ConfigError if users else RunFailed)(f"rollout worker {w.index}{_at(at)}: {kind}: {text}")
+            raise self._fail(error)
+        return message
+
+    def _receive(self, step: int) -> None:
+        """Wait for the next delivery from any worker (up to rollout.timeout_s for the one that owes `step`)."""
+        owner = self.workers[(step - 1) % self.N]
+        ready = wait([w.conn for w in self.workers], timeout=self.timeout_s)
+        if not ready:
+            raise self._fail(RunFailed(f"rollout worker {owner.index}: step {step}'s batch did not come within "
+                                       f"rollout.timeout_s={self.timeout_s:g} s (hung?); every worker was stopped"))
+        for w in self.workers:
+            if w.conn in ready:
+                _, got, version, state, metrics, timing = self._recv(w, w.jobs[0] if w.jobs else step)
+                w.jobs.remove(got)
+                self.slot_of.pop(got).users -= 1
+                self.version_of.pop(got)
+                self.done[got] = (Batch.from_state(state), metrics | timing, version)
+
+    def _died(self, w: _Worker, step: Optional[int]) -> str:
+        try:
+            code = w.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
+               f"exit code {code}" if code is not None else "its connection closed")
+        return f"rollout worker {w.index} (pid {w.proc.pid}) died{_at(step)} ({how}); every worker was stopped"
+
+    def _fail(self, error: Exception) -> Exception:
+        self.kill()
+        return error
+
+
+def _at(step: Optional[int]) -> str:
+    return f" while sampling step {step}" if step is not None else ""
+
+
+def _root() -> str:
+    """The directory gspo is imported from (a worker must import the same gspo)."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def _remove_stale_slots() -> None:
+    """Weight slots left by a trainer that was killed (-9): its pid is gone."""
+    for path in glob.glob(os.path.join(shm_dir(), f"{PREFIX}*.bin")):
+        try:
+            pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            Path(path).unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            continue
