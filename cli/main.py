@@ -16,7 +16,7 @@ import typer
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from gspo.config.checks import check_machine
+from gspo.config.checks import check_machine, ignored_override
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.loading import _explain, compose, load_run_config, resume_overrides, resume_target, sweep_combinations
 from gspo.config.schema import GROUPS, group_options
@@ -125,6 +125,11 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
         cfgs[0].resume = resume
     else:
         cfgs = [compose(combo) for combo in (sweep_combinations(overrides) if multirun else [overrides])]
+    if not resume:  # a key the chosen options never read: refuse, rather than train on something else in silence
+        for o in overrides:
+            problem = ignored_override(cfgs, o)
+            if problem:
+                raise ConfigError(problem)
     machine = _runs_here(overrides) and not _PRINT_ONLY_FLAGS.intersection(hydra_flags)
     for cfg in cfgs:
         check(cfg)  # registries, LoRA, data file, reward functions, sampler
@@ -132,6 +137,23 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
         if machine:
             check_machine(cfg)
     return cfgs
+
+
+def distributed_main() -> bool:
+    """This process speaks for the run (not a rank > 0 of a torchrun started by hand)."""
+    from gspo.train.distributed import is_main_process
+
+    return is_main_process()
+
+
+def _say_what_the_preset_does(overrides: list[str], cfg) -> None:
+    """`+experiment=NAME`: one or two lines on what it switched on beyond the defaults."""
+    from gspo.config.loading import preset_summary
+    from gspo.rollout.sampler import old_logprobs_mode
+
+    summary = preset_summary(overrides, cfg)
+    if summary:
+        typer.echo(f"gspo: {summary}; old log-probs: {old_logprobs_mode(cfg)}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, help=TRAIN_HELP,
@@ -145,6 +167,8 @@ def train(
         cfgs = _check_before_work(overrides, hydra_flags, multirun)
     except ConfigError as e:
         _fail(str(e))
+    if not resume_target(overrides) and not _PRINT_ONLY_FLAGS.intersection(hydra_flags) and distributed_main():
+        _say_what_the_preset_does(overrides, cfgs[0])
     extra = []
     if resume_target(overrides):
         if _flag_value(hydra_flags, "--cfg", "-c") == "job":  # Hydra would print the default config, not the run's

@@ -31,6 +31,13 @@ def tiny(cache_dir, **extra: object) -> list[str]:
         "logger.progress": False,
         "cache_dir": str(cache_dir),
     }
+    model = str(extra.get("model", "qwen3-moe"))
+    if model != "qwen3-moe" and not model.startswith("qwen3-moe"):  # keys the chosen model never reads are refused
+        base.pop("model.moe_intermediate_size")
+    if model == "hf":
+        for k in ("model.hidden_size", "model.num_heads", "model.num_kv_heads", "model.head_dim", "model.intermediate_size",
+                  "model.warm_start.steps", "model.warm_start.batch_size"):
+            base.pop(k)
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 

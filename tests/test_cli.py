@@ -235,3 +235,58 @@ def test_train_help_keeps_every_example_line_intact():
     res = runner.invoke(app, ["--help"], terminal_width=60)
     assert any(line.strip().startswith("algo ") and "gspo_token" in line and "softmax_weighted" in line
                for line in res.output.splitlines()), res.output
+
+
+# --------------------------------------------------------------------------- what a new user meets
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("model.path=/some/checkpoint", ("model.path=/some/checkpoint would be ignored", "model=hf model.path=DIR")),
+    ("task.path=data.jsonl", ("task.path=data.jsonl would be ignored", "task=data task.path=FILE")),
+    ("reward.weights=[1.0]", ("reward.weights=[1.0] would be ignored", "reward=python")),
+    ("algo.tau_pos=2.0", ("algo.tau_pos=2.0 would be ignored", "sapo")),
+    ("logger.wandb_cfg.project=x", ("would be ignored", "logger=wandb")),
+    ("rollout.tis_cap=3", ("would be ignored", "rollout.tis=token")),
+])
+def test_a_key_no_chosen_option_reads_is_refused(in_tmp, override, needles):
+    """`model.path=DIR` without `model=hf` ran the default model and said nothing: the user believed their
+    checkpoint was trained on. Every such key is refused in one line naming the group to pick."""
+    one_line_exit_2(runner.invoke(app, ["train", override]), *needles)
+
+
+def test_a_key_some_job_of_a_sweep_reads_is_accepted(cache_dir):
+    from cli.main import _check_before_work
+
+    cfgs = _check_before_work(["algo=grpo,sapo", "algo.tau_pos=2.0", *tiny(cache_dir)], [], multirun=True)
+    assert [c.algo.name for c in cfgs] == ["grpo", "sapo"]
+
+
+def test_wandb_online_without_a_login_is_one_line(in_tmp, monkeypatch, cache_dir):
+    """Before: an 87-line traceback and exit 1 once W&B tried to log in."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(in_tmp / "no-netrc"))
+    monkeypatch.setenv("HOME", str(in_tmp))
+    res = runner.invoke(app, ["train", "logger=wandb", "logger.wandb_cfg.mode=online", *tiny(cache_dir)])
+    one_line_exit_2(res, "logger.wandb_cfg.mode=online needs a W&B login", "WANDB_API_KEY", "mode=offline")
+    (in_tmp / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    monkeypatch.setenv("NETRC", str(in_tmp / "netrc"))
+    from gspo.config.checks import wandb_logged_in
+
+    assert wandb_logged_in()
+
+
+def test_the_console_says_what_a_preset_switched_on_and_where_a_resume_starts(tmp_path, cache_dir):
+    """`+experiment=...` prints what it set beyond the defaults (one line); a resume prints its step and
+    checkpoint."""
+    run = tmp_path / "run"
+    res = gspo_cli("train", "+experiment=moe_mismatch", *tiny(cache_dir, **{"train.steps": 1, "model.warm_start.steps": 5,
+                                                                             "model.warm_start.target_accuracy": 0,
+                                                                             "eval.every": 0}),
+                   f"hydra.run.dir={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    [line] = [x for x in res.stdout.splitlines() if x.startswith("gspo: +experiment=moe_mismatch sets")]
+    assert "model=qwen3-moe-wide" in line and "task=chain" in line and "rollout.dtype=bfloat16" in line
+    assert line.endswith("old log-probs: recompute")
+    res = gspo_cli("train", f"resume={run}", "train.steps=2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"gspo: resuming from step 1 of 2 (checkpoint {run}/checkpoints/step_000001)" in res.stdout

@@ -410,10 +410,7 @@ def test_figure_bands_stay_in_range_units_match_the_table_and_styles_are_labelle
     row = {"routing_volatility": Stat.of([0.2]), "clip_frac": Stat.of([0.01])}
     cells = dict((name, cell) for name, cell in COLUMNS)
     assert cells["routing vol."](row) == "20%" and cells["clip/frac"](row) == "1%"  # the table's unit: % too
-    kl = panels["KL (k3)"]
-    assert [t.get_text() for t in kl.get_legend().get_texts()] == [
-        "kl/ref: to the reference (β > 0)", "kl/old: to the rollout policy"]
-    assert [h.get_linestyle() for h in kl.get_legend().legend_handles] == ["-", "--"]
+    assert "kl/ref (k3, to the reference; β > 0)" in panels and "kl/old (k3, to the rollout policy)" in panels
     clip = panels["clip fraction (% of tokens)"]
     assert len(clip.get_legend().get_texts()) == 3
     assert panels["eval/accuracy (held-out, fraction)"].get_legend() is None
@@ -471,3 +468,30 @@ def test_best_acc_and_steps_to_target_need_one_eval_schedule(tmp_path):
     assert any(w.startswith("best acc and steps to target are left out") for w in result.warnings)
     assert all(r["best_acc"].n == 0 and r["steps_to_target"].n == 0 for r in result.rows)
     assert result.rows[0]["final_acc"].n == 3
+
+
+def test_the_figure_says_what_a_line_on_zero_and_a_hidden_curve_are(tmp_path):
+    """The figure a paper takes as it is: kl/ref and kl/old on panels of their own (kl/old was a flat line under
+    kl/ref's scale), the clip panel's style legend under the axes (it sat on the data), a clip fraction of 0 said
+    in words (on the symlog axis it read like missing data), groups whose curves coincide named (one hid the
+    other), and a free panel slot holding the group legend instead of staying empty."""
+    from gspo.results.compare import group_runs
+    from gspo.results.plots import figure
+
+    root = tmp_path / "s"
+    same = [0.1 + 0.01 * t for t in range(20)]
+    for seed in (0, 1):
+        make_run(root / f"a{seed}", "grpo", seed, rewards=same,
+                 extra={"clip/frac": 0.0, "clip/frac_low": 0.0, "clip/frac_high": 0.0, "kl/ref": 0.02})
+        make_run(root / f"b{seed}", "gspo", seed, rewards=same, extra={"kl/ref": 0.02})
+    fig = figure(group_runs(load_runs([root])[0], "algo.name"))
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert "kl/ref (k3, to the reference; β > 0)" in axes and "kl/old (k3, to the rollout policy)" in axes
+    clip = axes["clip fraction (% of tokens)"]
+    (anchor_y,) = {clip.get_legend().get_bbox_to_anchor().transformed(clip.transAxes.inverted()).y0}
+    assert anchor_y < 0  # under the panel, off the data
+    texts = lambda ax: " ".join(t.get_text() for t in ax.texts)  # noqa: E731
+    assert "0 at every step: grpo" in texts(clip)
+    assert "grpo and gspo coincide" in texts(axes["reward/mean"])
+    spare = [ax for ax in fig.axes if not ax.get_title() and ax.get_legend() is not None]
+    assert len(spare) == 1 and "grpo (n=2)" in [t.get_text() for t in spare[0].get_legend().get_texts()]

@@ -508,3 +508,76 @@ def test_submitit_launcher_with_its_local_executor(tmp_path, cache_dir):
     cli("train", "-m", "hydra/launcher=local-submitit", "seed=0", *small(cache_dir), cwd=tmp_path)
     (job,) = run_dirs(tmp_path / "outputs" / "multirun")
     assert json.loads((job / "summary.json").read_text())["status"] == "finished"
+
+
+# --------------------------------------------------------------------------- several nodes
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_as_two_nodes_compute_the_two_process_run(one_process, tmp_path, cache_dir):
+    """Two torchrun agents (`--nnodes 2 --node-rank 0|1`, one process each) on this machine: one process group
+    over both "nodes", bitwise the run of `hardware=cpu-ddp hardware.nproc=2`."""
+    opts = small(cache_dir)
+    cli("train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'ddp'}", *opts, cwd=tmp_path)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={r}",
+                               "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "cli.main",
+                               "train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'nodes'}", *opts],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for r in (0, 1)]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    assert steady_rows(tmp_path / "ddp") == steady_rows(tmp_path / "nodes")
+    wa, wb = weights(tmp_path / "ddp"), weights(tmp_path / "nodes")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_one_gspo_task_per_slurm_node_forms_one_run(tmp_path, cache_dir):
+    """What `srun` (or the submitit launcher with hydra.launcher.nodes=2) starts: one `gspo train` task per
+    node, SLURM's environment saying which; each starts its node's ranks with torchrun, and the ranks of both
+    nodes form one run: the 2-process run, bitwise."""
+    opts = small(cache_dir)
+    cli("train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'ddp'}", *opts, cwd=tmp_path)
+    job = str(10_000 + _free_port() % 10_000)
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "SLURM_JOB_ID": job,
+               "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": str(node),
+               "SLURM_JOB_NODELIST": "localhost"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "cli.main", "train", "hardware=cpu-ddp",
+                                       "hardware.nproc=1", f"hydra.run.dir={tmp_path / 'nodes'}", *opts],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert "on each of 2 nodes" in outs[0] and "run directory" in outs[0] and "run directory" not in outs[1]
+    assert steady_rows(tmp_path / "ddp") == steady_rows(tmp_path / "nodes")
+
+
+def test_a_run_directory_the_nodes_do_not_share_is_refused(tmp_path):
+    nodes = distributed.Nodes(count=2, index=1, master="localhost", port=29999)
+    with pytest.raises(ConfigError, match="is not shared between the nodes: node 1 does not see node 0's files"):
+        distributed.shared_between_nodes(tmp_path / "run", tmp_path / "cache", nodes, wait_s=0.5)
+    assert distributed.first_host("gpu[03-05,09],cpu1") == "gpu03" and distributed.first_host("a,b") == "a"
+    with pytest.raises(ConfigError, match="run one gspo task per node"):
+        os.environ.update({"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_NTASKS": "16"})
+        try:
+            distributed.slurm_nodes()
+        finally:
+            for k in ("SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_NTASKS"):
+                os.environ.pop(k)
+
+
+def steady_rows(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
+            for m in jsonl(run_dir / "metrics.jsonl")]

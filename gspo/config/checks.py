@@ -230,5 +230,79 @@ def check_machine(cfg: Any) -> None:
     if hw.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"hardware.device=cuda (hardware={hw.name}): no CUDA device is visible on this machine; "
                           "use hardware=cpu, or hardware=cpu-ddp for several processes")
+    if cfg.logger.wandb and cfg.logger.wandb_cfg.mode == "online" and not wandb_logged_in():
+        raise ConfigError("logger.wandb_cfg.mode=online needs a W&B login on this machine: run `wandb login` or set "
+                          "WANDB_API_KEY, or log offline (logger.wandb_cfg.mode=offline, the default; `wandb sync` later)")
 
 
+def wandb_logged_in() -> bool:
+    """Whether W&B has an API key here: WANDB_API_KEY, or the entry `wandb login` writes to ~/.netrc (for
+    WANDB_BASE_URL's host, api.wandb.ai by default). No network: the key's validity is W&B's to check."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+
+
+# Keys that only some group options read: set on the command line where none of the run's options reads them,
+# they would be dropped in silence (the user believing their checkpoint or data was trained on).
+_DATA = ("data", "jsonl")
+USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model.path": (lambda c: c.model.arch == "hf", "only model=hf loads a checkpoint: model=hf model.path=DIR"),
+    "task.path": (lambda c: c.task.name in _DATA, "only task=data reads a file: task=data task.path=FILE"),
+    "task.prompt_column": (lambda c: c.task.name in _DATA, "only task=data reads a file's columns: add task=data"),
+    "task.answer_column": (lambda c: c.task.name in _DATA, "only task=data reads a file's columns: add task=data"),
+    "task.system_prompt": (lambda c: c.task.name in _DATA, "only task=data adds a system prompt: add task=data"),
+    "task.digits": (lambda c: c.task.name in ("addition", "long_addition"), "only task=addition and long_addition "
+                    "have operand digits"),
+    "task.num_operands": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),
+    "task.max_operand": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),
+    "reward.weights": (lambda c: c.reward.name == "python", "only reward=python weighs functions"),
+    "reward.ill_formed": (lambda c: c.reward.name == "python", "only reward=python reads it"),
+    "reward.format_score": (lambda c: c.reward.name == "tinyzero", "only reward=tinyzero has a format score"),
+    "logger.wandb_cfg.": (lambda c: c.logger.wandb, "W&B is off: add logger=wandb"),
+    "model.warm_start.": (lambda c: c.model.arch != "hf", "model=hf is used as it is, without a warm start"),
+    "model.num_experts": (lambda c: c.model.arch == "qwen3_moe", "only the built-in MoE (model=qwen3-moe...) has it"),
+    "model.top_k": (lambda c: c.model.arch == "qwen3_moe", "only the built-in MoE (model=qwen3-moe...) has it"),
+    "model.moe_intermediate_size": (lambda c: c.model.arch == "qwen3_moe", "only the built-in MoE has it"),
+    "model.hidden_size": (lambda c: c.model.arch != "hf", "a model=hf checkpoint has its own shape"),
+    "model.num_layers": (lambda c: c.model.arch != "hf", "a model=hf checkpoint has its own shape"),
+    "rollout.tis_cap": (lambda c: c.rollout.tis != "none", "TIS is off: set rollout.tis=token or sequence"),
+    "rollout.mask_low": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token or geometric"),
+    "rollout.mask_high": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token or geometric"),
+    "algo.tau_pos": (lambda c: c.algo.loss == "sapo", "only the sapo loss has gate temperatures"),
+    "algo.tau_neg": (lambda c: c.algo.loss == "sapo", "only the sapo loss has gate temperatures"),
+    "algo.router_shift_floor": (lambda c: c.algo.loss == "rspo", "only the rspo loss reads it"),
+    "algo.clip_cov_": (lambda c: c.algo.loss == "clip_cov", "only the clip_cov loss reads it"),
+    "algo.kl_cov_": (lambda c: c.algo.loss == "kl_cov", "only the kl_cov loss reads it"),
+    "algo.passk_k": (lambda c: c.algo.advantage == "passk", "only the passk advantage reads it"),
+    "algo.max_sample_batches": (lambda c: c.algo.dynamic_sampling, "dynamic sampling is off (algo=dapo has it)"),
+    "algo.filter_metric": (lambda c: c.algo.dynamic_sampling, "dynamic sampling is off (algo=dapo has it)"),
+    "algo.overlong_penalty": (lambda c: c.algo.overlong_buffer > 0, "the overlong buffer is 0: set algo.overlong_buffer"),
+    "algo.kl_estimator": (lambda c: c.algo.beta > 0, "there is no KL term at algo.beta=0"),
+    "hardware.nproc": (lambda c: c.hardware.strategy != "none", "one process: pick hardware=cpu-ddp, gpu-ddp or gpu-fsdp"),
+    "rollout.timeout_s": (lambda c: c.rollout.workers > 0, "sampling runs in the trainer's process (rollout.workers=0)"),
+}
+
+
+def ignored_override(cfgs: list, override: str) -> Optional[str]:
+    """Why the command-line override `KEY=VALUE` would be ignored by every one of `cfgs` (the jobs of a run or
+    sweep), or None when some job reads it."""
+    key = override.partition("=")[0].lstrip("+~")
+    rule = next((r for k, r in USED_ONLY_WHEN.items() if key == k or (k.endswith((".", "_")) and key.startswith(k))),
+                None)
+    if rule is None or "=" not in override:
+        return None
+    used, why = rule
+    if any(used(c) for c in cfgs):
+        return None
+    return f"{override} would be ignored: {why}"

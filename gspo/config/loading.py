@@ -224,3 +224,31 @@ def resume_overrides(overrides: list[str]) -> list[str]:
                               "overrides of its keys apply on resume (e.g. train.steps=400). Start a new run to change it")
         kept.append(o)
     return kept
+
+
+def preset_summary(overrides: list[str], cfg) -> Optional[str]:
+    """One or two lines saying what `+experiment=NAME` switched on beyond the defaults (None without a preset):
+    the groups it picks, then the keys it sets, as the command line would set them."""
+    presets = [o for o in overrides if o.lstrip("+").partition("=")[0] == "experiment"]
+    if not presets:
+        return None
+    from omegaconf import OmegaConf
+
+    plain = compose([o for o in overrides if o not in presets])
+    a, b = _flat(OmegaConf.to_container(plain, resolve=True)), _flat(OmegaConf.to_container(cfg, resolve=True))
+    groups = [g for g in ("algo", "model", "task", "reward", "hardware", "logger") if a.get(f"{g}.name") != b.get(f"{g}.name")]
+    keys = [k for k in sorted(b) if a.get(k) != b.get(k) and k != "name" and not any(k.startswith(f"{g}.") for g in groups)]
+    parts = [f"{g}={b[f'{g}.name']}" for g in groups] + [f"{k}={b[k]}" for k in keys]
+    shown = parts[:14]
+    more = f" and {len(parts) - len(shown)} more (gspo train --cfg job ... shows every key)" if len(parts) > len(shown) else ""
+    return f"{presets[0]} sets {', '.join(shown)}{more}"
+
+
+def _flat(node, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

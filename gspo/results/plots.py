@@ -38,8 +38,9 @@ PANELS = [
     Panel("clip fraction (% of tokens)", ((CLIP, "-", "clip/frac"), (CLIP_LOW, "--", "clip/frac_low (A < 0)"),
                                           (CLIP_HIGH, ":", "clip/frac_high (A > 0)")),
           yscale="symlog", scale=100.0, valid=(0.0, 100.0)),
-    Panel("KL (k3)", ((KL_REF, "-", "kl/ref: to the reference (β > 0)"), (KL_OLD, "--", "kl/old: to the rollout policy")),
-          valid=(0.0, None)),
+    # two panels, not one: kl/old is orders of magnitude below kl/ref, a flat line on kl/ref's axis
+    Panel("kl/ref (k3, to the reference; β > 0)", ((KL_REF, "-", "kl/ref"),), valid=(0.0, None)),
+    Panel("kl/old (k3, to the rollout policy)", ((KL_OLD, "-", "kl/old"),), valid=(0.0, None)),
     Panel("policy/entropy (nats per token)", ((ENTROPY, "-", "policy/entropy"),), valid=(0.0, None)),
     Panel("response/len_mean (tokens)", ((LENGTH, "-", "response/len_mean"),), valid=(0.0, None)),
     Panel("moe/routing_volatility (% of expert choices)", ((ROUTING, "-", "moe/routing_volatility"),),
@@ -64,6 +65,7 @@ def figure(groups: Sequence["Group"]):
     panels = [p for p in PANELS if any(k in present for k, _, _ in p.keys)]
     ncols = 4 if len(panels) > 6 else 3 if len(panels) > 4 else 2
     nrows = math.ceil(len(panels) / ncols)
+    spare = nrows * ncols > len(panels)  # a free slot holds the legend instead of staying empty
     fig = Figure(figsize=(5.2 * ncols, 3.5 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     colors = [f"C{i % 10}" for i in range(len(groups))]
@@ -94,26 +96,53 @@ def figure(groups: Sequence["Group"]):
                         y = v[st == r.collapse_step]
                         ax.plot([r.collapse_step], [y[0] if len(y) and math.isfinite(y[0]) else 0.0],
                                 "x", color=color, ms=8, mew=2)
+        notes = []
         if panel.yscale == "symlog":  # linear below the smallest non-zero value, so 0 stays visible
             smallest = max(min(positive, default=1e-4), 1e-8)
-            ax.set_yscale("symlog", linthresh=10 ** math.floor(math.log10(smallest)))
-        if len(panel.keys) > 1:  # what each line style is, in the panel itself
+            linthresh = 10 ** math.floor(math.log10(smallest))
+            ax.set_yscale("symlog", linthresh=linthresh)
+            ax.axhline(0.0, color="0.5", lw=0.6)
+            ax.set_ylim(bottom=-0.3 * linthresh)  # a curve at 0 sits above the frame, not on it
+            zero = [g.label for g in groups if _all_zero(g, panel.keys[0][0])]
+            if zero:  # a line on the 0 axis reads like missing data: say it is 0
+                notes.append(f"0 at every step: {', '.join(zero)}")
+        notes += [f"{a} and {b} coincide" for a, b in _coinciding(groups, panel.keys[0][0])]
+        if notes:
+            ax.text(0.02, 0.97, "\n".join(notes), transform=ax.transAxes, fontsize=7, va="top", color="0.25")
+        if len(panel.keys) > 1:  # what each line style is: under the panel, off the data
             order = [k for k, _, _ in panel.keys if k in drawn]
             ax.legend([_legend_line("0.3", drawn[k][0]) for k in order], [drawn[k][1] for k in order],
-                      fontsize=7, frameon=False, loc="best")
+                      fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=len(order))
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in axes[len(panels):]:
-        ax.set_visible(False)
+        ax.set_axis_off()
     handles = [_legend_line(c) for c in colors]
     labels = [f"{g.label} (n={len(g.runs)}"
               + (f", {sum(r.collapse is not None for r in g.runs)} collapsed ×" if any(r.collapse for r in g.runs) else "")
               + ")" for g in groups]
-    fig.legend(handles, labels, loc="outside upper center", ncols=min(len(groups), 6), frameon=False)
+    if spare:  # the legend fills the free slot
+        axes[len(panels)].legend(handles, labels, loc="center", frameon=False, title="groups", fontsize=8)
+    else:
+        fig.legend(handles, labels, loc="outside upper center", ncols=min(len(groups), 6), frameon=False)
     fig.supxlabel("colour: group · line: mean over seeds · band: ± 1 sample std, clipped to the metric's range · "
                   "faint: each seed · ×: collapse", fontsize=9)
     return fig
+
+
+def _all_zero(group: "Group", key: str) -> bool:
+    curve = group.curve(key)
+    return curve is not None and bool(np.all(np.nan_to_num(curve.mean) == 0.0))
+
+
+def _coinciding(groups: Sequence["Group"], key: str) -> list[tuple[str, str]]:
+    """Pairs of groups whose mean curves of `key` are identical (one hides the other in the figure)."""
+    curves = [(g.label, g.curve(key)) for g in groups]
+    curves = [(label, c) for label, c in curves if c is not None and len(c.steps) > 1]
+    curves = [(label, c) for label, c in curves if not np.all(np.nan_to_num(c.mean) == 0.0)]  # (said as 0)
+    return [(a, b) for i, (a, ca) in enumerate(curves) for b, cb in curves[i + 1:]
+            if np.array_equal(ca.steps, cb.steps) and np.array_equal(ca.mean, cb.mean, equal_nan=True)]
 
 
 def _legend_line(color: str, style: str = "-"):

@@ -64,8 +64,49 @@ def in_torchrun() -> bool:
 
 
 def is_main_process() -> bool:
-    """Rank 0, or a plain single process."""
-    return int(os.environ.get("RANK", "0")) == 0
+    """Rank 0, or a plain single process; before torchrun starts the ranks of a multi-node run, the launching
+    task of node 0."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]) == 0
+    nodes = slurm_nodes()
+    return nodes is None or nodes.index == 0
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """This task's place in a multi-node SLURM allocation: one `gspo train` task per node."""
+
+    count: int
+    index: int  # SLURM_NODEID
+    master: str  # the first node's host name: torchrun's rendezvous
+    port: int
+
+
+def slurm_nodes() -> Optional[Nodes]:
+    """The multi-node allocation this task runs in (SLURM_JOB_NUM_NODES > 1), or None (one node, or no SLURM).
+
+    Each node runs one `gspo train` task (`srun --ntasks-per-node=1`, or the submitit launcher with
+    `hydra.launcher.nodes=N`), which starts `hardware.nproc` ranks on its node with torchrun; the ranks of all
+    nodes form one process group."""
+    n = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    if n < 2 or "SLURM_NODEID" not in os.environ:
+        return None
+    tasks = int(os.environ.get("SLURM_NTASKS", n))
+    if tasks != n:
+        raise ConfigError(f"a {n}-node SLURM job with {tasks} tasks: run one gspo task per node (--ntasks-per-node=1, "
+                          "or hydra.launcher.tasks_per_node=1); each starts hardware.nproc processes on its node")
+    hosts = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "localhost")
+    port = 20000 + int(os.environ.get("SLURM_JOB_ID", "0") or 0) % 20000  # the same on every node of the job
+    return Nodes(n, int(os.environ["SLURM_NODEID"]), first_host(hosts), port)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: `gpu[03-05,09],cpu1` -> `gpu03` (what `scontrol show hostnames` lists first)."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[: nodelist.index("]") + 1]
+    if "[" not in head:
+        return head
+    prefix, ranges = head[: head.index("[")], head[head.index("[") + 1 : -1]
+    return prefix + ranges.split(",")[0].split("-")[0]
 
 
 def needs_launch(hw) -> bool:
@@ -119,15 +160,25 @@ def launch(cfg, run_dir: Path) -> dict:
                           if visible else f"hardware.device={hw.device} but no CUDA device is visible; use hardware=cpu-ddp")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    nodes = slurm_nodes()
+    if is_main_process():
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     stop_file = run_dir / f".stop-{os.getpid()}"  # this session's: a signal to this process, passed on
     stop_file.unlink(missing_ok=True)
     env = {preemption.STOP_FILE_ENV: str(stop_file), "TORCHELASTIC_SIGNALS_TO_HANDLE": None,  # (torchrun sets it)
            failures.DIR_ENV: str(failures.clear(run_dir))}  # a rank that fails says why there
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of oversubscribing (and torchrun says nothing)
         env["OMP_NUM_THREADS"] = str(hw.threads or max(1, _cpu_count() // n))
-    args = ["--standalone", f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.train.trainer", str(run_dir)]
-    print(f"gspo: starting {n} processes: torchrun {' '.join(args)}", flush=True)
+    if nodes is None:
+        where = ["--standalone"]
+    else:  # one rendezvous for the ranks of every node; the run directory and the cache must be shared
+        shared_between_nodes(run_dir, Path(cfg.cache_dir), nodes)
+        where = [f"--nnodes={nodes.count}", f"--node-rank={nodes.index}", f"--master-addr={nodes.master}",
+                 f"--master-port={nodes.port}"]
+    args = [*where, f"--nproc-per-node={n}", "--max-restarts=0", "-m", "gspo.train.trainer", str(run_dir)]
+    if is_main_process():
+        print(f"gspo: starting {n} processes{f' on each of {nodes.count} nodes' if nodes else ''}: "
+              f"torchrun {' '.join(args)}", flush=True)
     # torchrun would turn SIGTERM/SIGINT into killing the workers; they finish their step instead (gspo/train/preemption.py)
     args.insert(0, "--signals-to-handle=SIGHUP,SIGQUIT")
     saved = {k: os.environ.get(k) for k in env}
@@ -142,10 +193,12 @@ def launch(cfg, run_dir: Path) -> dict:
             stop.kill()
         raise
     except ChildFailedError as e:  # one rank failed and torchrun stopped the others: say which, and why
-        codes = {int(f.local_rank): int(f.exitcode) for f in e.failures.values()}
-        codes = {r: codes.get(r, -int(signal.SIGTERM)) for r in range(n)}  # a rank not listed was stopped
+        first = (nodes.index if nodes else 0) * n  # this node's first global rank
+        codes = {first + int(f.local_rank): int(f.exitcode) for f in e.failures.values()}
+        codes = {r: codes.get(r, -int(signal.SIGTERM)) for r in range(first, first + n)}  # not listed: stopped
         message, users = failures.explain(run_dir, codes, hw.collective_timeout_s)
-        _mark_failed(run_dir)
+        if is_main_process():
+            _mark_failed(run_dir)
         raise (ConfigError(message) if users else RunFailed(message)) from None
     finally:
         elastic.level = level
@@ -159,6 +212,27 @@ def launch(cfg, run_dir: Path) -> dict:
     stop.close()  # after a stop: the handler the signal had before (submitit's requeue)
     path = run_dir / "summary.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def shared_between_nodes(run_dir: Path, cache_dir: Path, nodes: Nodes, wait_s: float = 120.0) -> None:
+    """Refuse, in one line, a run directory or warm-start cache that the nodes do not share: node 0 writes a
+    token into each, every other node must see it (rank 0 alone writes metrics and checkpoints, builds the
+    warm-started base; the other nodes' ranks read the base and resume from the checkpoints there)."""
+    import time
+
+    job = os.environ.get("SLURM_JOB_ID", "job")
+    for key, d in (("hydra.run.dir (the run directory)", run_dir), ("cache_dir", cache_dir)):
+        token = Path(d) / f".node0-{job}"
+        if nodes.index == 0:
+            token.parent.mkdir(parents=True, exist_ok=True)
+            token.write_text(str(os.getpid()))
+            continue
+        deadline = time.time() + wait_s
+        while not token.is_file():
+            if time.time() > deadline:
+                raise ConfigError(f"{key} {d} is not shared between the nodes: node {nodes.index} does not see node "
+                                  f"0's files there after {wait_s:.0f} s; put it on a filesystem every node mounts")
+            time.sleep(0.5)
 
 
 def _mark_failed(run_dir: Path) -> None:

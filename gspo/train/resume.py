@@ -20,6 +20,7 @@ RECORD = "resumes.jsonl"
 # keys (or key prefixes, ending in ".") a resume may change
 MAY_CHANGE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints", "eval.", "logger.", "hardware.",
               "task.eval_size", "rollout.mismatch_every", "moe.stats_every", "moe.stats_rows_per_group",
+              "rollout.workers", "rollout.worker_threads", "rollout.timeout_s",  # where sampling runs: the same run
               "model.gradient_checkpointing", "model.attn_implementation", "model.lora.save_merged", "name",
               "cache_dir", "resume")
 FIXED = ("hardware.dtype",)  # under a prefix above, but the numerics of training: part of the experiment

@@ -197,7 +197,10 @@ def _resume_point(cfg, run_dir: Path, dist) -> tuple[int, Optional[Path]]:
         if dist.is_main:
             print(f"gspo: {run_dir} has no checkpoint yet: restarting it from step 0 (its metrics so far are dropped)")
         return 0, None
-    return int(checkpoint.load_state(ckpt)["step"]), ckpt
+    step = int(checkpoint.load_state(ckpt)["step"])
+    if dist.is_main and step < cfg.train.steps:
+        print(f"gspo: resuming from step {step} of {cfg.train.steps} (checkpoint {ckpt})", flush=True)
+    return step, ckpt
 
 
 class _Summary:
