@@ -215,3 +215,22 @@ def test_an_all_equal_group_gets_exactly_zero(name):
     adv = compute_advantages(name, r, 8, passk_k=2)
     assert adv[:16].tolist() == [0.0] * 16
     assert (adv[16:] != 0).any()
+
+
+def test_verls_own_choices_are_options_whose_defaults_stay_gspos():
+    """algo.whiten=tokens gives verl 0.9.1's REINFORCE++-baseline exactly, unequal lengths included (each completion
+    weighted by its length); algo.std_eps=1e-6 gives verl's GRPO / grpo_passk std eps. The defaults stay gspo's."""
+    torch.manual_seed(0)
+    n, G = 8, 4
+    r = torch.rand(n, dtype=torch.float64)
+    lengths = torch.tensor([3, 1, 4, 2, 5, 2, 3, 1])
+    m = (torch.arange(5)[None, :] < lengths[:, None]).double()
+    groups = [i // G for i in range(n)]
+    theirs = verl_rpp_baseline(r, groups, m)
+    ours = compute_advantages("reinforce_plus_plus_baseline", r, G, whiten="tokens", lengths=lengths)
+    torch.testing.assert_close(ours[:, None] * m, theirs)
+    assert not torch.allclose(compute_advantages("reinforce_plus_plus_baseline", r, G), ours)  # the default differs
+    torch.testing.assert_close(compute_advantages("grpo_passk", r, G, std_eps=1e-6), verl_grpo_passk(r, groups, 1e-6))
+    g = r.view(-1, G)
+    torch.testing.assert_close(compute_advantages("grpo", r, G, std_eps=1e-6),
+                               ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).reshape(-1))

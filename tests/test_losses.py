@@ -486,9 +486,13 @@ def test_every_algo_preset_fits_the_schema_and_the_registries():
                                          "sapo", "rspo", "rft", "softmax_weighted"}
     logp, old, mask, a = make_batch()
     for p in presets:
-        cfg = OmegaConf.merge(OmegaConf.structured(AlgoConfig), OmegaConf.load(p))  # unknown key -> error
+        raw = OmegaConf.load(p)
+        raw = raw.algo if "algo" in raw else raw  # a global-package preset (dppo_topk: it also sets rollout keys)
+        cfg = OmegaConf.merge(OmegaConf.structured(AlgoConfig), raw)  # unknown key -> error
         assert cfg.name == p.stem and cfg.loss in LOSSES and cfg.advantage in ADVANTAGES
         hyper = {k: cfg[k] for k in HYPER_NAMES if k in cfg}
+        if cfg.loss == "dppo_topk":  # the sampler's top-2 and the policy's log-probs of them
+            hyper |= {"topk_old_logp": torch.stack([old, old - 1.0], -1), "topk_logp": torch.stack([logp, logp - 1.0], -1)}
         loss, _ = policy_loss(cfg.loss, logp, old, a, mask, max_tokens=8, ref_logp=old, **hyper)
         assert torch.isfinite(loss)
 
@@ -718,3 +722,67 @@ def test_clip_cov_and_kl_cov_equal_verl(seed):
     theirs = verl_agg(-logp * adv, mask, "token-mean")
     torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close(grad(ours, logp), grad(theirs, logp))
+
+
+# --------------------------------------------------------------------------- DPPO-TopK
+
+
+def test_topk_divergence_by_hand():
+    """The sampler keeps p = (0.5, 0.3) on its top-2 (rest 0.2); the policy gives them q = (0.4, 0.4) (rest 0.2).
+    TV = (|0.1| + |-0.1| + 0) / 2 = 0.1; KL(P || Q) = 0.5 ln(5/4) + 0.3 ln(3/4) + 0.2 ln 1 = 0.025268."""
+    from gspo.algos.losses import topk_divergence
+
+    old = torch.tensor([[[0.5, 0.3]]]).log()
+    new = torch.tensor([[[0.4, 0.4]]]).log()
+    assert topk_divergence(old, new, "tv").item() == pytest.approx(0.1, abs=1e-6)
+    assert topk_divergence(old, new, "kl").item() == pytest.approx(0.5 * math.log(1.25) + 0.3 * math.log(0.75), abs=1e-6)
+    # the rest bucket counts: q = (0.5, 0.1), rest 0.4 against 0.2 -> TV (0 + 0.2 + 0.2) / 2 = 0.2
+    assert topk_divergence(old, torch.tensor([[[0.5, 0.1]]]).log(), "tv").item() == pytest.approx(0.2, abs=1e-6)
+
+
+def test_dppo_topk_masks_where_the_topk_divergence_left_the_region():
+    """One token, sampler prob 0.5 (its top-2: the token and another at 0.3). The policy moved the token to p and
+    the other to 0.3: TV = |p - 0.5| (the rest takes the opposite change). A = +1: p = 0.6 stays inside (TV 0.1 <=
+    0.15), gradient -w A = -1.2 as in DPPO-TV; p = 0.7 left upwards (0.2 > 0.15): masked. A = -1 and p = 0.3 left
+    downwards: masked; the same with the KL divergence and a threshold between the two KLs."""
+    from gspo.algos.losses import topk_divergence
+
+    for p, a, g in ((0.6, 1.0, -1.2), (0.7, 1.0, 0.0), (0.3, -1.0, 0.0), (0.4, -1.0, 0.8 * 1.0)):
+        logp = torch.tensor([[math.log(p)]], requires_grad=True)
+        old = torch.tensor([[math.log(0.5)]])
+        top_old, top_new = torch.tensor([[[0.5, 0.3]]]).log(), torch.tensor([[[p, 0.3]]]).log()
+        loss, st = policy_loss("dppo_topk", logp, old, torch.tensor([a]), torch.ones(1, 1), eps_low=0.15,
+                               eps_high=0.15, max_tokens=1, topk_old_logp=top_old, topk_logp=top_new)
+        assert grad(loss, logp).item() == pytest.approx(g, abs=1e-6), p
+        assert loss.item() == pytest.approx(-(p / 0.5) * a * math.log(p) if g else 0.0, abs=1e-6)
+    kl_06 = topk_divergence(torch.tensor([[[0.5, 0.3]]]).log(), torch.tensor([[[0.6, 0.3]]]).log(), "kl").item()
+    kl_07 = topk_divergence(torch.tensor([[[0.5, 0.3]]]).log(), torch.tensor([[[0.7, 0.3]]]).log(), "kl").item()
+    for p, g in ((0.6, -1.2), (0.7, 0.0)):
+        logp = torch.tensor([[math.log(p)]], requires_grad=True)
+        loss, _ = policy_loss("dppo_topk", logp, torch.tensor([[math.log(0.5)]]), torch.tensor([1.0]), torch.ones(1, 1),
+                              eps_low=(kl_06 + kl_07) / 2, eps_high=(kl_06 + kl_07) / 2, max_tokens=1,
+                              topk_old_logp=torch.tensor([[[0.5, 0.3]]]).log(),
+                              topk_logp=torch.tensor([[[p, 0.3]]]).log(), topk_divergence="kl")
+        assert grad(loss, logp).item() == pytest.approx(g, abs=1e-6)
+
+
+def test_the_sampler_keeps_its_topk_and_the_trainer_reads_the_same_tokens():
+    """rollout.keep_topk=k: each position's k most likely tokens under the sampling distribution (temperature
+    applied), the sampled token always among them; the trainer's log-probs of those tokens at the same weights
+    are the sampler's (float32: to 1e-5)."""
+    from gspo.models.build import build_model, char_tokenizer
+    from gspo.config.loading import compose
+    from gspo.rollout.generate import generate, token_logprobs
+
+    tok = char_tokenizer("0123456789+=")
+    cfg = compose(["model=qwen3-tiny"])
+    model = build_model(cfg.model, len(tok), tok, seed=0).eval()
+    with torch.no_grad():
+        r = generate(model, tok, ["12+3=", "7+8="], 4, 5, temperature=0.7, generator=torch.Generator().manual_seed(0),
+                     keep_topk=3)
+        m = r.completion_mask.bool()
+        assert r.topk_ids.shape == (8, r.completion_mask.shape[1], 3)
+        assert (r.topk_ids == r.completion_ids[..., None]).any(-1)[m].all()  # the sampled token is kept
+        logp, _, _, top = token_logprobs(model, r, temperature=0.7, topk=True)
+    torch.testing.assert_close(top[m], r.topk_logp[m], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp[m], r.sampler_logp[m], atol=1e-5, rtol=0)

@@ -40,7 +40,7 @@ def assert_same(a: Path, b: Path) -> None:
 def opts(cache_dir, **extra) -> list[str]:
     # pass@2 evaluated at every step: evaluation's sampling is on the path too
     return tiny(cache_dir, **{"train.steps": 2, "eval.every": 1, "eval.pass_k": 2, "task.eval_size": 8,
-                              "train.checkpoint_every": 1, **extra})
+                              "train.checkpoint_every": 1, "rollout.keep_topk": 3, **extra})  # (dppo_topk reads it)
 
 
 def test_two_runs_of_every_preset_are_bitwise_equal(tmp_path, cache_dir):

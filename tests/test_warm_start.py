@@ -1,6 +1,7 @@
 """The warm start: its data (fresh problems or a fixed pool) and its stop at a target accuracy."""
 
 
+import torch
 from omegaconf import OmegaConf
 
 from gspo.config.schema import ModelConfig, WarmStartConfig
@@ -110,3 +111,52 @@ def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_
     write("+")
     assert base_model(cfg, build_task(cfg.task)) == add
     assert f"gspo: reusing the warm-started base {add} (built from task.path={data}, same content)" in capsys.readouterr().out
+
+
+def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_path):
+    """SIGTERM while the warm start runs: exit 75 and the one-line resume message (before: killed by the signal,
+    exit -15, no message), the partial warm start saved beside the cache and never taken for a finished base;
+    `gspo train resume=` continues it and builds the very base an uninterrupted warm start builds."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
+    opts = ["model=qwen3-tiny", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+            "model.intermediate_size=64", "model.warm_start.steps=400", "model.warm_start.target_accuracy=0",
+            "model.warm_start.batch_size=16", "train.steps=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "rollout.max_new_tokens=4", "task.eval_size=8", "logger.progress=false", "hardware.threads=1"]
+    whole = subprocess.run([sys.executable, "-m", "cli.main", "train", *opts, f"cache_dir={tmp_path / 'c1'}",
+                            f"hydra.run.dir={tmp_path / 'whole'}"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", *opts, f"cache_dir={tmp_path / 'c2'}",
+                             f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = ""
+    while "warm start 101/400" not in seen:
+        seen += proc.stdout.readline()
+        assert proc.poll() is None, seen
+    proc.send_signal(signal.SIGTERM)
+    out = seen + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, out
+    assert "during the warm start, after its step" in out and f"resume with: gspo train resume={run}" in out
+    assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
+    cache = tmp_path / "c2"
+    assert [p.name.startswith(".partial-base-") for p in cache.iterdir()] == [True]  # no finished base
+    time.sleep(0.1)
+    res = subprocess.run([sys.executable, "-m", "cli.main", "train", f"resume={run}"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "continuing the interrupted warm start from step" in res.stdout
+    a = load_file(next((tmp_path / "c1").glob("base-*")) / "model.safetensors")
+    b = load_file(next(cache.glob("base-*")) / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(cache.glob(".partial-*"))  # done: the partial state is gone

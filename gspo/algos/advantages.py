@@ -8,6 +8,7 @@ of prompt g. Every estimator works on the (N/G, G) view of that layout.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable
 
@@ -41,13 +42,13 @@ def advantage_names() -> list[str]:
 
 
 @register_advantage("grpo")
-def grpo(r: Tensor) -> Tensor:
+def grpo(r: Tensor, eps: float = STD_EPS) -> Tensor:
     """(r - mean_group) / (std_group + 1e-4), DeepSeekMath arXiv 2402.03300 §4.1.
 
     std is the unbiased (n - 1) estimator, as torch.std, TRL and verl compute it; a group whose
     rewards are all equal gets advantage exactly 0 (`compute_advantages`).
     """
-    return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + STD_EPS)
+    return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
 
 
 @register_advantage("drgrpo")
@@ -64,12 +65,12 @@ def rloo(r: Tensor) -> Tensor:
 
 
 @register_advantage("batch_std")
-def batch_std(r: Tensor) -> Tensor:
+def batch_std(r: Tensor, eps: float = STD_EPS) -> Tensor:
     """(r - mean_group) / (std_batch + 1e-4): group baseline, scale from all N rewards (unbiased std).
 
     A batch-level scale keeps a near-uniform group's few differences from being blown up to +-1.
     """
-    return (r - r.mean(dim=1, keepdim=True)) / (r.std() + STD_EPS)
+    return (r - r.mean(dim=1, keepdim=True)) / (r.std() + eps)
 
 
 @register_advantage("best_of_group")
@@ -94,23 +95,23 @@ def softmax(r: Tensor) -> Tensor:
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_plus_plus(r: Tensor) -> Tensor:
+def reinforce_plus_plus(r: Tensor, eps: float = STD_EPS) -> Tensor:
     """(r - mean_batch) / (std_batch + 1e-4): REINFORCE++ (arXiv 2501.03262) with outcome rewards, no group baseline.
 
     The global batch normalisation of the paper, over completions (verl whitens over tokens, see
     docs/algorithms.md); works with group_size 1. The paper's KL-in-reward is not part of it here.
     """
-    return (r - r.mean()) / (r.std() + STD_EPS)
+    return (r - r.mean()) / (r.std() + eps)
 
 
 @register_advantage("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(r: Tensor) -> Tensor:
+def reinforce_plus_plus_baseline(r: Tensor, eps: float = STD_EPS) -> Tensor:
     """REINFORCE++-baseline (arXiv 2501.03262): subtract the group mean, then normalise over the whole batch.
 
     Over completions the centred rewards already have batch mean 0, so this is (r - mean_group) / (std_batch(r - mean_group) + 1e-4).
     """
     c = r - r.mean(dim=1, keepdim=True)
-    return (c - c.mean()) / (c.std() + STD_EPS)
+    return (c - c.mean()) / (c.std() + eps)
 
 
 @register_advantage("gpg")
@@ -127,17 +128,17 @@ def gpg(r: Tensor) -> Tensor:
 
 
 @register_advantage("grpo_passk")
-def grpo_passk(r: Tensor) -> Tensor:
+def grpo_passk(r: Tensor, eps: float = STD_EPS) -> Tensor:
     """verl's `grpo_passk` (it cites arXiv 2503.19595): only each group's best completion (the first on ties) learns,
     with (r_max - r_second) / (std_group + 1e-4); every other completion gets 0."""
     top = torch.topk(r, 2, dim=1)
     out = torch.zeros_like(r)
-    gap = (top.values[:, :1] - top.values[:, 1:2]) / (r.std(dim=1, keepdim=True) + STD_EPS)
+    gap = (top.values[:, :1] - top.values[:, 1:2]) / (r.std(dim=1, keepdim=True) + eps)
     return out.scatter_(1, r.argmax(dim=1, keepdim=True), gap)
 
 
 @register_advantage("passk")
-def passk(r: Tensor, k: int = 4) -> Tensor:
+def passk(r: Tensor, k: int = 4, eps: float = STD_EPS) -> Tensor:
     """Pass@k advantage, the analytic form of arXiv 2508.10751, generalised from 0/1 to any reward.
 
     A k-subset of the group scores the max reward in it. R = E[max] over all k-subsets, sigma its
@@ -166,7 +167,7 @@ def passk(r: Tensor, k: int = 4) -> Tensor:
             others = torch.cat([r[:, :i], r[:, i + 1:]], dim=1).sort(dim=1).values
             cols.append((torch.maximum(others, r[:, i:i + 1]) * q).sum(dim=1))
         cond = torch.stack(cols, dim=1)
-    return (cond - mean) / (std + STD_EPS)
+    return (cond - mean) / (std + eps)
 
 
 # Estimators with a group baseline: a group whose rewards are all equal carries no signal, and its
@@ -176,12 +177,27 @@ GROUP_BASELINED = frozenset({"grpo", "drgrpo", "rloo", "batch_std", "reinforce_p
                              "grpo_passk", "passk"})
 
 
-def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int = 4) -> Tensor:
+def whitened_over_tokens(values: Tensor, lengths: Tensor, eps: float = 1e-8) -> Tensor:
+    """(v - mean) / sqrt(var + eps) with each completion's value counted once per token (weights = lengths): what
+    verl 0.9.1's `masked_whiten` computes on a per-token advantage that is one value per completion (Bessel's
+    correction over tokens, eps inside the square root)."""
+    w = lengths.to(values.dtype)
+    n = w.sum()
+    mean = (w * values).sum() / n
+    var = (w * (values - mean) ** 2).sum() / (n - 1).clamp(min=1)
+    return (values - mean) * torch.rsqrt(var + eps)
+
+
+def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int = 4, std_eps: float = STD_EPS,
+                       whiten: str = "completions", lengths: Tensor | None = None) -> Tensor:
     """Advantages (N,) for group-contiguous rewards (N,) with G = group_size completions per prompt.
 
     passk_k: the k of the `passk` estimator (ignored by the others). The rewards are the WHOLE batch's:
     the batch-level estimators (`batch_std`, `reinforce_plus_plus*`, `gpg`'s alpha) normalise over all of
     them, so under several ranks the trainer gathers every rank's rewards first and keeps its own rows.
+    std_eps: added to every std (`algo.std_eps`; gspo 1e-4 as TRL, verl 1e-6). whiten: the REINFORCE++
+    estimators normalise over completions (gspo) or, `tokens`, over tokens as verl 0.9.1 does (needs the
+    completions' `lengths`).
     """
     if name not in ADVANTAGES:
         raise ConfigError(f"unknown advantage estimator {name!r}; valid: {', '.join(advantage_names())}")
@@ -196,7 +212,16 @@ def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int
         raise ValueError(f"advantage {name!r} needs at least 2 rewards for a batch std")
     r = rewards.to(torch.get_default_dtype() if not rewards.is_floating_point() else rewards.dtype)
     grouped = r.view(-1, group_size)
-    adv = passk(grouped, passk_k) if name == "passk" else ADVANTAGES[name](grouped)
+    fn = ADVANTAGES[name]
+    if whiten == "tokens" and name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        if lengths is None:
+            raise ValueError("whiten='tokens' needs the completions' lengths")
+        centred = grouped if name == "reinforce_plus_plus" else grouped - grouped.mean(dim=1, keepdim=True)
+        adv = whitened_over_tokens(centred.reshape(-1), lengths).view_as(grouped)
+    elif name == "passk":
+        adv = passk(grouped, passk_k, std_eps)
+    else:
+        adv = fn(grouped, eps=std_eps) if "eps" in inspect.signature(fn).parameters else fn(grouped)
     if name in GROUP_BASELINED:
         adv = torch.where((grouped == grouped[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)
     return adv.reshape(-1)

@@ -53,6 +53,9 @@ class Hyper:
     kl_cov_ratio: float = 2e-3  # KL-Cov: share of tokens (top covariance, at least one) given the |d_t| penalty
     kl_cov_coef: float = 1.0  # KL-Cov: coefficient of that penalty
     generator: Optional[torch.Generator] = None  # Clip-Cov's random pick (a CPU generator); None = torch's global one
+    topk_old_logp: Optional[Tensor] = None  # (B, T, k) DPPO top-k: the sampler's log-probs of its k most likely tokens
+    topk_logp: Optional[Tensor] = None  # (B, T, k) the policy's log-probs of the same tokens (no grad needed)
+    topk_divergence: str = "tv"  # DPPO top-k: tv | kl
 
 
 HYPER_NAMES = tuple(f.name for f in fields(Hyper))
@@ -333,6 +336,38 @@ def dppo_kl(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper)
         div = p_old * (old_logp - logp) + torch.xlogy(1 - p_old, 1 - p_old) - (1 - p_old) * log1m
         div = torch.where(p_old < 1, div, old_logp - logp)  # p_old = 1: D = -log p (avoids 0 * -inf)
     return _dppo(logp, old_logp, adv, (div <= h.eps_high) | (p <= p_old), (div <= h.eps_low) | (p >= p_old), h)
+
+
+def topk_divergence(topk_old_logp: Tensor, topk_logp: Tensor, kind: str = "tv") -> Tensor:
+    """(B, T) divergence between two distributions known on k tokens plus "the rest" (one bucket of 1 - their mass):
+    P the sampler's (its top-k), Q the policy's on the same tokens. tv: (sum_i |p_i - q_i| + |p_rest - q_rest|) / 2;
+    kl: KL(P || Q) = sum_i p_i log(p_i / q_i) + p_rest log(p_rest / q_rest). Masses clamped at 1e-12, as the
+    authors' code (sail-sg/Stable-RL, verl/workers/actor/utils.py) does."""
+    p, q = topk_old_logp.exp(), topk_logp.exp()
+    p_rest = (1.0 - p.sum(-1)).clamp(min=1e-12)
+    q_rest = (1.0 - q.sum(-1)).clamp(min=1e-12)
+    if kind == "tv":
+        return ((p - q).abs().sum(-1) + (p_rest - q_rest).abs()) / 2.0
+    if kind == "kl":
+        return (p * (topk_old_logp - topk_logp)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+    raise ConfigError(f"topk_divergence={kind!r}: must be tv or kl")
+
+
+@register_loss("dppo_topk", agg="seq_mean_token_sum_norm")
+def dppo_topk(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """DPPO-TopK, arXiv 2602.04879: the trust region is the divergence (TV or KL, `topk_divergence`) between the
+    sampler's distribution on its top-k tokens plus the rest and the policy's on the same buckets
+    (`topk_divergence()`), a closer approximation of the full divergence than the binary one of dppo_tv/dppo_kl.
+
+    A > 0 tokens are masked where D > eps_high and pi(y_t) grew; A <= 0 tokens where D > eps_low and it shrank.
+    Needs `topk_old_logp` and `topk_logp` (the rollout's rollout.keep_topk).
+    """
+    if h.topk_old_logp is None or h.topk_logp is None:
+        raise ConfigError("loss dppo_topk needs topk_old_logp and topk_logp: the sampler's top-k (rollout.keep_topk)")
+    with torch.no_grad():
+        div = topk_divergence(h.topk_old_logp.float(), h.topk_logp.float(), h.topk_divergence)
+        grew, shrank = logp > old_logp, logp < old_logp
+    return _dppo(logp, old_logp, adv, ~((div > h.eps_high) & grew), ~((div > h.eps_low) & shrank), h)
 
 
 def _token_cov(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:

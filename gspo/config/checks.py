@@ -28,6 +28,8 @@ CHOICES = {
     "hardware.strategy": ("none", "ddp", "fsdp"),
     "hardware.backend": ("gloo", "nccl"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.topk_divergence": ("tv", "kl"),
+    "algo.whiten": ("completions", "tokens"),
     "algo.agg": (None, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
     "model.arch": ("qwen3", "qwen3_moe", "hf"),
     "model.attn_implementation": ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
@@ -89,6 +91,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "algo.kl_cov_ratio": (*_within(0, 1, lo_open=True), "a share of the tokens (at least one is always picked)"),
     "algo.kl_cov_coef": (*_at_least(0), ""),
     "algo.passk_k": (*_at_least(1), "pass@k of k >= 1 samples"),
+    "algo.std_eps": (*_at_least(0), "added to the std: 0 leaves an all-equal group 0/0 only where the std is 0"),
     "algo.max_sample_batches": (*_at_least(1), ""),
     "algo.overlong_buffer": (*_at_least(0), "0 = off"),
     "algo.overlong_penalty": (*_at_least(0), ""),
@@ -112,6 +115,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "logger.wandb_cfg.samples_every": (*_at_least(0), "0 = never"),
     "rollout.mismatch_every": (*_at_least(0), "0 = never"),
     "rollout.staleness": (*_at_least(0), "the policy lag of a batch, in steps; 0 = synchronous"),
+    "rollout.keep_topk": (*_at_least(0), "0 = off"),
     "rollout.workers": (*_at_least(0), "0 = sample in the trainer's process"),
     "rollout.worker_threads": (*_at_least(0), "0 = split the cores"),
     "rollout.timeout_s": (*_above(0), "how long a rollout worker may go without delivering"),
@@ -169,6 +173,9 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if cfg.algo.overlong_buffer > r.max_new_tokens:
         return (f"algo.overlong_buffer={cfg.algo.overlong_buffer}: must be at most rollout.max_new_tokens="
                 f"{r.max_new_tokens} (the punishment starts max_new_tokens - overlong_buffer tokens in)")
+    if cfg.algo.loss == "dppo_topk" and not r.keep_topk:
+        return ("algo.loss=dppo_topk needs the sampler's top-k log-probs at every position: set rollout.keep_topk=K "
+                "(e.g. 20, as many as vLLM returns)")
     if r.staleness > cfg.train.steps:
         return (f"rollout.staleness={r.staleness}: must be at most train.steps={cfg.train.steps} (every batch would "
                 "be sampled by the initial policy)")
@@ -284,7 +291,10 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algo.router_shift_floor": (lambda c: c.algo.loss == "rspo", "only the rspo loss reads it"),
     "algo.clip_cov_": (lambda c: c.algo.loss == "clip_cov", "only the clip_cov loss reads it"),
     "algo.kl_cov_": (lambda c: c.algo.loss == "kl_cov", "only the kl_cov loss reads it"),
+    "algo.topk_divergence": (lambda c: c.algo.loss == "dppo_topk", "only the dppo_topk loss reads it"),
     "algo.passk_k": (lambda c: c.algo.advantage == "passk", "only the passk advantage reads it"),
+    "algo.whiten": (lambda c: c.algo.advantage.startswith("reinforce_plus_plus"), "only the reinforce_plus_plus "
+                    "advantages read it"),
     "algo.max_sample_batches": (lambda c: c.algo.dynamic_sampling, "dynamic sampling is off (algo=dapo has it)"),
     "algo.filter_metric": (lambda c: c.algo.dynamic_sampling, "dynamic sampling is off (algo=dapo has it)"),
     "algo.overlong_penalty": (lambda c: c.algo.overlong_buffer > 0, "the overlong buffer is 0: set algo.overlong_buffer"),

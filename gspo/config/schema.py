@@ -39,7 +39,10 @@ class AlgoConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 2e-3  # KL-Cov: share of tokens (top covariance, at least one) penalised by kl_cov_coef |log pi - log pi_old|
     kl_cov_coef: float = 1.0
+    topk_divergence: str = "tv"  # dppo_topk: tv | kl, between the sampler's top-k (+ the rest) and the policy's
     passk_k: int = 4  # advantage passk: the k of pass@k (1 <= k <= rollout.group_size)
+    std_eps: float = 1e-4  # added to every std of the advantage estimators (TRL 1e-4; verl 0.9.1: 1e-6)
+    whiten: str = "completions"  # reinforce_plus_plus(_baseline): over completions, or tokens (verl 0.9.1's choice)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill the batch
     max_sample_batches: int = 4  # DAPO: at most this many rollout batches drawn per step to fill it
     # DAPO: what must differ within a group for dynamic sampling to keep it (verl's filter_groups.metric): reward =
@@ -187,6 +190,9 @@ class RolloutConfig:
     mask_low: Optional[float] = None  # None = the peers' default: 0.5 (token), 0.99 (geometric)
     mask_high: Optional[float] = None  # None = 5 (token), 1.01 (geometric)
     offpolicy_mask_delta: Optional[float] = None  # DeepSeek-V3.2: drop A < 0 sequences with mean log(mu/pi_theta) > delta; None = off
+    # the sampler also keeps, at every position, its k most likely tokens and their log-probs (as inference engines
+    # return top-k log-probs); the dppo_topk loss reads them. Memory: rows x tokens x k x 12 bytes a batch. 0 = off
+    keep_topk: int = 0
     # the batch of step t is sampled by the policy after step t-1-staleness (the initial one while <= 0): exactly,
     # so the run is a function of the seed and config; 0 = synchronous. gspo/rollout/source.py
     staleness: int = 0

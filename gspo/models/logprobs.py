@@ -46,15 +46,19 @@ class _LinearLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+                extra: Optional[Tensor] = None):
         M = hidden.shape[0]
         chunk = _chunk_rows(weight.shape[0])
         logp = torch.empty(M, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(M if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(M, dtype=torch.float32, device=hidden.device)
+        # the log-probs of more tokens per position (M, k), no grad: DPPO's top-k divergence reads them
+        extra_logp = torch.empty((M, 0) if extra is None else extra.shape, dtype=torch.float32, device=hidden.device)
         for s in range(0, M, chunk):
             logits = _scaled_logits(hidden[s : s + chunk], weight, temperature)
             chosen = logits.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
+            more = logits.gather(-1, extra[s : s + chunk]) if extra is not None else None
             if with_entropy:  # lse and H from one exp pass: with e = exp(z - m), S = sum e,
                 m = logits.amax(-1, keepdim=True)  # lse = m + log S and H = log S - sum(e (z - m)) / S
                 z = logits.sub_(m)
@@ -67,13 +71,15 @@ class _LinearLogProbs(torch.autograd.Function):
                 lse_c = logits.logsumexp(-1)
             lse[s : s + chunk] = lse_c
             logp[s : s + chunk] = chosen - lse_c
+            if more is not None:
+                extra_logp[s : s + chunk] = more - lse_c[:, None]
         ctx.save_for_backward(hidden, weight, targets, lse)  # lse: backward's softmax is one exp, no reduction
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        ctx.mark_non_differentiable(entropy, extra_logp)
+        return logp, entropy, extra_logp
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, _grad_entropy: Optional[Tensor]):
+    def backward(ctx, grad_logp: Tensor, _grad_entropy: Optional[Tensor], _grad_extra: Optional[Tensor] = None):
         hidden, weight, targets, lse = ctx.saved_tensors
         chunk = _chunk_rows(weight.shape[0])
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -92,27 +98,32 @@ class _LinearLogProbs(torch.autograd.Function):
                     grad_w.addmm_(g.T, h)
                 else:
                     grad_w += (g.T @ h).float()
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
 def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                      with_entropy: bool = False, extra: Optional[Tensor] = None):
     """Log-probs (M,) of `targets` under softmax(hidden @ weight.T / temperature), chunked over rows.
 
     hidden (M, H) carries the gradient to the model, weight (V, H) is the LM head's; float32
-    results. With `with_entropy`, also the entropy (M,) of that distribution, without grad.
+    results. With `with_entropy`, also the entropy (M,) of that distribution, without grad. With
+    `extra` (M, k) token ids, a third result: their log-probs (M, k), without grad.
     """
-    logp, entropy = _LinearLogProbs.apply(hidden, weight, targets, float(temperature), with_entropy)
-    return logp, (entropy if with_entropy else None)
+    logp, entropy, extra_logp = _LinearLogProbs.apply(hidden, weight, targets, float(temperature), with_entropy,
+                                                      extra)
+    out = (logp, entropy if with_entropy else None)
+    return out if extra is None else (*out, extra_logp)
 
 
 def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature: float = 1.0,
-                  with_entropy: bool = False, **forward_kwargs) -> tuple[Tensor, Optional[Tensor], object]:
+                  with_entropy: bool = False, extra: Optional[Tensor] = None,
+                  **forward_kwargs) -> tuple[Tensor, Optional[Tensor], object]:
     """One forward of `model` (or its DDP / FSDP2 wrapper) whose LM head returns log-probs, not logits.
 
     select: (B, K) bool over the K positions the head sees (`logits_to_keep` in forward_kwargs);
     targets: (M,) the token each selected position is scored on, M = select.sum(). Returns
-    (log-probs (M,), entropies (M,) or None, the model output).
+    (log-probs (M,), entropies (M,) or None, the model output); with `extra` (M, k) token ids, a
+    fourth: their log-probs (M, k), without grad.
 
     Hooks on the head replace its output by `selected_logprobs` of its input and its own
     weight, inside the model's call: under FSDP2 the weight is unsharded there, and the
@@ -126,9 +137,10 @@ def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature
     bare = getattr(model, "module", model)  # DDP keeps the model as .module; FSDP2 shards it in place
     head = bare.get_output_embeddings()
     if not getattr(head, PASSES_THROUGH, True) or getattr(head, "bias", None) is not None:
-        return _plain_logprobs(model, select, targets, temperature, with_entropy, **forward_kwargs)
+        return _plain_logprobs(model, select, targets, temperature, with_entropy, extra, **forward_kwargs)
     hidden: list = []
     entropy: list = []
+    more: list = []
 
     def take_input(module, args):
         if hidden:
@@ -137,8 +149,10 @@ def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature
         return (args[0][..., :0, :],)  # (B, 0, H): the head computes no logits
 
     def give_logprobs(module, args, output):
-        logp, ent = selected_logprobs(hidden[0][select], module.weight, targets, temperature, with_entropy)
+        logp, ent, *rest = selected_logprobs(hidden[0][select], module.weight, targets, temperature, with_entropy,
+                                             extra)
         entropy.append(ent)
+        more.extend(rest)
         return logp
 
     handles = [head.register_forward_pre_hook(take_input), head.register_forward_hook(give_logprobs)]
@@ -147,7 +161,7 @@ def head_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature
     finally:
         for h in handles:
             h.remove()
-    return out.logits, entropy[0], out
+    return (out.logits, entropy[0], out) if extra is None else (out.logits, entropy[0], out, more[0])
 
 
 # Set on the LM head by check_head: whether the model returns the head's output unchanged as its logits.
@@ -186,7 +200,7 @@ def check_head(model: nn.Module) -> bool:
 
 
 def _plain_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
-                    **forward_kwargs) -> tuple[Tensor, Optional[Tensor], object]:
+                    extra: Optional[Tensor] = None, **forward_kwargs):
     """`head_logprobs` from the model's own (B, K, V) logits: right for any post-head transform, O(B K V) memory."""
     out = model(**forward_kwargs)
     logits = out.logits[select].float() / temperature  # (M, V)
@@ -195,4 +209,7 @@ def _plain_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperatu
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy, out
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    if extra is None:
+        return logp, entropy, out
+    return logp, entropy, out, logp_all.detach().gather(-1, extra)

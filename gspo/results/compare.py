@@ -46,7 +46,7 @@ COMPARABILITY_KEYS = ("model.", "task.", "reward.", "rollout.", "train.steps", "
 # Rollout keys that are a treatment, not the rollout budget: a study compares runs that differ in them
 # (the sampler's precision, where the old log-probs come from, the mismatch corrections).
 TREATMENT_KEYS = ("rollout.dtype", "rollout.old_logprobs", "rollout.mismatch_every", "rollout.tis", "rollout.mask",
-                  "rollout.offpolicy_mask_delta")
+                  "rollout.offpolicy_mask_delta", "rollout.staleness", "rollout.keep_topk")
 # Keys that never make two runs different experiments (bookkeeping, logging, diagnostics, how the same
 # arithmetic is laid out on the machine). Everything else does: runs of a group differ in the seed alone.
 IGNORED_KEYS = (
@@ -209,7 +209,8 @@ def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
     keys = sorted({k for f in flats for k in f})
     warnings = []
     budget = lambda k: k.startswith(COMPARABILITY_KEYS) and not k.startswith(TREATMENT_KEYS)  # noqa: E731
-    differ = [k for k in keys if relevant(k) and budget(k) and len({repr(f.get(k, _MISSING)) for f in flats}) > 1]
+    # a key missing from an older run's config.yaml differs only where the runs that have it disagree
+    differ = [k for k in keys if relevant(k) and budget(k) and len({repr(f[k]) for f in flats if k in f}) > 1]
     if differ:
         warnings.append("runs are NOT comparable (base model, task or rollout budget differ): "
                         + "; ".join(_diff_text(flats, k) for k in differ))

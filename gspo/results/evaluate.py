@@ -62,7 +62,8 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     model, tokenizer = checkpoint.load_model(model_dir)  # a LoRA adapter loads onto the base it records
     res = evaluate(model, tokenizer, task, problems, cfg.rollout.max_new_tokens,
                    pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,
-                   examples=examples, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p, key=(cfg.seed, "gspo-eval"))
+                   examples=examples, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p, key=(cfg.seed, "gspo-eval"),
+                   engine=cfg.rollout.engine)
     res["model"] = str(model_dir)
     res["task"] = cfg.task.name
     res["n"] = len(problems)  # what was scored, which a small held-out split makes fewer than task.eval_size

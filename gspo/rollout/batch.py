@@ -101,7 +101,7 @@ def collect(cfg, step: int, serve: Callable[[], AbstractContextManager], tokeniz
             r = generate(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
                          cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
                          chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
-                         engine=cfg.rollout.engine, **sample_kwargs)
+                         engine=cfg.rollout.engine, keep_topk=cfg.rollout.keep_topk, **sample_kwargs)
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += share.lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
         rewards, parts = timeouts.call(

@@ -43,6 +43,10 @@ class Rollout:
     clean_texts: Optional[list[str]] = None  # texts decoded with special tokens skipped, as TRL gives reward functions
     sampler_logp: Optional[torch.Tensor] = None  # (N, T) float32 log-probs of the sampled tokens, as drawn; 0 on padding
     kept_mass: Optional[torch.Tensor] = None  # (N, T) probability mass the nucleus (top_p < 1) kept; None at top_p 1
+    # rollout.keep_topk = k: at every position the sampling distribution's k most likely token ids and their
+    # log-probs (N, T, k), the sampled token always among them (as verl's DPPO recipe keeps vLLM's); None: off
+    topk_ids: Optional[torch.Tensor] = None
+    topk_logp: Optional[torch.Tensor] = None
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -92,6 +96,10 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
             [F.pad(r.sampler_logp, (0, T - r.completion_mask.shape[1])) for r in parts]),
         kept_mass=None if parts[0].kept_mass is None else torch.cat(
             [F.pad(r.kept_mass, (0, T - r.completion_mask.shape[1]), value=1.0) for r in parts]),
+        topk_ids=None if parts[0].topk_ids is None else torch.cat(
+            [F.pad(r.topk_ids, (0, 0, 0, T - r.completion_mask.shape[1])) for r in parts]),
+        topk_logp=None if parts[0].topk_logp is None else torch.cat(
+            [F.pad(r.topk_logp, (0, 0, 0, T - r.completion_mask.shape[1])) for r in parts]),
     )
 
 
@@ -157,6 +165,7 @@ def generate(
     capture_routing: bool = False,
     compile: bool = False,
     engine: str = "hf",
+    keep_topk: int = 0,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (rows group-contiguous).
 
@@ -167,6 +176,7 @@ def generate(
     GPU), the way `generate(cache_implementation="static")` does; the prefill runs eager.
     `engine` (`rollout.engine`): `hf` decodes through the model's forward; `fast` (and `auto`) through
     gspo/rollout/fast_decode.py where it supports the model, sampling the same tokens; else `hf`.
+    `keep_topk` (`rollout.keep_topk`): also keep each position's k most likely tokens and their log-probs.
     """
     device = next(model.parameters()).device
     eos, pad = stop_ids(model, tokenizer).to(device), tokenizer.pad_token_id
@@ -177,6 +187,9 @@ def generate(
     out = torch.full((n, max_new_tokens), pad, dtype=torch.long, device=device)
     sampler_logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
     kept = torch.ones((n, max_new_tokens), dtype=torch.float32, device=device) if top_p < 1.0 and not greedy else None
+    k = keep_topk if not greedy else 0
+    topk_ids = torch.zeros((n, max_new_tokens, k), dtype=torch.long, device=device) if k else None
+    topk_logp = torch.zeros((n, max_new_tokens, k), dtype=torch.float32, device=device) if k else None
     done = torch.zeros(n, dtype=torch.bool, device=device)
     nonfinite = torch.zeros(n, dtype=torch.bool, device=device)  # rows whose logits held NaN / inf
     # one attention mask for the whole rollout, filled in as tokens arrive (no per-token re-allocation)
@@ -217,7 +230,10 @@ def generate(
             if greedy:
                 nxt = _sample(logits, temperature, top_p, greedy, None)
             else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
-                nxt, sampler_logp[:, t], mass = _sample(logits, temperature, top_p, greedy, u[:, t], with_logp=True)
+                nxt, sampler_logp[:, t], mass, *top = _sample(logits, temperature, top_p, greedy, u[:, t],
+                                                              with_logp=True, keep_topk=k)
+                if top:
+                    topk_ids[:, t], topk_logp[:, t] = top
                 if kept is not None:
                     kept[:, t] = mass
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
@@ -277,6 +293,8 @@ def generate(
         clean_texts=clean,
         sampler_logp=None if greedy else sampler_logp[:, : out.shape[1]] * comp_mask,
         kept_mass=None if kept is None else torch.where(comp_mask.bool(), kept[:, : out.shape[1]], 1.0),
+        topk_ids=None if topk_ids is None else topk_ids[:, : out.shape[1]],
+        topk_logp=None if topk_logp is None else topk_logp[:, : out.shape[1]] * comp_mask[..., None],
     )
 
 
@@ -333,7 +351,7 @@ def _uniforms(n: int, steps: int, generator, device) -> torch.Tensor:
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool, u: Optional[torch.Tensor],
-            with_logp: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            with_logp: bool = False, keep_topk: int = 0) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The next token of each row: argmax, or an inverse-CDF draw with the row's uniform u (N,).
 
     `with_logp`: also the drawn token's log-prob under softmax(logits / temperature) and the mass
@@ -355,7 +373,14 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, greedy: bool
     nxt = nxt.clamp_max(probs.shape[-1] - 1)
     if not with_logp:
         return nxt
-    return nxt, full.gather(-1, nxt[:, None]).squeeze(-1).log(), cdf[:, -1]
+    out = (nxt, full.gather(-1, nxt[:, None]).squeeze(-1).log(), cdf[:, -1])
+    if not keep_topk:
+        return out
+    top_p_vals, top_ids = full.topk(keep_topk, dim=-1)  # the k most likely under the temperature-scaled policy
+    missing = ~(top_ids == nxt[:, None]).any(-1)  # the sampled token replaces the k-th when outside them
+    top_ids[:, -1] = torch.where(missing, nxt, top_ids[:, -1])
+    top_p_vals[:, -1] = torch.where(missing, full.gather(-1, nxt[:, None]).squeeze(-1), top_p_vals[:, -1])
+    return (*out, top_ids, top_p_vals.log())
 
 
 def token_logprobs(
@@ -363,23 +388,31 @@ def token_logprobs(
     rollout: Rollout,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    topk: bool = False,
     **forward_kwargs,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], object]:
+) -> tuple:
     """Log-probs (N, T) of the sampled completion tokens under `model` (with grad if enabled).
 
     Uses the sampling temperature, so the ratio compares the distributions the tokens
     were actually drawn from. The LM head is applied only at the completion tokens, chunk
     by chunk (gspo/models/logprobs.py): no (N, T, V) float32 logits, at any vocabulary size.
     Padding positions hold 0. Returns (logp, entropy (N, T) without grad or None, the
-    model output, for aux losses).
+    model output, for aux losses); with `topk`, a fourth: the log-probs (N, T, k) of the rollout's
+    kept top-k tokens (`Rollout.topk_ids`) under `model`, without grad.
     """
     ids, mask, sel = rollout.input_ids, rollout.attention_mask, rollout.completion_mask.bool()
     # the head sees positions P-1 .. P+T-1; position P-1+j predicts completion token j (the last predicts nothing)
     head_sel = torch.cat([sel, torch.zeros_like(sel[:, :1])], dim=1)
-    logp_sel, ent_sel, res = head_logprobs(model, head_sel, rollout.completion_ids[sel], temperature, with_entropy,
-                                           input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
-                                           logits_to_keep=sel.shape[1] + 1, use_cache=False, **forward_kwargs)
+    extra = rollout.topk_ids[sel] if topk else None
+    logp_sel, ent_sel, res, *more = head_logprobs(model, head_sel, rollout.completion_ids[sel], temperature,
+                                                  with_entropy, extra, input_ids=ids, attention_mask=mask,
+                                                  position_ids=position_ids(mask), logits_to_keep=sel.shape[1] + 1,
+                                                  use_cache=False, **forward_kwargs)
     zeros = torch.zeros(sel.shape, dtype=torch.float32, device=ids.device)
     logp = zeros.masked_scatter(sel, logp_sel)
     entropy = zeros.masked_scatter(sel, ent_sel) if with_entropy else None
-    return logp, entropy, res
+    if not topk:
+        return logp, entropy, res
+    top = torch.zeros(rollout.topk_ids.shape, dtype=torch.float32, device=ids.device)
+    top[sel] = more[0]
+    return logp, entropy, res, top

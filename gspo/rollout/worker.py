@@ -79,8 +79,8 @@ def main(fd: int) -> int:
                                          spec["sample_kwargs"])
             timing = {"time/rollout_s": time.time() - t0, "time/worker_idle_s": t0 - idle_from,
                       "memory/worker_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            idle_from = time.time()  # from here: a large batch's send waits until the trainer reads it
             send(("batch", step, version, batch.state(), metrics, timing))
-            idle_from = time.time()
             step = None
     except (EOFError, OSError, KeyboardInterrupt):  # the trainer is gone: so are we
         return 1

@@ -389,15 +389,6 @@ class Dist:
         if self.world > 1:
             tdist.barrier(group=_LONG if long else None)
 
-    @contextlib.contextmanager
-    def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (e.g. builds the warm-started base: minutes), then the others."""
-        if not self.is_main:
-            self.barrier(long=True)
-        yield
-        if self.is_main:
-            self.barrier(long=True)
-
     # -- models ----------------------------------------------------------------
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """FSDP keeps fp32 master shards and computes in `dtype`; DDP and one process store `dtype`."""

@@ -37,13 +37,16 @@ def evaluate(
     timeout_s: float = 0.0,
     top_p: float = 1.0,
     key: tuple = (),
+    engine: str = "hf",
 ) -> dict:
     """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0).
 
     `timeout_s`: the task's verifier may take this long on a batch (`reward.timeout_s`; 0 = no limit).
     pass@k samples at `temperature` and `top_p` (the training sampler's), each problem from a generator
     of its own keyed by `key` (the trainer's: seed and step) and the prompt: the estimate is a function
-    of the seed, whatever the batching or the number of ranks.
+    of the seed, whatever the batching or the number of ranks. `engine`: the decode engine
+    (training and `gspo eval` pass `rollout.engine`: the fast one where it supports the model, the same
+    tokens as `hf`; the warm start's stopping check keeps `hf`, so cached bases stay what they were).
     Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
     """
     def verdicts(r, chunk_problems) -> list:  # one problem per completion
@@ -55,7 +58,8 @@ def evaluate(
     correct, formed, lengths, shown = [], [], [], []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        r = generate(model, tokenizer, [p.prompt for p in chunk], 1, max_new_tokens, greedy=True, chat_template=chat_template)
+        r = generate(model, tokenizer, [p.prompt for p in chunk], 1, max_new_tokens, greedy=True,
+                     chat_template=chat_template, engine=engine)
         for text, p, n, v in zip(r.texts, chunk, r.lengths.tolist(), verdicts(r, chunk)):
             correct.append(v.correct)
             formed.append(v.well_formed)
@@ -74,7 +78,7 @@ def evaluate(
             chunk = problems[i : i + max(1, batch_size // n)]
             gens = [keyed_generator(*key, repr(p.prompt), purpose="eval_passk") for p in chunk]
             r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature,
-                         top_p=top_p, generator=gens, chat_template=chat_template)
+                         top_p=top_p, generator=gens, chat_template=chat_template, engine=engine)
             right = [v.correct for v in verdicts(r, [p for p in chunk for _ in range(n)])]
             for j in range(len(chunk)):
                 scores.append(pass_at_k(n, sum(right[j * n : (j + 1) * n]), pass_k))

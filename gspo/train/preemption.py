@@ -50,6 +50,14 @@ def _signals() -> list[signal.Signals]:
     return sigs
 
 
+class Stopped(Exception):
+    """A stop signal honoured before the RL loop (during the warm start): what was done is saved."""
+
+    def __init__(self, status: str, where: str):
+        super().__init__(f"{status} {where}")
+        self.status, self.where = status, where
+
+
 def resume_command(run_dir: Path | str) -> str:
     return f"gspo train resume={run_dir}"
 

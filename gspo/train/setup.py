@@ -32,6 +32,7 @@ from gspo.train import checkpoint, distributed
 from gspo.train.heldout import evaluate, heldout_problems
 from gspo.train.logging import MetricsLogger
 from gspo.train.moe_step import MoEStep
+from gspo.train.preemption import Stopped, resume_command
 from gspo.train.warm_start import base_model
 
 
@@ -44,6 +45,7 @@ class Setup:
     summary: "_Summary"  # RUN_DIR/summary.json
     start: int  # the last step already done (0 for a new run)
     finished: bool = False  # the run already did its train.steps: nothing else below is built
+    stopped: Optional[str] = None  # a stop signal came during the warm start (saved): nothing else is built
     task: Optional[Task] = None
     model: Any = None  # the policy's module (a PeftModel under LoRA)
     tokenizer: Any = None
@@ -60,8 +62,11 @@ class Setup:
     evaluate: Optional[Callable[[int], dict]] = None  # held-out evaluation of the policy after a step (every rank a share)
 
 
-def setup(cfg: DictConfig, run_dir: Path) -> Setup:
-    """Build what the loop needs for `cfg` in `run_dir`, restoring a resumed run's weights and optimizer."""
+def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
+    """Build what the loop needs for `cfg` in `run_dir`, restoring a resumed run's weights and optimizer.
+
+    `stop` (preemption.StopSignals): a stop signal during the warm start saves it and returns a Setup with
+    `stopped` set (the next run continues the warm start)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     device, dtype = _setup_hardware(cfg.hardware, cfg)
     dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/train/distributed.py)
@@ -78,7 +83,20 @@ def setup(cfg: DictConfig, run_dir: Path) -> Setup:
     if cfg.reward.name == "python":  # each function on one real sample, before any work
         probe(task, cfg, tokenizer_encode(cfg, task))
     eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
-    with dist.main_first():  # rank 0 builds the warm-started base, the others then load it
+    stopped = None  # rank 0 builds the warm-started base (minutes, preemptible), the others then load it
+    if dist.is_main:
+        try:
+            base_dir = base_model(cfg, task, stop=stop)
+        except Stopped as e:
+            stopped = e
+    dist.barrier(long=True)
+    if not dist.all_true(stopped is None):  # a stop during the warm start: every rank leaves, nothing lost
+        status = stopped.status if stopped else (stop.requested() if stop else None) or "preempted"
+        if dist.is_main:
+            print(f"gspo: {status} {stopped.where}; resume with: {resume_command(run_dir)}", flush=True)
+        summary.write(status=status)
+        return Setup(dist, dtype, summary, 0, stopped=status)
+    if not dist.is_main:
         base_dir = base_model(cfg, task)
     model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation,
                                        device=device, log=print if dist.is_main else None)
@@ -125,7 +143,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Setup:
     ev = lambda step: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
         cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p,
-        key=(cfg.seed, step)), eval_problems, model)
+        key=(cfg.seed, step), engine=cfg.rollout.engine), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, opt=opt, sched=sched, recompute=recompute, moe_step=moe_step,

@@ -37,14 +37,15 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     base and final held-out accuracy, steps done, wall time, status.
     """
     run_dir = Path(run_dir)
-    s = setup(cfg, run_dir)  # hardware, resume point, base model, LoRA, reference, optimizer, MoE, sampler, logger
-    if s.finished:
+    stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step (or warm-start step), save, leave
+    s = setup(cfg, run_dir, stop)  # hardware, resume point, base model, LoRA, reference, optimizer, MoE, sampler, logger
+    if s.finished or s.stopped:
+        stop.close()
         return s.summary.data
     dist, summary, start, logger, source = s.dist, s.summary, s.start, s.logger, s.source
     model, policy, opt, sched = s.model, s.policy, s.opt, s.sched
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
-    stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step, checkpoint it, leave
     saved = start  # the step of the newest checkpoint
     step = start  # the step in progress, for an error's message (0: the base's evaluation)
     try:
@@ -154,8 +155,9 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
     if algo.overlong_filter:
         mask[ro.truncated] = 0.0  # DAPO: truncated completions carry no signal about the answer
     # over the whole batch (every rank's rewards): batch-level estimators normalise over all of it
-    rewards, lo = dist.all_gather_rows(batch.rewards)
-    adv = compute_advantages(algo.advantage, rewards, cfg.rollout.group_size, passk_k=algo.passk_k)
+    both, lo = dist.all_gather_rows(torch.stack([batch.rewards.float(), ro.lengths.float().cpu()], 1))
+    adv = compute_advantages(algo.advantage, both[:, 0], cfg.rollout.group_size, passk_k=algo.passk_k,
+                             std_eps=algo.std_eps, whiten=algo.whiten, lengths=both[:, 1])
     adv = adv[lo : lo + len(batch.rewards)]
     metrics: dict[str, float] = {}
     old_logp = ro.sampler_logp  # the rollout policy's log-probs as sampled ...
@@ -174,22 +176,26 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
     hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, agg=algo.agg,
                  max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg, beta=algo.beta,
                  kl_estimator=algo.kl_estimator, router_shift_floor=algo.router_shift_floor,
-                 **{k: algo[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef")})
+                 **{k: algo[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef",
+                                         "topk_divergence")})
 
     model.train()
+    topk = algo.loss == "dppo_topk"
     per_mb: dict[str, list[float]] = {}
     # rows shuffled within their group, dealt by global slot: one process's minibatch = the union of the ranks'
     for i, rows in enumerate(distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches,
                                                      cfg.seed, step, offset=lo)):
         sub, m = ro.select(rows), mask[rows]
         with moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
-            logp, entropy, _ = token_logprobs(model, sub, temp, with_entropy=True)
+            # DPPO-TopK also reads the policy's log-probs of the sampler's top-k tokens (rollout.keep_topk)
+            logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk)
             is_weight, corr = correction_weights(corrections, MismatchBatch(
                 old_logp[rows], ro.sampler_logp[rows], m, adv[rows], logp.detach()), cfg.rollout)
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
                 ref_logp=None if ref_logp is None else ref_logp[rows],
-                is_weight=is_weight, generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"), **hyper)
+                is_weight=is_weight, generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
+                topk_old_logp=ro.topk_logp[rows] if topk else None, topk_logp=top[0] if topk else None, **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
             loss = loss * dist.loss_scale(denominator) + mb.aux_loss(sub)
@@ -226,7 +232,7 @@ class _Progress:
     the run or every 30 s, whichever comes first (and the first step, so a log shows life at once)."""
 
     def __init__(self, total: int, start: int, enabled: bool, seconds: float = 30.0) -> None:
-        self.bar, self.total, self.start, self.t0 = None, total, start, time.time()
+        self.bar, self.total, self.start, self.t0 = None, total, start, time.time()  # t0: reset after the first step
         self.enabled, self.every, self.seconds, self.last = enabled, max(1, total // 10), seconds, 0.0
         if enabled and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -249,7 +255,11 @@ class _Progress:
         elif (step % self.every == 0 or step in (self.start + 1, self.total)
               or time.time() - self.last >= self.seconds):
             self.last = time.time()
-            eta = (time.time() - self.t0) / (step - self.start) * (self.total - step)
+            if step == self.start + 1:  # the first step pays for start-up (a rollout worker's): no rate yet
+                self.t0 = time.time()
+                print(f"step {step}/{self.total}  {info}", flush=True)
+                return
+            eta = (time.time() - self.t0) / (step - self.start - 1) * (self.total - step)
             print(f"step {step}/{self.total}  {info}  eta {eta:.0f}s", flush=True)
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -23,6 +24,7 @@ from gspo.config.errors import ConfigError
 from gspo.models.build import build_model, char_tokenizer
 from gspo.models.moe import is_moe
 from gspo.train.heldout import evaluate
+from gspo.train.preemption import Stopped
 
 CACHE_VERSION = 3  # bump when warm-start code changes, so stale bases are rebuilt (3: canonical split, warm-start pool)
 
@@ -57,11 +59,14 @@ def _base_key(cfg) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def base_model(cfg, task, log=print) -> Path:
+def base_model(cfg, task, log=print, stop=None) -> Path:
     """The directory of the warm-started base for this config, building it on first use.
 
     Written to a temporary directory and renamed, so parallel sweep jobs never see
     a half-written base; the first one to finish wins and the others reuse it.
+    `stop` (a preemption.StopSignals): a stop signal during the warm start saves it to
+    `.partial-<name>` beside the base (never taken for a finished one) and raises
+    `preemption.Stopped`; the next run with the same config continues it from there.
     """
     if cfg.model.arch == "hf":
         if not cfg.model.path:
@@ -77,7 +82,8 @@ def base_model(cfg, task, log=print) -> Path:
     tokenizer = char_tokenizer(task.alphabet)
     model = build_model(cfg.model, len(tokenizer), tokenizer, seed=cfg.model.warm_start.seed)
     t0 = time.time()
-    record = warm_start(model, tokenizer, task, cfg.model.warm_start, log=log)
+    partial = target.parent / f".partial-{target.name}"
+    record = warm_start(model, tokenizer, task, cfg.model.warm_start, log=log, stop=stop, partial=partial)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
@@ -87,10 +93,11 @@ def base_model(cfg, task, log=print) -> Path:
         os.rename(tmp, target)
     except OSError:  # another job finished first: use its base
         shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(partial, ignore_errors=True)
     return target
 
 
-def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
+def warm_start(model, tokenizer, task, wcfg, log=print, stop=None, partial: Optional[Path] = None) -> dict:
     """Supervised steps on (prompt, reference answer + EOS); loss on the answer tokens only.
 
     The data: `wcfg.problems` fixed training problems drawn once and sampled in batches, or
@@ -105,6 +112,10 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
     on two machines.
 
     Returns what was done: {"steps", "train_accuracy" (at the last check, None without one)}.
+
+    Preemptible: with `stop` (a preemption.StopSignals) a stop request at a step boundary saves the weights,
+    optimizer, schedule and random states to `partial` and raises `preemption.Stopped`; called again with the
+    same `partial`, it continues from there and ends with the weights an uninterrupted warm start ends with.
     """
     record = {"steps": 0, "train_accuracy": None}
     if wcfg.steps <= 0:
@@ -117,8 +128,22 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / wcfg.steps))
     moe_kwargs = {"output_router_logits": True} if is_moe(model) else {}
     model.train()
-    every = wcfg.check_every
-    for step in range(wcfg.steps):
+    every, first = wcfg.check_every, 0
+    if partial is not None and (partial / "state.pt").is_file():  # a warm start a stop signal interrupted
+        from safetensors.torch import load_model
+
+        state = torch.load(partial / "state.pt", weights_only=True)
+        load_model(model, partial / "model.safetensors")  # (tied weights: saved once, restored to both)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        rng.setstate(_tuples(state["rng"]))
+        torch.set_rng_state(state["torch_rng"])
+        record, every, first = dict(state["record"]), int(state["every"]), int(state["step"])
+        log(f"gspo: continuing the interrupted warm start from step {first} of {wcfg.steps} ({partial})")
+    for step in range(first, wcfg.steps):
+        if stop is not None and partial is not None and step > first and stop.requested():
+            _save_partial(partial, model, opt, sched, rng, record, every, step)
+            raise Stopped(stop.requested(), f"during the warm start, after its step {step} of {wcfg.steps} (saved)")
         problems = (task.sample_train(rng, wcfg.batch_size) if pool is None
                     else rng.sample(pool, min(wcfg.batch_size, len(pool))))
         ids, labels = [], []
@@ -153,6 +178,24 @@ def warm_start(model, tokenizer, task, wcfg, log=print) -> dict:
                 every = wcfg.fine_check_every
     model.eval()
     return record
+
+
+def _save_partial(partial: Path, model, opt, sched, rng: random.Random, record: dict, every: int, step: int) -> None:
+    """What a continued warm start needs, written to a temporary directory and renamed (never half-written)."""
+    from safetensors.torch import save_model
+
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=partial.parent, prefix=".tmp-partial-"))
+    save_model(model, tmp / "model.safetensors")
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng.getstate(),
+                "torch_rng": torch.get_rng_state(), "record": record, "every": every, "step": step}, tmp / "state.pt")
+    shutil.rmtree(partial, ignore_errors=True)
+    os.rename(tmp, partial)
+
+
+def _tuples(x):
+    """random.Random's state back from what torch.save kept of it (its tuples, possibly as lists)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def _accuracy_check(model, tokenizer, task, wcfg, n: int = 200):
