@@ -71,7 +71,7 @@ def test_bad_files_are_one_line_errors(tmp_path, text, message):
 def test_bad_files_exit_2_before_any_work_without_a_traceback(tmp_path, cache_dir, content):
     path = tmp_path / "d.jsonl"
     path.write_text(content)
-    res = CliRunner().invoke(app, ["train", "model=qwen3-tiny", "task=data", f"task.path={path}", *tiny(cache_dir)])
+    res = CliRunner().invoke(app, ["train", "task=data", f"task.path={path}", *tiny(cache_dir, model="qwen3-tiny")])
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and str(path) in res.output
     assert len(res.output.strip().splitlines()) == 1

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 import gspo.rollout.batch as trainer  # where the loop scores its rollouts
 from cli.main import app
+from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.train import checkpoint, preemption
 from gspo.train.trainer import train
@@ -178,6 +179,21 @@ def test_submitit_handler_runs_after_the_checkpoint(tmp_path, cache_dir, monkeyp
     assert seen == [(signal.SIGUSR2, 3, "preempted")]
 
 
+def test_a_refused_setup_puts_the_callers_signal_handlers_back(tmp_path, cache_dir, monkeypatch):
+    """train() called in-process (a notebook, a test) and refused before its first step leaves SIGINT / SIGTERM
+    as it found them: a stale handler would take the caller's next Ctrl-C for a training run's."""
+    import gspo.train.trainer as loop
+
+    def refused(*a, **k):
+        raise ConfigError("refused")
+
+    monkeypatch.setattr(loop, "setup", refused)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(ConfigError):
+        train(compose(opts(cache_dir)), tmp_path / "run")
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_a_requeued_slurm_job_resumes_its_run(tmp_path, cache_dir, monkeypatch):
     """The same job started again in its own directory with SLURM_RESTART_COUNT > 0 continues the run."""
     monkeypatch.chdir(tmp_path)
@@ -198,11 +214,11 @@ def test_a_requeued_slurm_job_resumes_its_run(tmp_path, cache_dir, monkeypatch):
 def test_sigterm_under_cpu_ddp_stops_every_rank_after_the_same_step(tmp_path, cache_dir):
     """SIGTERM to `gspo train hardware=cpu-ddp` (the process waiting on torchrun): both ranks stop after the
     same step, rank 0 checkpoints it, and the resumed run equals a cpu-ddp run never interrupted."""
-    ddp = ["hardware=cpu-ddp", "model=qwen3-tiny"]
+    ddp = opts(cache_dir, model="qwen3-tiny", hardware="cpu-ddp")
     whole, run = tmp_path / "whole", tmp_path / "run"
-    res = start(*opts(cache_dir), *ddp, f"hydra.run.dir={whole}", cwd=tmp_path)
+    res = start(*ddp, f"hydra.run.dir={whole}", cwd=tmp_path)
     assert res.wait(timeout=600) == 0, res.communicate()[0][-3000:]
-    proc = start(*opts(cache_dir), *ddp, f"hydra.run.dir={run}", cwd=tmp_path)
+    proc = start(*ddp, f"hydra.run.dir={run}", cwd=tmp_path)
     after_first_step(proc, run)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)

@@ -276,7 +276,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reward.weights": (lambda c: c.reward.name == "python", "only reward=python weighs functions"),
     "reward.ill_formed": (lambda c: c.reward.name == "python", "only reward=python reads it"),
     "reward.format_score": (lambda c: c.reward.name == "tinyzero", "only reward=tinyzero has a format score"),
-    "logger.wandb_cfg.": (lambda c: c.logger.wandb, "W&B is off: add logger=wandb"),
+    **{f"logger.wandb_cfg.{k}": (lambda c: c.logger.wandb, "W&B is off: add logger=wandb")  # not samples_every:
+       for k in ("project", "entity", "group", "tags", "name", "mode")},  # it also paces RUN_DIR/samples.jsonl
     "model.warm_start.": (lambda c: c.model.arch != "hf", "model=hf is used as it is, without a warm start"),
     "model.num_experts": (lambda c: c.model.arch == "qwen3_moe", "only the built-in MoE (model=qwen3-moe...) has it"),
     "model.top_k": (lambda c: c.model.arch == "qwen3_moe", "only the built-in MoE (model=qwen3-moe...) has it"),

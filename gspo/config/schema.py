@@ -154,7 +154,7 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
     name: Optional[str] = None
     mode: str = "offline"  # online | offline | disabled
-    samples_every: int = 10  # log a table of sample completions every N steps (0 = never)
+    samples_every: int = 10  # sample completions every N steps to RUN_DIR/samples.jsonl (and a W&B table); 0 = never
 
 
 @dataclass
@@ -198,7 +198,7 @@ class RolloutConfig:
     staleness: int = 0
     workers: int = 0  # sampling processes that work ahead while the trainer updates; 0 = in the trainer's process
     worker_threads: int = 0  # torch threads of each worker (and of in-process sampling when set); 0 = split the cores
-    timeout_s: float = 900.0  # a worker that delivers nothing for this long is taken as hung: the run ends in one line
+    timeout_s: float = 900.0  # a worker that delivers nothing for this long (its start: >= 300 s) is taken as hung: one line
 
 
 @dataclass

@@ -15,7 +15,7 @@ Design (docs/scaling.md, "Asynchronous rollouts"):
   K >= 1 lets sampling overlap the update; with K = 0 the trainer waits for each batch (as it would sample
   it itself). With N > 1 and a sampler slower than the update, N steps are sampled at once.
 - Faults: a worker that raises sends its error (one line), a worker that dies (kill -9) closes its socket,
-  a worker that sends nothing for `rollout.timeout_s` is taken as hung: each ends the run in one line naming
+  a worker that sends nothing for `rollout.timeout_s` (its start: at least STARTUP_S) is taken as hung: each ends the run in one line naming
   the worker and the step (`RunFailed`, or `ConfigError` for a user's reward function), and every worker is
   killed. Workers ignore SIGINT / SIGTERM (the trainer finishes its step and stops them) and die with the
   trainer (Linux PR_SET_PDEATHSIG): none outlives it.
@@ -46,6 +46,7 @@ from gspo.rollout.batch import Batch
 from gspo.rollout.source import Collected
 
 PREFIX = "gspo-weights-"
+STARTUP_S = 300.0  # the least a worker is given to start (import torch, build its model) before it counts as hung
 
 
 def shm_dir() -> str:
@@ -120,8 +121,8 @@ class WorkerPool:
             self.workers.append(_Worker(i, proc, Connection(ours.detach())))
             self._send(self.workers[-1], ("spec", {**self.spec, "worker": i, "layout": self.layout,
                                                    "dtype": str(self.dtype).removeprefix("torch.")}))
-        for w in self.workers:
-            self._expect(w, "ready", step=None)
+        for w in self.workers:  # starting is importing torch and building the model: slow on a busy machine
+            self._expect(w, "ready", step=None, timeout_s=max(self.timeout_s, STARTUP_S))
         for step, item in pending.items():
             self.done[int(step)] = (Batch.from_state(item["batch"]), dict(item["metrics"]), int(item["version"]))
         first = [s for s in range(start + 1, min(start + self.K + 1, self.last) + 1) if s not in self.done]
@@ -216,10 +217,11 @@ class WorkerPool:
                 self._recv(w, at)  # raises on its error message, or on the end of the stream
             raise self._fail(RunFailed(self._died(w, at))) from None
 
-    def _expect(self, w: _Worker, kind: str, step: Optional[int]) -> tuple:
-        if not w.conn.poll(self.timeout_s):
-            raise self._fail(RunFailed(f"rollout worker {w.index}: nothing from it for rollout.timeout_s="
-                                       f"{self.timeout_s:g} s{_at(step)} (hung?); every worker was stopped"))
+    def _expect(self, w: _Worker, kind: str, step: Optional[int], timeout_s: Optional[float] = None) -> tuple:
+        timeout_s = timeout_s or self.timeout_s
+        if not w.conn.poll(timeout_s):
+            raise self._fail(RunFailed(f"rollout worker {w.index}: nothing from it for {timeout_s:g} s{_at(step)} "
+                                       f"(hung? rollout.timeout_s={self.timeout_s:g}); every worker was stopped"))
         message = self._recv(w, step)
         if message[0] != kind:
             raise self._fail(RunFailed(f"rollout worker {w.index}: expected {kind!r}, got {message[0]!r}"))

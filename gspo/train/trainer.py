@@ -38,7 +38,11 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     """
     run_dir = Path(run_dir)
     stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step (or warm-start step), save, leave
-    s = setup(cfg, run_dir, stop)  # hardware, resume point, base model, LoRA, reference, optimizer, MoE, sampler, logger
+    try:
+        s = setup(cfg, run_dir, stop)  # hardware, resume point, base model, LoRA, reference, optimizer, MoE, sampler, logger
+    except BaseException:
+        stop.restore()  # a refused setup leaves the caller's handlers as they were (train() called in-process)
+        raise
     if s.finished or s.stopped:
         stop.close()
         return s.summary.data
