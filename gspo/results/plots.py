@@ -38,9 +38,10 @@ PANELS = [
     Panel("clip fraction (% of tokens)", ((CLIP, "-", "clip/frac"), (CLIP_LOW, "--", "clip/frac_low (A < 0)"),
                                           (CLIP_HIGH, ":", "clip/frac_high (A > 0)")),
           yscale="symlog", scale=100.0, valid=(0.0, 100.0)),
-    # two panels, not one: kl/old is orders of magnitude below kl/ref, a flat line on kl/ref's axis
-    Panel("kl/ref (k3, to the reference; β > 0)", ((KL_REF, "-", "kl/ref"),), valid=(0.0, None)),
-    Panel("kl/old (k3, to the rollout policy)", ((KL_OLD, "-", "kl/old"),), valid=(0.0, None)),
+    # two panels, not one: kl/old is orders of magnitude below kl/ref, a flat line on kl/ref's axis; symlog,
+    # since k3 of a rare token that an update made likely spikes 1000x above the typical step
+    Panel("kl/ref (k3, to the reference; β > 0)", ((KL_REF, "-", "kl/ref"),), yscale="symlog", valid=(0.0, None)),
+    Panel("kl/old (k3, to the rollout policy)", ((KL_OLD, "-", "kl/old"),), yscale="symlog", valid=(0.0, None)),
     Panel("policy/entropy (nats per token)", ((ENTROPY, "-", "policy/entropy"),), valid=(0.0, None)),
     Panel("response/len_mean (tokens)", ((LENGTH, "-", "response/len_mean"),), valid=(0.0, None)),
     Panel("moe/routing_volatility (% of expert choices)", ((ROUTING, "-", "moe/routing_volatility"),),
@@ -97,8 +98,8 @@ def figure(groups: Sequence["Group"]):
                         ax.plot([r.collapse_step], [y[0] if len(y) and math.isfinite(y[0]) else 0.0],
                                 "x", color=color, ms=8, mew=2)
         notes = []
-        if panel.yscale == "symlog":  # linear below the smallest non-zero value, so 0 stays visible
-            smallest = max(min(positive, default=1e-4), 1e-8)
+        if panel.yscale == "symlog":  # linear below (about) the smallest non-zero value, so 0 stays visible
+            smallest = max(float(np.percentile(positive, 1)) if positive else 1e-4, 1e-8)  # not one outlier's decades
             linthresh = 10 ** math.floor(math.log10(smallest))
             ax.set_yscale("symlog", linthresh=linthresh)
             ax.axhline(0.0, color="0.5", lw=0.6)
