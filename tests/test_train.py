@@ -17,6 +17,9 @@ from gspo.config.schema import group_options
 from gspo.train import checkpoint
 from gspo.train.trainer import train
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import learning_spread  # noqa: E402  (scripts/ is not a package: the learning test's run and its measured spread)
+
 STEP_KEYS = {
     "reward/mean", "reward/std", "reward/frac_zero_std", "reward/tinyzero/mean", "clip/frac_low", "clip/frac_high",
     "clip/frac", "clip/seq_frac", "policy/entropy", "policy/ratio_mean", "policy/ratio_min", "policy/ratio_max",
@@ -140,20 +143,31 @@ def test_routing_replay_with_gradient_checkpointing(tmp_path, cache_dir):
     assert read_metrics(tmp_path)[-1]["moe/update_mismatch"] == 0.0
 
 
-NEW_FAMILY = ["dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "gpg", "topr", "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline", "passk", "grpo_passk"]
+# The measured spread of what the test asserts on: the batch reward, last 20 steps minus first 10. A seed draws
+# its own warm-started base and samples, as another CPU's rounding does (2-core x86, torch 2.13.0+cpu):
+#   python scripts/learning_spread.py --seeds 3 --jobs 2                   (passk, grpo_passk: --seeds 5)
+#   algo                          min     mean    max         algo                          min     mean    max
+#   dppo_tv                       +0.679  +0.698  +0.716      topr                          +0.651  +0.689  +0.714
+#   dppo_kl                       +0.676  +0.693  +0.710      reinforce_plus_plus           +0.632  +0.686  +0.718
+#   clip_cov                      +0.643  +0.692  +0.718      reinforce_plus_plus_baseline  +0.675  +0.704  +0.724
+#   kl_cov                        +0.649  +0.689  +0.718      passk                         +0.391  +0.514  +0.580
+#   gpg                           +0.623  +0.679  +0.720      grpo_passk                    +0.194  +0.278  +0.363
+# Pass@k rewards a group for one success, not every sample for its own: its mean reward rises least. At a fixed
+# policy the difference has a standard deviation of about 0.015 (128 samples a step at p ~ 0.25); the threshold
+# is half the lowest gain measured and six of those deviations. (The old test asserted on the task's own reward,
+# which moves less than its spread between seeds in 60 steps: why it failed on another CPU.)
+MIN_REWARD_GAIN = 0.1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", NEW_FAMILY)
+@pytest.mark.parametrize("algo", learning_spread.ALGOS)
 def test_new_family_learns_on_the_tiny_moe(algo, tmp_path, cache_dir):
-    """60 steps of 16 prompts x 8 on the default tiny MoE and addition task, default learning rate, one thread:
-    held-out accuracy rises and the batch reward of the last 10 steps beats the first 10 (about a minute each)."""
-    overrides = {"algo": algo, "train.steps": 60, "rollout.prompts_per_step": 16, "eval.every": 0,
-                 "hardware.threads": 1, "logger.progress": False, "cache_dir": str(cache_dir)}
-    summary = train(compose([f"{k}={v}" for k, v in overrides.items()]), tmp_path)
-    rewards = [m["reward/mean"] for m in read_metrics(tmp_path) if "reward/mean" in m]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"\n{algo}: held-out accuracy {summary['base_accuracy']:.3f} -> {summary['final_accuracy']:.3f}, "
-          f"reward/mean first 10 steps {first:.3f} -> last 10 {last:.3f}")
-    assert summary["final_accuracy"] > summary["base_accuracy"] and last > first
+    """60 steps of 16 prompts x 8 on the default tiny MoE, default learning rate, one thread, rewarded for a
+    completion that contains a 7 (about a quarter of the base's do): the batch reward of the last 20 steps
+    beats the first 10 by MIN_REWARD_GAIN (about a minute each). The claim is the method's, not one
+    machine's: the threshold sits far below every gain measured over seeds and far above 0."""
+    overrides = learning_spread.overrides(algo, seed=0, cache=str(cache_dir))
+    train(compose(overrides), tmp_path)
+    gain = learning_spread.reward_gain(tmp_path)
+    print(f"\n{algo}: reward/mean, last 20 steps minus first 10: {gain:+.3f}")
+    assert gain > MIN_REWARD_GAIN
