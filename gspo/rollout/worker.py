@@ -10,7 +10,6 @@ line; it ignores SIGINT / SIGTERM (the trainer stops it) and dies with the train
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import resource
 import signal
@@ -18,23 +17,13 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() == 1:  # the trainer died before the request was in place
-        os._exit(1)
+from gspo.config.processes import die_with_parent
 
 
 def main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C or SIGTERM reaches the trainer, which stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     conn = Connection(fd)
     send = lambda message: conn.send_bytes(pickle.dumps(message))  # noqa: E731
     step = None

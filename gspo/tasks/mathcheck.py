@@ -23,6 +23,7 @@ import subprocess
 import sys
 from typing import Optional
 
+from gspo.config.processes import die_with_parent
 from gspo.tasks.base import Verdict
 
 ITEM_TIMEOUT_S = 15.0  # above math-verify's own 5 s + 5 s: the kill is for what those cannot stop
@@ -103,7 +104,7 @@ def _root() -> str:
 def _serve() -> None:
     """The child: for each JSON line [[completion, answer], ...] on stdin, one line [correct, well_formed] each."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _die_with_parent()
+    die_with_parent()
     out = os.fdopen(os.dup(1), "w")  # the protocol's own stream: anything a library prints goes elsewhere
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -120,18 +121,6 @@ def _serve() -> None:
                 verdict = [False, False]
             out.write(json.dumps(verdict) + "\n")
             out.flush()
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() == 1:
-            os._exit(0)
 
 
 if __name__ == "__main__":

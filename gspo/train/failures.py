@@ -17,7 +17,8 @@ How:
 - the launcher reads the records (`explain`): the primary error (not secondary; the first one), else
   the ranks that left no record (killed by a signal, or hung while the others timed out), and says it
   in one line; `summary.json` says `failed`. The last checkpoint is written atomically, so it stays intact;
-- a worker dies with its launcher (Linux: PR_SET_PDEATHSIG), as if preempted: no rank is left behind.
+- a worker dies with its launcher (Linux: PR_SET_PDEATHSIG, `gspo.config.processes`), as if preempted: no rank
+  is left behind.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -122,18 +122,3 @@ def _at(step: Optional[int], run_dir: Path) -> str:
         except (ValueError, KeyError):
             step = None
     return f"step {step}" if step is not None else "before the first step"
-
-
-def die_with_parent() -> None:
-    """Ask Linux to send this process SIGTERM when its parent (the launcher) dies: a worker whose launcher
-    was killed stops as if preempted (finishes its step, checkpoints) instead of running on, orphaned."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the launcher died before the request was in place
-        os.kill(os.getpid(), signal.SIGTERM)

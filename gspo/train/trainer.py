@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from gspo.algos.advantages import compute_advantages
 from gspo.algos.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
+from gspo.config.processes import die_with_parent
 from gspo.models import adapters
 from gspo.rollout.batch import Batch
 from gspo.rollout.generate import NonFiniteLogits, token_logprobs
@@ -278,7 +280,7 @@ def _worker(argv: list[str]) -> int:
         return 2
     run_dir = Path(argv[0])
     tidy_warnings()
-    failures.die_with_parent()  # a killed launcher takes its workers with it (as a preemption)
+    die_with_parent(signal.SIGTERM)  # a killed launcher takes its workers with it (as a preemption: they checkpoint)
     try:
         train(OmegaConf.load(run_dir / "config.yaml"), run_dir)
     except Exception as e:  # the launcher says it, in one line, for the rank that failed first (gspo/train/failures.py)
