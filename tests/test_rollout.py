@@ -86,6 +86,30 @@ def test_logprobs_match_kv_cached_sampling_and_ignore_padding(tiny_model):
         torch.testing.assert_close(logp[i, :n], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("engine", ["hf", "fast"])
+def test_a_group_prefills_its_prompt_once_and_samples_what_every_row_prefilled_would(tiny_model, monkeypatch, engine):
+    """The G rows of a prompt share it: one prefill row per prompt, its KV cache repeated G times. The
+    completions, their sampler log-probs and the log-probs recomputed from them are those of prefilling
+    every row (the fallback, used where the cache is not a plain key/value cache)."""
+    import gspo.rollout.generate as gen
+
+    prompts, g = ["1+1=", "12+345=", "7="], 4
+    rows_seen = []
+    hook = tiny_model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        shared = generate(tiny_model, TOK, prompts, g, 6, generator=torch.Generator().manual_seed(0), engine=engine)
+        with monkeypatch.context() as m:
+            m.setattr(gen, "_prefill_once_per_group", lambda *a: None)
+            rows_seen.append("fallback")
+            every = generate(tiny_model, TOK, prompts, g, 6, generator=torch.Generator().manual_seed(0), engine=engine)
+    finally:
+        hook.remove()
+    assert rows_seen[0] == (3, 7) and rows_seen[rows_seen.index("fallback") + 1] == (12, 7)  # P rows, then P x G
+    assert shared.texts == every.texts and torch.equal(shared.completion_mask, every.completion_mask)
+    torch.testing.assert_close(shared.sampler_logp, every.sampler_logp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(token_logprobs(tiny_model, shared)[0], token_logprobs(tiny_model, every)[0])
+
+
 def test_cat_rollouts_repads_prompts_and_completions():
     a = generate(ScriptedLM([tok("1") + [EOS]]), TOK, ["1="], 1, 4, greedy=True)
     b = generate(ScriptedLM([tok("123")]), TOK, ["12+3="], 1, 3, greedy=True)

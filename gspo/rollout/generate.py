@@ -2,8 +2,8 @@
 
 Rollout dominates the cost of RL on small models, so this is a lean loop over
 the model's own KV cache rather than `generate()`: left padding so every row's
-next token sits in the last column, one forward per new token, and an early exit
-once every row has produced EOS. A model that returns no KV cache (GPT-1; Mamba,
+next token sits in the last column, each group's prompt prefilled once (its G rows
+share it), one forward per new token, and an early exit once every row has produced EOS. A model that returns no KV cache (GPT-1; Mamba,
 RWKV, RecurrentGemma keep a recurrent state instead) re-runs the whole sequence for
 every token: the same tokens, at O(T^2) cost.
 """
@@ -209,6 +209,10 @@ def generate(
         cache_kw = _cache_kwarg(model)
         recurrent = False  # the cache holds only recurrent states (Mamba): the past is in the state, not the mask
         decode, fast = model, max_new_tokens > 1 and fast_decode.resolve(engine, model, compile) == "fast"
+        # a group's G rows share their prompt: prefill it once. Not for a stateful model (Mamba: no key/value
+        # cache to repeat), nor while recording routing (the trace records every row's prefill)
+        share_prefill = group_size > 1 and not capture_routing and hasattr(model, "config") \
+            and not getattr(model, "_is_stateful", False)
         if compile:
             cache, decode = _static_decoder(model, n, p + max_new_tokens)
         for t in range(max_new_tokens):
@@ -220,9 +224,11 @@ def generate(
                 if compile:  # static shapes: the whole mask (the causal mask hides the future), the cache slot to fill
                     slots = torch.arange(p, device=device) if t == 0 else torch.full((1,), p + t - 1, device=device)
                     res = (model if t == 0 else decode)(attention_mask=full_mask, cache_position=slots, **kwargs)
+                elif t == 0 and share_prefill and (shared := _prefill_once_per_group(model, kwargs, mask, group_size)):
+                    cache, logits = shared
                 else:  # a recurrent state takes the new token's mask column only (as generate() passes none)
                     res = model(attention_mask=full_mask[:, p + t - 1 : p + t] if recurrent else full_mask[:, : p + t], **kwargs)
-                cache, logits = returned_cache(res), res.logits[:, -1].float()
+                    cache, logits = returned_cache(res), res.logits[:, -1].float()
                 recurrent = cache is not None and all(getattr(cache, "is_linear", None) or [False])
                 if fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
                     decode, cache, res = fast_decode.FastDecoder(model, cache, p + max_new_tokens), None, None
@@ -296,6 +302,22 @@ def generate(
         topk_ids=None if topk_ids is None else topk_ids[:, : out.shape[1]],
         topk_logp=None if topk_logp is None else topk_logp[:, : out.shape[1]] * comp_mask[..., None],
     )
+
+
+def _prefill_once_per_group(model, kwargs: dict, mask: torch.Tensor, group_size: int):
+    """The prefill of each prompt once, its key/value cache and last logits then repeated for the G rows of its
+    group: a G-th of the prefill's work (TRL and vLLM share the prefix the same way). `kwargs` are the rows'
+    forward arguments. None where the cache is not a plain key/value cache (a recurrent or no state): the
+    caller then prefills every row."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    once = {k: v[::group_size] if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    res = model(attention_mask=mask[::group_size], **once)
+    cache = returned_cache(res)
+    if type(cache) is not DynamicCache or not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return None
+    cache.batch_repeat_interleave(group_size)
+    return cache, res.logits[:, -1].float().repeat_interleave(group_size, 0)
 
 
 def _cache_kwarg(model) -> str:
