@@ -7,7 +7,8 @@
 #     grpo_decoupled + AReaL's decoupled objective: weight pi_prox/mu, dropped above 5 (token TIS x token mask)
 #     gspo           GSPO at the paper's clip range, recomputed log-probs
 #     gspo_sampler   GSPO with the behaviour policy's (sampler's) log-probs as the old policy's
-#   x SEEDS seeds each (default 5); run directories OUT/<cell>_k<K>/seed<s>; then `gspo compare --by name`.
+#   x SEEDS seeds each (default 5); run directories OUT/<cell>_k<K>/seed<s>; then `gspo compare --by name`: every
+#   cell against GRPO at equal K (OUT/compare_k<K>), every cell's K against its K=0 (OUT/compare_<cell>).
 #
 #   bash scripts/study_staleness.sh                                              # the study
 #   KS="0 8" CELLS="grpo" SEEDS=1 OUT=outputs/st_pilot bash scripts/study_staleness.sh   # a pilot
@@ -53,4 +54,11 @@ for ((seed = 0; seed < SEEDS; seed++)); do  # seed-major: a sitting cut short st
 done | xargs -P "$JOBS" -L1 bash -c 'cell "$@"' _
 wall=$(( $(date +%s) - start ))
 echo "study wall time: ${wall} s ($JOBS jobs at a time; cells: $CELLS; K: $KS)" | tee -a "$OUT/wall_time.txt"
-$GSPO compare "$OUT" --by name --out "$OUT/compare"
+# (a)-(c): each cell against GRPO at equal K, and each cell's K against its K=0 (Welch 95% intervals)
+for k in $KS; do
+  [[ " $CELLS " == *" grpo "* ]] || break
+  $GSPO compare $(for cell in $CELLS; do echo "$OUT/${cell}_k$k"; done) --by name --baseline "grpo_k$k" --out "$OUT/compare_k$k"
+done
+for cell in $CELLS; do
+  $GSPO compare $(for k in $KS; do echo "$OUT/${cell}_k$k"; done) --by name --baseline "${cell}_k0" --out "$OUT/compare_$cell"
+done
