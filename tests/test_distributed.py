@@ -524,8 +524,9 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_torchrun_agents_as_two_nodes_compute_the_two_process_run(one_process, tmp_path, cache_dir):
     """Two torchrun agents (`--nnodes 2 --node-rank 0|1`, one process each) on this machine: one process group
-    over both "nodes", bitwise the run of `hardware=cpu-ddp hardware.nproc=2`."""
-    opts = small(cache_dir)
+    over both "nodes", bitwise the run of `hardware=cpu-ddp hardware.nproc=2`. One thread per process in both
+    (torchrun by hand leaves the thread count to torch, all cores; another count rounds the backward otherwise)."""
+    opts = small(cache_dir, **{"hardware.threads": 1})
     cli("train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'ddp'}", *opts, cwd=tmp_path)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     port = _free_port()

@@ -224,6 +224,7 @@ def generate(
                 if compile:  # static shapes: the whole mask (the causal mask hides the future), the cache slot to fill
                     slots = torch.arange(p, device=device) if t == 0 else torch.full((1,), p + t - 1, device=device)
                     res = (model if t == 0 else decode)(attention_mask=full_mask, cache_position=slots, **kwargs)
+                    cache, logits = returned_cache(res), res.logits[:, -1].float()
                 elif t == 0 and share_prefill and (shared := _prefill_once_per_group(model, kwargs, mask, group_size)):
                     cache, logits = shared
                 else:  # a recurrent state takes the new token's mask column only (as generate() passes none)
@@ -231,7 +232,7 @@ def generate(
                     cache, logits = returned_cache(res), res.logits[:, -1].float()
                 recurrent = cache is not None and all(getattr(cache, "is_linear", None) or [False])
                 if fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
-                    decode, cache, res = fast_decode.FastDecoder(model, cache, p + max_new_tokens), None, None
+                    decode, cache = fast_decode.FastDecoder(model, cache, p + max_new_tokens), None
             nonfinite |= ~torch.isfinite(logits).all(-1)  # checked once at the end: no sync per token on a GPU
             if greedy:
                 nxt = _sample(logits, temperature, top_p, greedy, None)
