@@ -3,9 +3,10 @@
 Rollout dominates the cost of RL on small models, so this is a lean loop over
 the model's own KV cache rather than `generate()`: left padding so every row's
 next token sits in the last column, each group's prompt prefilled once (its G rows
-share it), one forward per new token, and an early exit once every row has produced EOS. A model that returns no KV cache (GPT-1; Mamba,
-RWKV, RecurrentGemma keep a recurrent state instead) re-runs the whole sequence for
-every token: the same tokens, at O(T^2) cost.
+share it), one forward per new token, and an early exit once every row has produced
+EOS. A model that returns no KV cache (GPT-1; Mamba, RWKV, RecurrentGemma keep a
+recurrent state instead) re-runs the whole sequence for every token: the same tokens,
+at O(T^2) cost.
 """
 
 from __future__ import annotations
@@ -307,8 +308,8 @@ def generate(
 
 def _prefill_once_per_group(model, kwargs: dict, mask: torch.Tensor, group_size: int):
     """The prefill of each prompt once, its key/value cache and last logits then repeated for the G rows of its
-    group: a G-th of the prefill's work (TRL and vLLM share the prefix the same way). `kwargs` are the rows'
-    forward arguments. None where the cache is not a plain key/value cache (a recurrent or no state): the
+    group: a G-th of the prefill's work (as an inference engine shares a prompt's cache among its n samples).
+    `kwargs` are the rows' forward arguments. None where the cache is not a plain key/value cache (a recurrent or no state): the
     caller then prefills every row."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
