@@ -11,6 +11,7 @@ at O(T^2) cost.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 from typing import Optional
@@ -213,7 +214,7 @@ def generate(
         # a group's G rows share their prompt: prefill it once. Not for a stateful model (Mamba: no key/value
         # cache to repeat), nor while recording routing (the trace records every row's prefill)
         share_prefill = group_size > 1 and not capture_routing and hasattr(model, "config") \
-            and not getattr(model, "_is_stateful", False)
+            and not getattr(model, "_is_stateful", False) and model not in _UNSHARED_PREFILL
         if compile:
             cache, decode = _static_decoder(model, n, p + max_new_tokens)
         for t in range(max_new_tokens):
@@ -306,17 +307,23 @@ def generate(
     )
 
 
+# models whose cache turned out not to be a plain key/value one (hybrid, sliding-window layers): they prefill
+# every row from then on, without a wasted shared prefill at every rollout
+_UNSHARED_PREFILL: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 def _prefill_once_per_group(model, kwargs: dict, mask: torch.Tensor, group_size: int):
     """The prefill of each prompt once, its key/value cache and last logits then repeated for the G rows of its
     group: a G-th of the prefill's work (as an inference engine shares a prompt's cache among its n samples).
-    `kwargs` are the rows' forward arguments. None where the cache is not a plain key/value cache (a recurrent or no state): the
-    caller then prefills every row."""
+    `kwargs` are the rows' forward arguments. None where the cache is not a plain key/value cache (the model
+    is then remembered in _UNSHARED_PREFILL): the caller prefills every row."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     once = {k: v[::group_size] if torch.is_tensor(v) else v for k, v in kwargs.items()}
     res = model(attention_mask=mask[::group_size], **once)
     cache = returned_cache(res)
     if type(cache) is not DynamicCache or not all(type(layer) is DynamicLayer for layer in cache.layers):
+        _UNSHARED_PREFILL.add(model)
         return None
     cache.batch_repeat_interleave(group_size)
     return cache, res.logits[:, -1].float().repeat_interleave(group_size, 0)

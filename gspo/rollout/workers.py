@@ -15,10 +15,10 @@ Design (docs/scaling.md, "Asynchronous rollouts"):
   K >= 1 lets sampling overlap the update; with K = 0 the trainer waits for each batch (as it would sample
   it itself). With N > 1 and a sampler slower than the update, N steps are sampled at once.
 - Faults: a worker that raises sends its error (one line), a worker that dies (kill -9) closes its socket,
-  a worker that sends nothing for `rollout.timeout_s` (its start: at least STARTUP_S) is taken as hung: each ends the run in one line naming
-  the worker and the step (`RunFailed`, or `ConfigError` for a user's reward function), and every worker is
-  killed. Workers ignore SIGINT / SIGTERM (the trainer finishes its step and stops them) and die with the
-  trainer (Linux PR_SET_PDEATHSIG): none outlives it.
+  a worker that sends nothing for `rollout.timeout_s` (its start: at least STARTUP_S) is taken as hung:
+  each ends the run in one line naming the worker and the step (`RunFailed`, or `ConfigError` for a user's
+  reward function), and every worker is killed. Workers ignore SIGINT / SIGTERM (the trainer finishes its
+  step and stops them) and die with the trainer (Linux PR_SET_PDEATHSIG): none outlives it.
 """
 
 from __future__ import annotations
