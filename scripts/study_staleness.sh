@@ -8,7 +8,8 @@
 #     gspo           GSPO at the paper's clip range, recomputed log-probs
 #     gspo_sampler   GSPO with the behaviour policy's (sampler's) log-probs as the old policy's
 #   x SEEDS seeds each (default 5); run directories OUT/<cell>_k<K>/seed<s>; then `gspo compare --by name`: every
-#   cell against GRPO at equal K (OUT/compare_k<K>), every cell's K against its K=0 (OUT/compare_<cell>).
+#   cell against GRPO at equal K (OUT/compare_k<K>), every cell's K against its K=0 (OUT/compare_<cell>); and
+#   OUT/staleness_vs_k.png, every cell's final accuracy against K (scripts/plot_staleness.py).
 #
 #   bash scripts/study_staleness.sh                                              # the study
 #   KS="0 8" CELLS="grpo" SEEDS=1 OUT=outputs/st_pilot bash scripts/study_staleness.sh   # a pilot
@@ -62,3 +63,5 @@ done
 for cell in $CELLS; do
   $GSPO compare $(for k in $KS; do echo "$OUT/${cell}_k$k"; done) --by name --baseline "${cell}_k0" --out "$OUT/compare_$cell"
 done
+# every cell's final accuracy against K in one figure (and its numbers as a table)
+"${PYTHON:-python}" "$(dirname "$0")/plot_staleness.py" "$OUT" "$OUT/staleness_vs_k.png"

@@ -495,3 +495,28 @@ def test_the_figure_says_what_a_line_on_zero_and_a_hidden_curve_are(tmp_path):
     assert "grpo and gspo coincide" in texts(axes["reward/mean"])
     spare = [ax for ax in fig.axes if not ax.get_title() and ax.get_legend() is not None]
     assert len(spare) == 1 and "grpo (n=2)" in [t.get_text() for t in spare[0].get_legend().get_texts()]
+
+
+def test_the_staleness_figure_reads_each_cell_at_each_k(tmp_path, capsys):
+    """scripts/plot_staleness.py: a run's cell is its name less `_k<K>`, its K its config's; final acc per run
+    (the last eval after step 0), mean and t interval per (cell, K); an unfinished run is left out."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from plot_staleness import cells, main
+
+    finals = {("grpo", 0): [0.5, 0.7], ("grpo", 4): [0.2, 0.4], ("gspo_sampler", 4): [0.6, 0.6]}
+    for (cell, k), accs in finals.items():
+        for seed, a in enumerate(accs):
+            make_run(tmp_path / f"{cell}_k{k}" / f"seed{seed}", seed=seed, acc={0: 0.3, 10: 0.9, 20: a},
+                     cfg={"name": f"{cell}_k{k}", "rollout": {"staleness": k}})
+    make_run(tmp_path / "grpo_k0" / "seed2", seed=2, acc={0: 0.3, 20: 0.0}, finished=False,
+             cfg={"name": "grpo_k0", "rollout": {"staleness": 0}})
+    data, bases, lengths = cells(str(tmp_path))
+    assert data == {"grpo": {0: [0.5, 0.7], 4: [0.2, 0.4]}, "gspo_sampler": {4: [0.6, 0.6]}}
+    assert bases == [0.3] * 6 and lengths == {20}
+    main(str(tmp_path), str(tmp_path / "f.png"))
+    out = capsys.readouterr().out
+    # t_{0.975, 1} = 12.706 x s / sqrt(2), s = 0.1414: half-width 1.271
+    assert "| grpo | 0.600 ± 1.271 (2) | 0.300 ± 1.271 (2) |" in out and "| gspo_sampler | — | 0.600 ± 0.000 (2) |" in out
+    assert (tmp_path / "f.png").stat().st_size > 0
