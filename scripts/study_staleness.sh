@@ -55,13 +55,17 @@ for ((seed = 0; seed < SEEDS; seed++)); do  # seed-major: a sitting cut short st
 done | xargs -P "$JOBS" -L1 bash -c 'cell "$@"' _
 wall=$(( $(date +%s) - start ))
 echo "study wall time: ${wall} s ($JOBS jobs at a time; cells: $CELLS; K: $KS)" | tee -a "$OUT/wall_time.txt"
-# (a)-(c): each cell against GRPO at equal K, and each cell's K against its K=0 (Welch 95% intervals)
+# (a)-(c): each cell against GRPO at equal K, and each cell's K against its K=0 (Welch 95% intervals); the
+# second over every K of the cell in OUT, so that a sitting which adds a K (KS="3") compares it with the rest
 for k in $KS; do
   [[ " $CELLS " == *" grpo "* ]] || break
   $GSPO compare $(for cell in $CELLS; do echo "$OUT/${cell}_k$k"; done) --by name --baseline "grpo_k$k" --out "$OUT/compare_k$k"
 done
 for cell in $CELLS; do
-  $GSPO compare $(for k in $KS; do echo "$OUT/${cell}_k$k"; done) --by name --baseline "${cell}_k0" --out "$OUT/compare_$cell"
+  baseline=()
+  [[ -d "$OUT/${cell}_k0" ]] && baseline=(--baseline "${cell}_k0")
+  # shellcheck disable=SC2046  # one argument per run directory, none with spaces (the script names them)
+  $GSPO compare $(ls -dv "$OUT/${cell}"_k[0-9]*) --by name ${baseline[@]+"${baseline[@]}"} --out "$OUT/compare_$cell"
 done
 # every cell's final accuracy against K in one figure (and its numbers as a table)
 "${PYTHON:-python}" "$(dirname "$0")/plot_staleness.py" "$OUT" "$OUT/staleness_vs_k.png"
