@@ -52,7 +52,7 @@ def main(root: str, png: str) -> None:
             ci = mean_ci(vals)
             row.append("—" if ci is None else f"{ci[0]:.3f} ± {ci[1]:.3f} ({len(vals)})")
             if ci is not None:
-                xs.append(k + (i - 1.5) * 0.06)  # a small dodge, so that the intervals do not overlap
+                xs.append(k + (i - (len(data) - 1) / 2) * 0.06)  # a small dodge, so that the intervals do not overlap
                 ys.append(ci[0])
                 errs.append(ci[1])
         print(f"| {cell} | " + " | ".join(row) + " |")
