@@ -4,9 +4,10 @@
 
 Runs are read as `gspo compare` reads them (gspo.results.runs); a run's cell is its `name` without the
 `_k<K>` suffix that scripts/study_staleness.sh gives it, its K is its config's `rollout.staleness`. Only
-finished runs count. Per (cell, K): the mean over seeds of each run's last `eval/accuracy` after step 0 (the
-statistic `gspo compare` calls final acc) and its Student-t 95% interval (gspo.results.stats.mean_ci); the
-base's accuracy (step 0) is the dashed line. Also prints the figure's numbers as a markdown table.
+finished runs count. Per (cell, K): the mean over seeds of each run's final acc (its last `eval/accuracy`
+after step 0: `gspo compare`'s own per-run statistic, gspo.results.compare.run_stats) and its Student-t 95%
+interval (gspo.results.stats.mean_ci); the base's accuracy (step 0) is the dashed line. Also prints the
+figure's numbers as a markdown table.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import re
 import sys
 
-from gspo.results.runs import ACC, load_runs, lookup
+from gspo.results.compare import run_stats
+from gspo.results.runs import load_runs, lookup
 from gspo.results.stats import mean_ci
 
 
@@ -25,13 +27,14 @@ def cells(root: str) -> tuple[dict[str, dict[int, list[float]]], list[float], se
     bases: list[float] = []
     lengths: set[int] = set()
     for run in runs:
-        steps, acc = run.series(ACC)
-        if not run.finished or not (steps > 0).any():
+        stats = run_stats(run, None)
+        if not run.finished or stats["final_acc"] is None:
             continue
         k = int(lookup(run.config, "rollout.staleness"))
         cell = re.sub(rf"_k{k}$", "", str(lookup(run.config, "name")))
-        out.setdefault(cell, {}).setdefault(k, []).append(float(acc[steps > 0][-1]))
-        bases += [float(a) for a in acc[steps == 0]]
+        out.setdefault(cell, {}).setdefault(k, []).append(stats["final_acc"])
+        if stats["base_acc"] is not None:
+            bases.append(stats["base_acc"])
         lengths.add(int(lookup(run.config, "train.steps")))
     return out, bases, lengths
 

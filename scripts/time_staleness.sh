@@ -21,7 +21,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
     # shellcheck disable=SC2086  # OV values and GSPO are word lists
     $GSPO train +experiment=staleness algo=grpo algo.beta=0 train.steps=20 eval.every=0 task.eval_size=8 ${OV[$side]} \
       logger.progress=false "hydra.run.dir=$dir" >"$dir.log" 2>&1 || { echo "FAILED $side (see $dir.log)"; continue; }
-    python - "$dir" "$side" <<'PY'
+    "${PYTHON:-python}" - "$dir" "$side" <<'PY'
 import json, sys
 d, side = sys.argv[1], sys.argv[2]
 rows = [r for r in map(json.loads, open(d + "/metrics.jsonl")) if "time/step_s" in r][2:]

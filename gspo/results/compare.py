@@ -240,7 +240,10 @@ def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
     return warnings
 
 
-def _run_stats(run: Run, target: float | None) -> dict[str, float | None]:
+def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
+    """One run's statistics, as the table shows them: base / final / best held-out accuracy (final and best
+    after step 0), the first step at `target` accuracy, the reward over its last 10% of steps, and the means
+    (maxima) of the clip, KL, ratio, routing and time metrics over its training steps; None where not logged."""
     steps, acc = run.series(ACC)
     ok = np.isfinite(acc)
     steps, acc = steps[ok], acc[ok]
@@ -284,7 +287,7 @@ def accuracy_target(groups: Sequence[Group], threshold: float | None) -> tuple[f
     """
     if threshold is not None:
         return float(threshold), f"Steps to target: first step with eval/accuracy >= {threshold:g} (given)."
-    bases = [_run_stats(r, None)["base_acc"] for g in groups for r in g.runs]
+    bases = [run_stats(r, None)["base_acc"] for g in groups for r in g.runs]
     base = Stat.of(bases).mean
     curves = [g.curve(ACC) for g in groups]
     best = max((float(np.nanmax(c.mean)) for c in curves if c is not None and np.isfinite(c.mean).any()),
@@ -297,7 +300,7 @@ def accuracy_target(groups: Sequence[Group], threshold: float | None) -> tuple[f
 
 
 def summarize_group(group: Group, target: float | None) -> dict[str, Any]:
-    stats = [_run_stats(r, target) for r in group.runs]
+    stats = [run_stats(r, target) for r in group.runs]
     last = [r.last_step for r in group.runs]
     row: dict[str, Any] = {
         "group": group.label,
