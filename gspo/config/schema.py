@@ -88,8 +88,8 @@ class ModelConfig:
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
+    num_kv_heads: int = 1
+    head_dim: int = 32  # vLLM's CPU attention takes head sizes 32, 64, 80, ... (not 16): every preset runs under the engine
     intermediate_size: int = 128  # dense MLP width (qwen3)
     num_experts: int = 8  # qwen3_moe
     top_k: int = 2  # qwen3_moe: experts per token
