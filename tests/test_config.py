@@ -150,7 +150,7 @@ BAD_VALUES = [
     (["algo.overlong_buffer=6"], "algo.overlong_buffer=6"),  # more than rollout.max_new_tokens=5
     (["algo.overlong_penalty=-1"], "algo.overlong_penalty=-1"),
     (["model.top_k=9"], "model.top_k=9"),  # 8 experts
-    (["model.num_heads=3"], "model.num_heads=3"),  # 2 KV heads
+    (["model.num_heads=3", "model.num_kv_heads=2"], "model.num_heads=3"),
     (["model.num_layers=0"], "model.num_layers=0"),
     (["model.router_aux_loss_coef=-1"], "model.router_aux_loss_coef=-1"),
     (["model.warm_start.steps=-1"], "model.warm_start.steps=-1"),
