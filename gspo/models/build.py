@@ -136,12 +136,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={path}: not a Hugging Face checkpoint directory (no config.json there)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:  # gspo.config.checks.model_dir_problem catches the usual cases before work
-        raise ConfigError(f"model.path={path}: the tokenizer does not load ({str(e).splitlines()[0]})") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(path)
     config = AutoConfig.from_pretrained(path)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ConfigError(f"model.path={path}: {type(config).__name__} has no causal-LM class in transformers "
@@ -159,6 +154,17 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32, attn: 
         log(f"gspo: {model_class.__name__} transforms its LM head's logits (soft-cap, scale ...): "
             "log-probs are read off its own logits, not computed chunk by chunk")
     return model, tokenizer
+
+
+def load_tokenizer(path: str | Path):
+    """A checkpoint's tokenizer, padding with its EOS when it has no pad token."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:  # gspo.config.checks.model_dir_problem catches the usual cases before work
+        raise ConfigError(f"model.path={path}: the tokenizer does not load ({str(e).splitlines()[0]})") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def tokenizer_encode(cfg, task):

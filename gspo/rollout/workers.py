@@ -25,24 +25,20 @@ from __future__ import annotations
 
 import glob
 import os
-import pickle
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from dataclasses import dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from gspo.config.errors import ConfigError, RunFailed
+from gspo.config.errors import RunFailed
 from gspo.models import adapters
 from gspo.rollout.batch import Batch
+from gspo.rollout.child import Child
+from gspo.rollout.vllm_engine import environment
 from gspo.rollout.source import Collected
 
 PREFIX = "gspo-weights-"
@@ -81,14 +77,6 @@ class _Slot:
     written: bool = False  # the frozen (LoRA base) weights are in it
 
 
-@dataclass
-class _Worker:
-    index: int
-    proc: subprocess.Popen
-    conn: Connection
-    jobs: list[int] = field(default_factory=list)  # steps sent, not yet delivered
-
-
 class WorkerPool:
     """`rollout.workers=N` processes sampling step t's batch with the weights after step t-1-`staleness`."""
 
@@ -96,7 +84,7 @@ class WorkerPool:
                  timeout_s: float, rank: int = 0):
         self.spec, self.N, self.K, self.last, self.dtype = spec, n_workers, staleness, last_step, dtype
         self.timeout_s, self.rank = timeout_s, rank
-        self.workers: list[_Worker] = []
+        self.workers: list[Child] = []
         self.slots: list[_Slot] = []
         self.layout: list = []
         self.version = 0
@@ -110,19 +98,13 @@ class WorkerPool:
         _remove_stale_slots()
         self.version = start
         self.layout = layout_of(model)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_root(), os.environ.get("PYTHONPATH")]))}
-        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-            env.pop(k, None)  # a worker is no rank of the trainer's process group
         for i in range(self.N):
-            ours, theirs = socket.socketpair()  # a private channel: nothing else can connect to it
-            proc = subprocess.Popen([sys.executable, "-m", "gspo.rollout.worker", str(theirs.fileno())], env=env,
-                                    pass_fds=(theirs.fileno(),))
-            theirs.close()
-            self.workers.append(_Worker(i, proc, Connection(ours.detach())))
-            self._send(self.workers[-1], ("spec", {**self.spec, "worker": i, "layout": self.layout,
-                                                   "dtype": str(self.dtype).removeprefix("torch.")}))
+            self.workers.append(Child(f"rollout worker {i}", "gspo.rollout.worker", {
+                **self.spec, "worker": i, "layout": self.layout, "dtype": str(self.dtype).removeprefix("torch.")},
+                on_fail=self.kill, stopped="; every worker was stopped",
+                env=environment(self.spec["engine"]["threads"]) if "engine" in self.spec else None))
         for w in self.workers:  # starting is importing torch and building the model: slow on a busy machine
-            self._expect(w, "ready", step=None, timeout_s=max(self.timeout_s, STARTUP_S))
+            w.expect("ready", None, max(self.timeout_s, STARTUP_S), f"rollout.timeout_s={self.timeout_s:g}")
         for step, item in pending.items():
             self.done[int(step)] = (Batch.from_state(item["batch"]), dict(item["metrics"]), int(item["version"]))
         first = [s for s in range(start + 1, min(start + self.K + 1, self.last) + 1) if s not in self.done]
@@ -133,30 +115,17 @@ class WorkerPool:
 
     def close(self) -> None:
         for w in self.workers:
-            try:
-                self._send(w, ("stop",))
-            except (OSError, RunFailed):
-                pass
-        deadline = time.time() + 10
-        for w in self.workers:
-            try:
-                w.proc.wait(max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
-            w.conn.close()
+            w.stop()
         self.workers = []
-        for slot in self.slots:
-            Path(slot.path).unlink(missing_ok=True)
-        self.slots = []
+        self._free_slots()
 
     def kill(self) -> None:
         for w in self.workers:
-            if w.proc.poll() is None:
-                w.proc.kill()
-        for w in self.workers:
-            w.proc.wait()
+            w.kill()
         self.workers = []
+        self._free_slots()
+
+    def _free_slots(self) -> None:
         for slot in self.slots:
             Path(slot.path).unlink(missing_ok=True)
         self.slots = []
@@ -206,74 +175,22 @@ class WorkerPool:
         slot.users += 1
         self.slot_of[step], self.version_of[step] = slot, self.version
         w.jobs.append(step)
-        self._send(w, ("job", step, self.version, slot.path))
-
-    def _send(self, w: _Worker, message) -> None:
-        try:
-            w.conn.send_bytes(pickle.dumps(message))
-        except OSError:  # it is gone: its last words (an error it sent before exiting) say why, if it had any
-            at = w.jobs[0] if w.jobs else None
-            while w.conn.poll(0):
-                self._recv(w, at)  # raises on its error message, or on the end of the stream
-            raise self._fail(RunFailed(self._died(w, at))) from None
-
-    def _expect(self, w: _Worker, kind: str, step: Optional[int], timeout_s: Optional[float] = None) -> tuple:
-        timeout_s = timeout_s or self.timeout_s
-        if not w.conn.poll(timeout_s):
-            raise self._fail(RunFailed(f"rollout worker {w.index}: nothing from it for {timeout_s:g} s{_at(step)} "
-                                       f"(hung? rollout.timeout_s={self.timeout_s:g}); every worker was stopped"))
-        message = self._recv(w, step)
-        if message[0] != kind:
-            raise self._fail(RunFailed(f"rollout worker {w.index}: expected {kind!r}, got {message[0]!r}"))
-        return message
-
-    def _recv(self, w: _Worker, step: Optional[int]) -> tuple:
-        try:
-            message = pickle.loads(w.conn.recv_bytes())
-        except (EOFError, OSError):
-            raise self._fail(RunFailed(self._died(w, step))) from None
-        if message[0] == "error":  # the worker's own exception, in one line
-            _, at, kind, text, users = message
-            error = (ConfigError if users else RunFailed)(f"rollout worker {w.index}{_at(at)}: {kind}: {text}")
-            raise self._fail(error)
-        return message
+        w.send(("job", step, self.version, slot.path), step)
 
     def _receive(self, step: int) -> None:
         """Wait for the next delivery from any worker (up to rollout.timeout_s for the one that owes `step`)."""
         owner = self.workers[(step - 1) % self.N]
         ready = wait([w.conn for w in self.workers], timeout=self.timeout_s)
         if not ready:
-            raise self._fail(RunFailed(f"rollout worker {owner.index}: step {step}'s batch did not come within "
+            raise owner.fail(RunFailed(f"{owner.name}: step {step}'s batch did not come within "
                                        f"rollout.timeout_s={self.timeout_s:g} s (hung?); every worker was stopped"))
         for w in self.workers:
             if w.conn in ready:
-                _, got, version, state, metrics, timing = self._recv(w, w.jobs[0] if w.jobs else step)
+                _, got, version, state, metrics, timing = w.recv(w.jobs[0] if w.jobs else step)
                 w.jobs.remove(got)
                 self.slot_of.pop(got).users -= 1
                 self.version_of.pop(got)
                 self.done[got] = (Batch.from_state(state), metrics | timing, version)
-
-    def _died(self, w: _Worker, step: Optional[int]) -> str:
-        try:
-            code = w.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None
-        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
-               f"exit code {code}" if code is not None else "its connection closed")
-        return f"rollout worker {w.index} (pid {w.proc.pid}) died{_at(step)} ({how}); every worker was stopped"
-
-    def _fail(self, error: Exception) -> Exception:
-        self.kill()
-        return error
-
-
-def _at(step: Optional[int]) -> str:
-    return f" while sampling step {step}" if step is not None else ""
-
-
-def _root() -> str:
-    """The directory gspo is imported from (a worker must import the same gspo)."""
-    return str(Path(__file__).resolve().parents[2])
 
 
 def _remove_stale_slots() -> None:

@@ -1,0 +1,163 @@
+"""A process gspo starts to sample for it (a rollout worker, the inference engine): both ends of its socket.
+
+The trainer's end (`Child`): a plain subprocess, `python -m <module> FD` (not multiprocessing's spawn, which
+re-imports the parent's main module), on one end of a private socket pair (nothing else can connect to it),
+messages pickled tuples whose first item is their kind. Its failures become one line for the run's user:
+an error the child sends (its own exception, `("error", step, kind, text, users)`: a `ConfigError` when the
+user's code or config caused it), its death (the socket closes: killed, crashed), its silence for longer than
+the timeout (hung). Before raising, `on_fail` runs (the owner kills every child it has): no child outlives a
+failure.
+
+The child's end (`serve`): ignores SIGINT / SIGTERM (the trainer finishes its step and stops it), dies with
+the trainer (PR_SET_PDEATHSIG), sends "ready" once its start-up is done, answers each message in order, and
+sends its own exception back as one line before exiting.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Callable, Optional
+
+from gspo.config.errors import ConfigError, RunFailed
+
+# torchrun's variables: a child is no rank of the trainer's process group
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+class Child:
+    """The trainer's end of one child process. `name` opens every line it raises ("rollout worker 0"), `stopped`
+    ends the lines about its death or silence (what `on_fail` did: "; every worker was stopped")."""
+
+    def __init__(self, name: str, module: str, spec: dict, on_fail: Callable[[], None], stopped: str = "",
+                 env: Optional[dict] = None):
+        self.name, self.on_fail, self.stopped = name, on_fail, stopped
+        self.jobs: list = []  # what it was asked and has not answered yet (a worker's steps)
+        full = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root(), os.environ.get("PYTHONPATH")])),
+                **(env or {})}
+        for k in RANK_VARS:
+            full.pop(k, None)
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], env=full,
+                                     pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.send(("spec", spec))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, message: tuple, step: Optional[int] = None) -> None:
+        try:
+            self.conn.send_bytes(pickle.dumps(message))
+        except OSError:  # it is gone: its last words (an error it sent before exiting) say why, if it had any
+            at = step if step is not None else (self.jobs[0] if self.jobs else None)
+            while self.conn.poll(0):
+                self.recv(at)  # raises on its error message, or on the end of the stream
+            raise self.fail(RunFailed(self.died(at))) from None
+
+    def recv(self, step: Optional[int]) -> tuple:
+        """The next message (blocking); its error or its death raised as the run's failure at `step`."""
+        try:
+            message = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise self.fail(RunFailed(self.died(step))) from None
+        if message[0] == "error":  # the child's own exception, in one line
+            _, at, kind, text, users = message
+            raise self.fail((ConfigError if users else RunFailed)(f"{self.name}{at_step(at)}: {kind}: {text}"))
+        return message
+
+    def expect(self, kind: str, step: Optional[int], timeout_s: float, hint: str = "") -> tuple:
+        """The next message, which must be of `kind`, within `timeout_s` (else the child is taken as hung; `hint`
+        goes in the line: the setting that bounds the wait)."""
+        if not self.conn.poll(timeout_s):
+            raise self.fail(RunFailed(f"{self.name}: nothing from it for {timeout_s:g} s{at_step(step)} "
+                                      f"(hung?{' ' + hint if hint else ''}){self.stopped}"))
+        message = self.recv(step)
+        if message[0] != kind:
+            raise self.fail(RunFailed(f"{self.name}: expected {kind!r}, got {message[0]!r}"))
+        return message
+
+    def died(self, step: Optional[int]) -> str:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
+               f"exit code {code}" if code is not None else "its connection closed")
+        return f"{self.name} (pid {self.pid}) died{at_step(step)} ({how}){self.stopped}"
+
+    def fail(self, error: Exception) -> Exception:
+        self.on_fail()
+        return error
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Ask it to stop; kill it if it has not within `wait_s`."""
+        try:
+            self.send(("stop",))
+        except (OSError, RunFailed, ConfigError):
+            pass
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.conn.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def at_step(step: Optional[int]) -> str:
+    return f" while sampling step {step}" if step is not None else ""
+
+
+def root() -> str:
+    """The directory gspo is imported from (a child must import the same gspo)."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def serve(fd: int, start: Callable[[dict], Callable[[tuple], Optional[tuple]]]) -> int:
+    """The child's main loop on socket `fd`: `start(spec)` builds its state and returns the handler that answers
+    each later message (a reply tuple, or None for none); ("stop",) ends it. Returns the exit code.
+
+    A message whose second item is an int names the step it serves: an error while handling it says so."""
+    from gspo.config.processes import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C or SIGTERM reaches the trainer, which stops us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent()
+    conn = Connection(fd)
+    send = lambda message: conn.send_bytes(pickle.dumps(message))  # noqa: E731
+    step = None
+    try:
+        _, spec = pickle.loads(conn.recv_bytes())
+        handle = start(spec)
+        send(("ready",))
+        while True:
+            message = pickle.loads(conn.recv_bytes())
+            if message[0] == "stop":
+                return 0
+            step = message[1] if len(message) > 1 and isinstance(message[1], int) else None
+            reply = handle(message)
+            if reply is not None:
+                send(reply)
+            step = None
+    except (EOFError, OSError, KeyboardInterrupt):  # the trainer is gone: so are we
+        return 1
+    except Exception as e:
+        try:
+            users = isinstance(e, ConfigError)
+            send(("error", step, type(e).__name__, " ".join(str(e).split()), users))
+        except Exception:
+            pass
+        return 1
+
