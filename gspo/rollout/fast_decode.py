@@ -79,6 +79,8 @@ def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
     for both families (tests/test_fast_decode.py), and it was faster on every CPU benchmark
     (docs/benchmarks.md).
     """
+    if engine == "vllm":  # the trainer's own model decodes (evaluation): gspo's engines, as `auto` picks them
+        engine = "auto"
     if engine not in ENGINES:
         raise ValueError(f"rollout.engine={engine!r}: expected one of {', '.join(ENGINES)}")
     if engine == "hf":

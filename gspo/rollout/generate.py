@@ -179,7 +179,12 @@ def generate(
     `engine` (`rollout.engine`): `hf` decodes through the model's forward; `fast` (and `auto`) through
     gspo/rollout/fast_decode.py where it supports the model, sampling the same tokens; else `hf`.
     `keep_topk` (`rollout.keep_topk`): also keep each position's k most likely tokens and their log-probs.
+    `model` may also be an inference engine (`rollout.engine=vllm`, gspo/rollout/engine.py): it samples the
+    same kind of Rollout by itself.
     """
+    if hasattr(model, "sample_rollout"):
+        return model.sample_rollout(tokenizer, prompts, group_size, max_new_tokens, temperature, top_p, greedy,
+                                    generator, chat_template, capture_routing, keep_topk)
     device = next(model.parameters()).device
     eos, pad = stop_ids(model, tokenizer).to(device), tokenizer.pad_token_id
     encoded = encode_prompts(tokenizer, prompts, chat_template)
@@ -263,18 +268,37 @@ def generate(
     if bool(nonfinite.any()):  # HF's sampler raises on these too: never train on tokens drawn from NaN
         raise NonFiniteLogits(f"the sampler's logits were not finite (NaN or inf) in {int(nonfinite.sum())} of {n} "
                               "rows; stopping before training on them")
-    out = out[:, : t + 1]
-    # completion tokens: everything up to and including the first EOS
+    width = t + 1
+    routing = None if trace is None else trace.batch(n)  # the last sampled token was never routed: -1
+    return finish(tokenizer, ids, mask, out[:, :width], eos, group_size, routing=routing,
+                  sampler_logp=None if greedy else sampler_logp[:, :width], kept=None if kept is None else kept[:, :width],
+                  topk_ids=None if topk_ids is None else topk_ids[:, :width],
+                  topk_logp=None if topk_logp is None else topk_logp[:, :width])
+
+
+def finish(tokenizer, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, eos: torch.Tensor, group_size: int,
+           routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None, sampler_logp: Optional[torch.Tensor] = None,
+           kept: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
+           topk_logp: Optional[torch.Tensor] = None) -> Rollout:
+    """The `Rollout` of sampled completions, whichever engine drew them.
+
+    ids, mask (N, P): the left-padded prompts, rows group-contiguous; out (N, T): the sampled tokens, padding
+    after a row's stop token (the stop token itself is the row's last completion token); the per-token tensors
+    (N, T) or (N, T, k) aligned with `out`; routing: (expert ids (N, W, L, k), router log-probs (N, W, L, E)) over
+    the prompt and completion positions, W <= P + T (positions never routed: -1 / 0).
+    """
+    # completion tokens: everything up to and including the first stop token
     is_eos = torch.isin(out, eos)
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
     comp_mask = (~after_eos).float()
-    if check_every > 1 and bool((comp_mask.sum(0) == 0).any()):  # trailing columns where every row had ended
+    if bool((comp_mask.sum(0) == 0).any()):  # trailing columns where every row had ended
         width = int((comp_mask.sum(0) > 0).nonzero().max()) + 1
-        out, comp_mask = out[:, :width], comp_mask[:, :width]
+        out, comp_mask, is_eos = out[:, :width], comp_mask[:, :width], is_eos[:, :width]
+    T = out.shape[1]
     truncated = ~is_eos.any(-1)
     # the text the model wrote before its EOS, special tokens and all: a sampled <pad> stays in it, and makes the row ill-formed
     body = comp_mask.bool() & ~is_eos
-    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=device)
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=out.device)
     ill_formed = (torch.isin(out, special) & body).any(-1).cpu()
     bodies = [row[m].tolist() for row, m in zip(out.cpu(), body.cpu())]
     texts = tokenizer.batch_decode(bodies, skip_special_tokens=False)
@@ -282,28 +306,26 @@ def generate(
     clean = list(texts)
     for i in ill_formed.nonzero().flatten().tolist():
         clean[i] = tokenizer.decode(bodies[i], skip_special_tokens=True)
-    routing = router_logp = None
-    if trace is not None:
-        # (N, P+T, L, k); the last sampled token was never routed: -1 (replay routes it live)
-        width = p + out.shape[1]
-        routing, router_logp = (_fit(x[:, :width], width, pad) for x, pad in zip(trace.batch(n), (-1, 0.0)))
+    width = ids.shape[1] + T
+    if routing is not None:
+        routing = tuple(_fit(x[:, :width], width, pad) for x, pad in zip(routing, (-1, 0.0)))
     return Rollout(
         input_ids=torch.cat([ids, out], 1),
         attention_mask=torch.cat([mask, comp_mask.long()], 1),
         completion_mask=comp_mask,
         truncated=truncated,
-        prompt_len=p,
+        prompt_len=ids.shape[1],
         texts=texts,
-        prompt_index=torch.arange(len(prompts)).repeat_interleave(group_size),
-        pad_id=pad,
-        routing=routing,
-        router_logp=router_logp,
+        prompt_index=torch.arange(len(ids) // group_size).repeat_interleave(group_size),
+        pad_id=tokenizer.pad_token_id,
+        routing=None if routing is None else routing[0],
+        router_logp=None if routing is None else routing[1],
         ill_formed=ill_formed,
         clean_texts=clean,
-        sampler_logp=None if greedy else sampler_logp[:, : out.shape[1]] * comp_mask,
-        kept_mass=None if kept is None else torch.where(comp_mask.bool(), kept[:, : out.shape[1]], 1.0),
-        topk_ids=None if topk_ids is None else topk_ids[:, : out.shape[1]],
-        topk_logp=None if topk_logp is None else topk_logp[:, : out.shape[1]] * comp_mask[..., None],
+        sampler_logp=None if sampler_logp is None else sampler_logp[:, :T] * comp_mask,
+        kept_mass=None if kept is None else torch.where(comp_mask.bool(), kept[:, :T], 1.0),
+        topk_ids=None if topk_ids is None else topk_ids[:, :T] * comp_mask.long()[..., None],
+        topk_logp=None if topk_logp is None else topk_logp[:, :T] * comp_mask[..., None],
     )
 
 

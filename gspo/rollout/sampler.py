@@ -10,8 +10,9 @@ own copy from its own (identical) replica; FSDP2 shards the trainer's weights, s
 combination is refused (`check`).
 
 The copy is built the way the trainer would be in that precision: its parameters cast, its
-buffers (rotary tables) as loaded. Evaluation still runs on the trainer's model: it scores the
-policy being trained, not its low-precision copy.
+buffers (rotary tables) as loaded. With `rollout.engine=vllm` the sampler is the vLLM inference
+engine itself, in `rollout.dtype` (gspo/rollout/engine.py). Evaluation still runs on the trainer's
+model: it scores the policy being trained, not its low-precision copy or the engine's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -33,8 +34,9 @@ def sampler_dtype(cfg) -> str:
 
 
 def separate(cfg) -> bool:
-    """Whether a copy of the policy in another precision samples (rollout.dtype != hardware.dtype)."""
-    return sampler_dtype(cfg) != cfg.hardware.dtype
+    """Whether something other than the trainer's model samples: an inference engine (rollout.engine=vllm), or a
+    copy of the policy in another precision (rollout.dtype != hardware.dtype)."""
+    return cfg.rollout.engine == "vllm" or sampler_dtype(cfg) != cfg.hardware.dtype
 
 
 def old_logprobs_mode(cfg) -> str:
@@ -43,8 +45,8 @@ def old_logprobs_mode(cfg) -> str:
     `auto`: the sampler's when the sampler IS the float32 trainer, where they equal a recomputed
     forward to ~1e-6 per token (tests/test_logprobs.py), so the old-policy pass is wasted work; a
     recomputed pass whenever the two differ (a bf16/fp16 trainer, whose sampling and training kernels
-    disagree by more than GSPO's clip range, docs/benchmarks.md, a sampler in another precision, or a batch
-    sampled `rollout.staleness` steps ago).
+    disagree by more than GSPO's clip range, docs/benchmarks.md, a sampler in another precision, an inference
+    engine, or a batch sampled `rollout.staleness` steps ago).
     """
     mode = cfg.rollout.old_logprobs
     if mode != "auto":
@@ -57,6 +59,12 @@ def old_logprobs_mode(cfg) -> str:
 
 def check(cfg) -> None:
     """Refuse what a separate sampler cannot do (called by gspo.train.checks.check)."""
+    if cfg.rollout.engine == "vllm":
+        from gspo.rollout.engine import check as check_engine
+
+        check_engine(cfg, on_cpu=cfg.hardware.device == "cpu" or (cfg.hardware.device == "auto"
+                                                                 and not torch.cuda.is_available()))
+        return
     if separate(cfg) and cfg.hardware.strategy == "fsdp":
         raise ConfigError(f"rollout.dtype={cfg.rollout.dtype}: a sampler in another precision than the trainer "
                           f"({cfg.hardware.dtype}) is not supported with hardware.strategy=fsdp (sharded weights); "
@@ -67,13 +75,20 @@ class Sampler:
     """The trainer's own model as the sampler: nothing to copy or sync."""
 
     @staticmethod
-    def for_run(model: torch.nn.Module, cfg) -> "Sampler":
-        """`model` itself, or a `_Copy` in `rollout.dtype` when that differs from the trainer's."""
+    def for_run(model: torch.nn.Module, cfg, engine: Optional[Callable[[], "Sampler"]] = None) -> "Sampler":
+        """`model` itself, a `_Copy` in `rollout.dtype` when that differs from the trainer's, or with
+        `rollout.engine=vllm` what `engine()` starts (gspo/rollout/engine.py `EngineSampler`)."""
+        if cfg.rollout.engine == "vllm":
+            return engine()
         return _Copy(model, getattr(torch, sampler_dtype(cfg))) if separate(cfg) else Sampler()
 
-    def sync(self, model: torch.nn.Module) -> dict[str, float]:
-        """Refresh the sampler from the trainer's weights; its metrics (`time/weight_sync_s`)."""
+    def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
+        """Refresh the sampler from the trainer's weights before it samples `step`'s batch; its metrics
+        (`time/weight_sync_s`)."""
         return {}
+
+    def close(self) -> None:
+        """Release what the sampler holds (an engine's process)."""
 
     @contextlib.contextmanager
     def serve(self, model: torch.nn.Module, dist) -> Iterator[torch.nn.Module]:
@@ -94,7 +109,7 @@ class _Copy(Sampler):
         self.module.eval()
 
     @torch.no_grad()
-    def sync(self, model: torch.nn.Module) -> dict[str, float]:
+    def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
         """Copy what training changes into the copy, cast to its precision: every weight, or under LoRA only the
         adapted ones, W0 + ΔW from the adapters' factors (`adapters.merged_parameters`: no merged model built)."""
         t0 = time.time()

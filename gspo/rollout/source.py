@@ -52,9 +52,9 @@ def threads(n: int) -> Iterator[None]:
 class Inline:
     """Sampling in the trainer's process (`rollout.workers=0`), `staleness` steps behind, exactly."""
 
-    def __init__(self, collect_step: Callable[[int], Collected], sync: Callable[[torch.nn.Module], dict],
-                 staleness: int, last_step: int, sample_threads: int = 0):
-        self.collect_step, self.sync, self.K, self.last = collect_step, sync, staleness, last_step
+    def __init__(self, collect_step: Callable[[int], Collected], sampler, staleness: int, last_step: int,
+                 sample_threads: int = 0):
+        self.collect_step, self.sampler, self.K, self.last = collect_step, sampler, staleness, last_step
         self.sample_threads = sample_threads
         self.ahead: dict[int, tuple[Batch, dict, int]] = {}  # step -> (batch, metrics, version)
         self.version = 0  # the update the current weights stand after
@@ -62,7 +62,7 @@ class Inline:
     def _sample(self, step: int, model) -> dict:
         """Sample step `step`'s batch with the current weights; the sync's metrics and the seconds it took."""
         t0 = time.time()
-        synced = self.sync(model)
+        synced = self.sampler.sync(model, step)
         with threads(self.sample_threads):
             batch, metrics = self.collect_step(step)
         self.ahead[step] = (batch, metrics, self.version)
@@ -97,6 +97,7 @@ class Inline:
 
     def close(self) -> None:
         self.ahead.clear()
+        self.sampler.close()  # an inference engine's process stops with the run
 
 
 def pending_of(state: dict, rank: int) -> dict[int, dict]:

