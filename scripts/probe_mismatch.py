@@ -1,13 +1,16 @@
 """The sampler/trainer mismatch of a config's starting policy, before any update (docs/results.md).
 
 Samples rollout batches from the warm-started base with the config's sampler (`rollout.dtype`, e.g. the
-bf16 copy of `+experiment=moe_mismatch`), recomputes the same tokens with the float32 trainer, and prints
-one JSON line: per-token |delta log p|, KL, ratio extremes, the (token, MoE layer) routing mismatch, and
-the share of sequences (tokens) that GSPO's (GRPO's) clip range and the corrections' bands would clip or
-mask on mismatch alone, i.e. when the sampler's log-probs serve as the old policy's.
+bf16 copy of `+experiment=moe_mismatch`; with `rollout.engine=vllm` the vLLM engine in that precision),
+recomputes the same tokens with the trainer in `hardware.dtype`, and prints one JSON line: per-token
+|delta log p|, KL, ratio extremes, the (token, MoE layer) routing mismatch, and the share of sequences
+(tokens) that GSPO's (GRPO's) clip range and the corrections' bands would clip or mask on mismatch alone,
+i.e. when the sampler's log-probs serve as the old policy's.
 
     python scripts/probe_mismatch.py                                  # +experiment=moe_mismatch, 4 batches
     python scripts/probe_mismatch.py +experiment=moe_mismatch rollout.dtype=float16 --batches 2
+    python scripts/probe_mismatch.py +experiment=engine_mismatch      # the bf16 vLLM engine (engine's venv)
+    python scripts/probe_mismatch.py +experiment=engine_mismatch hardware.dtype=bfloat16   # a bf16 trainer
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
 from gspo.config.loading import compose
 from gspo.models import moe
 from gspo.models.build import load_pretrained
+from gspo.rollout import engine
 from gspo.rollout.generate import generate, token_logprobs
 from gspo.rollout.sampler import Sampler
 from gspo.tasks import build_task
@@ -34,12 +38,16 @@ CLIP_RANGES = {"gspo_paper": (3e-4, 4e-4), "gspo_wide": (3e-3, 4e-3), "grpo": (0
 
 def probe(cfg, batches: int) -> dict:
     task = build_task(cfg.task)
-    model, tok = load_pretrained(base_model(cfg, task, log=lambda m: None), torch.float32,
-                                 cfg.model.attn_implementation, cfg.model.experts_implementation)
+    base = base_model(cfg, task, log=lambda m: None)
+    model, tok = load_pretrained(base, getattr(torch, cfg.hardware.dtype), cfg.model.attn_implementation,
+                                 cfg.model.experts_implementation)
     device = distributed.device_of(cfg.hardware)  # hardware=gpu: the mismatch of GPU kernels, not the CPU's
     model.to(device).eval()
-    sampler = Sampler.for_run(model, cfg)
     is_moe = moe.is_moe(model)
+    sampler = Sampler.for_run(model, cfg, engine=lambda: engine.start(
+        cfg, model, tok, base, cfg.rollout.prompts_per_step * cfg.rollout.group_size, torch.get_num_threads(),
+        routing=is_moe, on_cpu=device.type == "cpu"))
+    sampler.sync(model)
     rows: dict[str, list[float]] = {}
     seq_logratio, tok_logratio = [], []
     for b in range(1, batches + 1):
@@ -70,8 +78,9 @@ def probe(cfg, batches: int) -> dict:
         out[f"tok_outside_clip/{name}"] = float(((toks < 1 - lo) | (toks > 1 + hi)).float().mean())
     out["tok_outside/icepop_0.5_5"] = float(((toks < 0.5) | (toks > 5)).float().mean())
     out["seq_outside/geometric_0.99_1.01"] = float(((seq < 0.99) | (seq > 1.01)).float().mean())
+    sampler.close()
     out |= {"sequences": len(seq), "tokens": len(toks), "sampler": cfg.rollout.dtype or cfg.hardware.dtype,
-            "trainer": cfg.hardware.dtype, "model": cfg.model.name}
+            "engine": cfg.rollout.engine, "trainer": cfg.hardware.dtype, "model": cfg.model.name}
     return out
 
 

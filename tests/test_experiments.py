@@ -44,6 +44,14 @@ def test_moe_mismatch_is_the_wide_moe_sampled_in_bf16_and_trained_in_float32():
     assert compose(["+experiment=moe_mismatch", "rollout.dtype=float16"]).rollout.dtype == "float16"
 
 
+def test_engine_mismatch_is_moe_mismatch_sampled_by_the_bf16_engine():
+    cfg, copy = compose(["+experiment=engine_mismatch"]), compose(["+experiment=moe_mismatch"])
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.dtype == "bfloat16" and cfg.hardware.dtype == "float32"
+    for group in ("model", "task", "train", "eval", "reward", "algo"):
+        assert cfg[group] == copy[group], group
+    assert {k: v for k, v in cfg.rollout.items() if k != "engine"} == {k: v for k, v in copy.rollout.items() if k != "engine"}
+
+
 def test_a_sampler_copy_under_fsdp_is_refused_in_one_line():
     out = _error(["train", "hardware=cpu-ddp", "hardware.strategy=fsdp", "rollout.dtype=bfloat16"])
     assert "rollout.dtype=bfloat16" in out and "fsdp" in out

@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55=", "3+4="]
 ENGINE = {"model.head_dim": 32, "rollout.engine": "vllm"}  # vLLM's CPU attention takes head sizes 32, 64, ...
+BF16 = torch.cpu._is_avx512_bf16_supported()  # the CPU build's bf16 kernels; the CPU model varies between machines
 
 
 def opts(cache_dir, **extra) -> list[str]:
@@ -148,7 +149,7 @@ def test_a_run_with_the_engine_is_a_function_of_its_seed_wherever_the_engine_run
     assert no_engine_left()
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="vLLM's CPU bf16 kernels need AVX512-BF16")
+@pytest.mark.skipif(not BF16, reason="vLLM's CPU bf16 kernels need AVX512-BF16")
 def test_a_bf16_engine_shows_its_mismatch_and_r3_replays_its_routing(tmp_path, cache_dir):
     train(compose(opts(cache_dir, **{"rollout.dtype": "bfloat16", "moe.routing_replay": "R3", "algo": "grpo"})),
           tmp_path / "run")
@@ -175,6 +176,19 @@ def test_gspo_trains_on_the_engines_log_probs(tmp_path, cache_dir):
                                      "train.steps": 2})), tmp_path / "run")
     rows = steady(tmp_path / "run")
     assert "rollout/logprob_abs_diff_max" not in rows[1] and rows[2]["rollout/logprob_abs_diff_max"] < 1e-4
+
+
+def test_the_engine_mismatch_experiment_runs(tmp_path, cache_dir):
+    """`+experiment=engine_mismatch` (the wide MoE, the bf16 engine: float32 on a CPU without bf16 kernels) with
+    R3, a few steps at a short warm start."""
+    dtype = "bfloat16" if BF16 else "float32"
+    train(compose(["+experiment=engine_mismatch", f"rollout.dtype={dtype}", "algo=grpo", "moe.routing_replay=R3",
+                   "train.steps=2",
+                   "model.warm_start.steps=10", "model.warm_start.target_accuracy=0", "rollout.prompts_per_step=4",
+                   "rollout.max_new_tokens=16", "task.eval_size=8", "eval.every=0", "hardware.threads=1",
+                   "logger.progress=false", f"cache_dir={cache_dir}"]), tmp_path / "run")
+    rows = steady(tmp_path / "run")[1:]
+    assert len(rows) == 2 and all(r["moe/update_mismatch"] == 0.0 and "rollout/routing_mismatch" in r for r in rows)
 
 
 # --------------------------------------------------------------------------- faults

@@ -26,7 +26,7 @@ import torch
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.rollout.child import Child
-from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad
+from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
 from gspo.rollout.sampler import Sampler, sampler_dtype
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
 
@@ -109,6 +109,18 @@ def kv_cache_bytes(base_dir, dtype: str, rows: int, max_new_tokens: int, max_mod
         * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     longest = max_model_len or c.get("max_position_embeddings") or 4096
     return per_token * max(rows * min(longest, max_new_tokens + 1024), longest) + 16 * 2**20
+
+
+def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: int, routing: bool,
+          on_cpu: bool) -> "EngineSampler":
+    """The vLLM engine as the sampler of `model` (the trainer's, whose weights it will be sent), its process
+    started: serving `base_dir` with this run's settings (`spec`)."""
+    from gspo.rollout.workers import layout_of
+
+    stop = stop_ids(model, tokenizer)
+    process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
+                            cfg.rollout.timeout_s)
+    return EngineSampler(process, stop.tolist())
 
 
 class Engine:

@@ -177,14 +177,10 @@ def _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir):
 def _engine(cfg, dist, model, tokenizer, base_dir, moe_step):
     """The vLLM engine as this rank's sampler (rollout.workers=0): its process started, sharing this rank's cores
     with the trainer, which waits while it samples (rollout.worker_threads sets its threads)."""
-    from gspo.rollout.workers import layout_of
-
     lo, hi = dist.share(cfg.rollout.prompts_per_step)
-    threads = int(cfg.rollout.worker_threads) or max(1, _cores() // dist.world)
-    stop = stop_ids(model, tokenizer)
-    spec = engine.spec(cfg, base_dir, stop, (hi - lo) * cfg.rollout.group_size, threads,
-                       moe_step.sample_kwargs().get("capture_routing", False), dist.device.type == "cpu")
-    return engine.EngineSampler(engine.EngineProcess(spec, layout_of(model), cfg.rollout.timeout_s), stop.tolist())
+    return engine.start(cfg, model, tokenizer, base_dir, (hi - lo) * cfg.rollout.group_size,
+                        int(cfg.rollout.worker_threads) or max(1, _cores() // dist.world),
+                        moe_step.sample_kwargs().get("capture_routing", False), dist.device.type == "cpu")
 
 
 def worker_threads(cfg, world: int) -> int:
