@@ -136,9 +136,14 @@ class Engine:
                        top_p: float, greedy: bool, generator, chat_template: bool, capture_routing: bool,
                        keep_topk: int) -> Rollout:
         encoded = encode_prompts(tokenizer, prompts, chat_template)
-        gens = generator if isinstance(generator, (list, tuple)) else [generator] * len(encoded)
-        # each prompt group's generator is keyed (gspo/rollout/seeds.py): its seed keys the engine's draws
-        seeds = None if greedy or generator is None else [g.initial_seed() for g in gens]
+        # each prompt group's generator is keyed (gspo/rollout/seeds.py): its seed keys the engine's draws. vLLM
+        # seeds sample j of a request seeded s with s + j: one generator for all the prompts gives them s + i * G
+        if greedy or generator is None:
+            seeds = None
+        elif isinstance(generator, (list, tuple)):
+            seeds = [g.initial_seed() for g in generator]
+        else:
+            seeds = [generator.initial_seed() + i * group_size for i in range(len(encoded))]
         got = self.backend.sample_ids(prompts=encoded, n=group_size, max_new_tokens=max_new_tokens,
                                       temperature=temperature, top_p=top_p, greedy=greedy, seeds=seeds,
                                       keep_topk=0 if greedy else keep_topk, routing=capture_routing)

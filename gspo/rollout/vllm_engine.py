@@ -59,9 +59,7 @@ def configure(threads: int) -> None:
     """This process's settings for an in-process engine with `threads` threads, before vllm is imported."""
     from gspo.config.errors import tidy_warnings
 
-    for key, value in environment(threads).items():
-        if key not in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL"):
-            os.environ[key] = value
+    os.environ.update(environment(threads))
     tidy_warnings()  # the libraries' FutureWarnings about their own calls are nothing a user can act on
     if os.environ["VLLM_LOGGING_LEVEL"] == "ERROR":  # what vLLM logs while importing, before it reads that variable
         logging.getLogger("vllm").setLevel(logging.ERROR)

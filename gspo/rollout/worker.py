@@ -37,11 +37,13 @@ def start(spec: dict):
     share = Share(spec["lo"], spec["hi"], spec["world"], device)
     slots: dict[str, dict] = {}
     if cfg.rollout.engine == "vllm":  # the engine in this process: it loads a slot's weights when they are new
+        from gspo.models.build import load_tokenizer
         from gspo.rollout.engine import Engine
         from gspo.rollout.vllm_engine import VllmEngine
 
         engine = VllmEngine(**spec["engine"])
-        sampler, tokenizer, held = Engine(engine, spec["engine"]["stop_ids"]), engine_tokenizer(spec), [None]
+        sampler, tokenizer = Engine(engine, spec["engine"]["stop_ids"]), load_tokenizer(spec["base_dir"])
+        held = [None]  # the (slot, policy version) the engine holds
 
         def use(path: str, version: int) -> None:
             if held[0] != (path, version):
@@ -77,13 +79,6 @@ def start(spec: dict):
         return ("batch", step, version, batch.state(), metrics, timing)
 
     return handle
-
-
-def engine_tokenizer(spec: dict):
-    """The run's tokenizer (the base checkpoint's), for a worker whose sampler is the inference engine."""
-    from gspo.models.build import load_tokenizer
-
-    return load_tokenizer(spec["base_dir"])
 
 
 if __name__ == "__main__":
