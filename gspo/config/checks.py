@@ -119,6 +119,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "rollout.workers": (*_at_least(0), "0 = sample in the trainer's process"),
     "rollout.worker_threads": (*_at_least(0), "0 = split the cores"),
     "rollout.timeout_s": (*_above(0), "how long a rollout worker may go without delivering"),
+    "rollout.max_turns": (*_at_least(1), "the model's turns in a trajectory with tools"),
+    "rollout.tool_timeout_s": (*_above(0), "how long one tool call may take"),
     "moe.stats_every": (*_at_least(0), "0 = never"),
     "moe.stats_rows_per_group": (*_at_least(0), "0 = all"),
     "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
@@ -269,8 +271,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "task.prompt_column": (lambda c: c.task.name in _DATA, "only task=data reads a file's columns: add task=data"),
     "task.answer_column": (lambda c: c.task.name in _DATA, "only task=data reads a file's columns: add task=data"),
     "task.system_prompt": (lambda c: c.task.name in _DATA, "only task=data adds a system prompt: add task=data"),
-    "task.digits": (lambda c: c.task.name in ("addition", "long_addition"), "only task=addition and long_addition "
-                    "have operand digits"),
+    "task.digits": (lambda c: c.task.name in ("addition", "long_addition", "calculator"), "only task=addition, "
+                    "long_addition and calculator have operand digits"),
     "task.num_operands": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),
     "task.max_operand": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),
     "reward.weights": (lambda c: c.reward.name == "python", "only reward=python weighs functions"),
@@ -302,6 +304,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algo.kl_estimator": (lambda c: c.algo.beta > 0, "there is no KL term at algo.beta=0"),
     "hardware.nproc": (lambda c: c.hardware.strategy != "none", "one process: pick hardware=cpu-ddp, gpu-ddp or gpu-fsdp"),
     "rollout.timeout_s": (lambda c: c.rollout.workers > 0, "sampling runs in the trainer's process (rollout.workers=0)"),
+    "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
+    "rollout.tool_timeout_s": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
 }
 
 

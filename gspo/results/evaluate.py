@@ -21,6 +21,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
 
     from gspo.config.errors import ConfigError
     from gspo.config.loading import compose, load_run_config
+    from gspo.rollout.multiturn import ToolUse
     from gspo.tasks import build_task
     from gspo.train import checkpoint
     from gspo.train.checks import check
@@ -63,7 +64,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     res = evaluate(model, tokenizer, task, problems, cfg.rollout.max_new_tokens,
                    pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,
                    examples=examples, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p, key=(cfg.seed, "gspo-eval"),
-                   engine=cfg.rollout.engine)
+                   engine=cfg.rollout.engine, tools=ToolUse.of(cfg))
     res["model"] = str(model_dir)
     res["task"] = cfg.task.name
     res["n"] = len(problems)  # what was scored, which a small held-out split makes fewer than task.eval_size
