@@ -183,7 +183,9 @@ def metrics(run: Path) -> list[dict]:
 @pytest.mark.parametrize("algo, extra", [
     ("gspo", {}),
     ("grpo", {"moe.routing_replay": "R3", "rollout.old_logprobs": "recompute"}),
-])
+    ("grpo", {"moe.routing_replay": "R2", "rollout.old_logprobs": "recompute"}),
+    ("dapo", {"model.lora.r": 4}),
+], ids=["gspo", "grpo-R3", "grpo-R2", "dapo-lora"])
 def test_a_run_with_tools_trains_and_logs_its_trajectories(algo, extra, tmp_path, cache_dir):
     train(compose(opts(cache_dir, algo=algo, **{"logger.wandb_cfg.samples_every": 1, **extra})), tmp_path)
     m = metrics(tmp_path)
@@ -192,7 +194,7 @@ def test_a_run_with_tools_trains_and_logs_its_trajectories(algo, extra, tmp_path
         assert all(key in row for row in m[1:]), key
     assert m[1]["rollout/turns_mean"] >= 1 and 0 <= m[1]["rollout/env_token_frac"] < 1
     assert "eval/correct_call" in m[0] and "eval/tool_calls_mean" in m[-1]
-    if extra:  # R3 replays the sampling routing, tools' positions included: the update routes as sampled
+    if "moe.routing_replay" in extra:  # replay covers the tools' positions too: the update routes as recorded
         assert all(row["moe/update_mismatch"] == 0.0 for row in m[1:])
     sample_row = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
     assert sample_row["completion"][0]["role"] == "assistant"  # the whole conversation, not a string

@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Optional
-
 from gspo.config.errors import ConfigError
 
 _CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
@@ -42,45 +40,39 @@ def read_turn(tokenizer, text: str, ids: list[int], prefix: list[int], schemas: 
             msg = tokenizer.parse_response(ids, prefix=prefix, tools=schemas)
         except Exception as e:  # the template's parser gave up on what the model wrote
             return Turn(text, malformed=[f"{type(e).__name__}: {e}"])
-        calls, bad = [], []
-        for c in msg.get("tool_calls") or []:
-            why = _invalid(c.get("function") if isinstance(c, dict) else None)
-            (bad.append(why) if why else calls.append(c))
-        return Turn(str(msg.get("content") or ""), calls, bad)
-    first = text.find("<tool_call>")
-    if first < 0:
-        return Turn(text)
-    turn = Turn(text[:first].rstrip("\n"))
-    for body, close in _CALL.findall(text[first:]):
-        if not close:
-            turn.malformed.append("<tool_call> without </tool_call>")
-            continue
-        try:
-            fn = json.loads(body)
-        except json.JSONDecodeError as e:
-            turn.malformed.append(f"not JSON ({e})")
-            continue
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):  # arguments as a JSON string: Qwen2.5 does
+        turn = Turn(str(msg.get("content") or ""))
+        found = [_as_call(c.get("function") if isinstance(c, dict) else None) for c in msg.get("tool_calls") or []]
+    else:
+        first = text.find("<tool_call>")
+        turn = Turn(text if first < 0 else text[:first].rstrip("\n"))
+        found = []
+        for body, close in _CALL.findall(text[first:] if first >= 0 else ""):
             try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except json.JSONDecodeError:
-                pass
-        why = _invalid(fn)
-        if why:
-            turn.malformed.append(why)
+                found.append(_as_call(json.loads(body)) if close else "<tool_call> without </tool_call>")
+            except json.JSONDecodeError as e:
+                found.append(f"not JSON ({e})")
+    for c in found:
+        if isinstance(c, str):
+            turn.malformed.append(c)
         else:
-            turn.calls.append({"type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+            turn.calls.append(c)
     return turn
 
 
-def _invalid(fn) -> Optional[str]:
-    """Why `fn` is no call {"name": str, "arguments": dict} (None: it is one)."""
+def _as_call(fn) -> dict | str:
+    """The call `{"type": "function", "function": {"name", "arguments"}}` that `fn` ({"name", "arguments"}) is, or
+    why it is none. Arguments written as a JSON string (Qwen2.5 does) are read."""
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         return "no tool name"
-    if not isinstance(fn.get("arguments", {}), dict):
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(args, dict):
         return "arguments are not an object"
-    fn.setdefault("arguments", {})
-    return None
+    return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 def tool_suffix(tokenizer, tool_messages: list[dict], stops: set[int]) -> list[int]:

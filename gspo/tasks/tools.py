@@ -50,7 +50,7 @@ def _parse(spec: str) -> tuple[str, list[str]]:
     fns = [n.strip() for n in names.split(",") if n.strip()]
     if not sep or not source or not fns or not all(n.isidentifier() for n in fns):
         raise ConfigError(f"rollout.tools={spec}: expected FILE.py:fn1,fn2 (or module.name:fn1,fn2), "
-                          "e.g. examples/tools.py:calculator")
+                          "e.g. examples/tools.py:multiply,add")
     if source.endswith(".py"):
         if not Path(source).is_file():
             raise ConfigError(f"rollout.tools={spec}: no such file {source}")
@@ -192,7 +192,10 @@ def _load(sources: list, with_schemas: bool) -> tuple[dict, list[dict]]:
 
 
 def _serve(fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    # Ctrl-C and SLURM's SIGTERM reach the whole process group: the trainer finishes its step (its calls included,
+    # so a resumed run equals an uninterrupted one) and then closes us; we die with it in any case
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
     conn = Connection(fd)
     send = lambda message: conn.send_bytes(json.dumps(message).encode())  # noqa: E731
