@@ -183,8 +183,8 @@ def metrics(run: Path) -> list[dict]:
 @pytest.mark.parametrize("algo, extra", [
     ("gspo", {}),
     ("grpo", {"moe.routing_replay": "R3", "rollout.old_logprobs": "recompute"}),
-    ("grpo", {"moe.routing_replay": "R2", "rollout.old_logprobs": "recompute"}),
-    ("dapo", {"model.lora.r": 4}),
+    pytest.param("grpo", {"moe.routing_replay": "R2", "rollout.old_logprobs": "recompute"}, marks=pytest.mark.slow),
+    pytest.param("dapo", {"model.lora.r": 4}, marks=pytest.mark.slow),
 ], ids=["gspo", "grpo-R3", "grpo-R2", "dapo-lora"])
 def test_a_run_with_tools_trains_and_logs_its_trajectories(algo, extra, tmp_path, cache_dir):
     train(compose(opts(cache_dir, algo=algo, **{"logger.wandb_cfg.samples_every": 1, **extra})), tmp_path)

@@ -75,6 +75,8 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
 
 
 def _print_eval(res: dict) -> None:
+    import json
+
     from rich.console import Console
     from rich.table import Table
 
@@ -94,6 +96,9 @@ def _print_eval(res: dict) -> None:
         prompt = ex["prompt"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):  # chat: the last turn is the question
             prompt = f"{prompt[-1].get('content', '')} -> "
-        one_line = lambda x: str(x).replace("\n", "\\n")  # noqa: E731  (one example, one line)
+        elif not isinstance(ex["completion"], str):  # a conversation after a plain prompt
+            prompt = f"{prompt} -> "
+        # one example, one line (with tools the completion is a conversation: its JSON)
+        one_line = lambda x: (x if isinstance(x, str) else json.dumps(x)).replace("\n", "\\n")  # noqa: E731
         console.print(f"  {mark} {one_line(prompt)}{one_line(ex['completion'])}   (reference {one_line(ex['reference'])})",
                       markup=False, highlight=False)
