@@ -73,8 +73,8 @@ def test_environment_tokens_change_no_loss_value_and_no_gradient(name, per_token
     lp1 = _insert(logp, where, garbage(B, E)).requires_grad_(True)
     ins = lambda x: _insert(x, where, garbage(B, E, *x.shape[2:]))  # noqa: E731
     ex1 = {key: ins(v) for key, v in extra.items()}
-    loss1, st1 = loss_of(lp1, ins(old), ins(adv) if per_token else adv, _insert(mask, where, torch.zeros(B, E, dtype=F64)),
-                         ex1)
+    mask1 = _insert(mask, where, torch.zeros(B, E, dtype=F64))
+    loss1, st1 = loss_of(lp1, ins(old), ins(adv) if per_token else adv, mask1, ex1)
     loss1.backward()
 
     torch.testing.assert_close(loss1, loss0, rtol=1e-12, atol=1e-12)
@@ -165,6 +165,17 @@ def test_a_trajectory_is_keyed_per_turn_and_not_by_its_batch(base):
     assert both.conversations[16:] == alone.conversations
     assert torch.equal(both.completion_mask[16:, : alone.completion_mask.shape[1]].sum(1), alone.completion_mask.sum(1))
     assert both.conversations[:4] != both.conversations[4:8]  # the G samples of a prompt differ
+
+
+def test_top_p_and_the_kept_top_k_cover_the_models_tokens_only(base):
+    """rollout.top_p's kept mass and rollout.keep_topk's tokens (dppo_topk) exist at the model's tokens, the
+    sampled token among the kept ones; at the tools' tokens they are neutral (mass 1, log-probs 0)."""
+    r = sample(base, top_p=0.9, keep_topk=3)
+    env, mine = env_mask(r), r.completion_mask.bool()
+    assert env.any() and r.topk_ids.shape == (*r.completion_mask.shape, 3)
+    assert (r.kept_mass[env] == 1).all() and (r.kept_mass[mine] <= 1).all() and (r.kept_mass[mine] < 1).any()
+    assert torch.count_nonzero(r.topk_logp[env]) == 0
+    assert (r.topk_ids[mine] == r.completion_ids[mine][:, None]).any(-1).all()
 
 
 def test_the_fast_engine_samples_the_trajectories_hf_samples(base):

@@ -306,7 +306,8 @@ def test_max_turns_budget_and_failures_end_or_shape_a_trajectory(tok, tools, too
     # no room for the tool's reply and one more token: the call ran, the trajectory ends (as TRL rolls back)
     reply = len(ids(tok, "<|tool|>5<|assistant|>"))
     r = rollout(Scripted(tok, [CALL]), tok, ["2+3"], 1, len(ids(tok, CALL)) + reply, tools, keys=[(0,)])
-    assert (r.turns.tolist(), r.tool_calls.tolist(), r.input_ids.shape[1] - r.prompt_len) == ([1], [1], len(ids(tok, CALL)))
+    tail = r.input_ids.shape[1] - r.prompt_len
+    assert (r.turns.tolist(), r.tool_calls.tolist(), tail) == ([1], [1], len(ids(tok, CALL)))
     # the budget runs out inside the second turn: truncated
     r = rollout(Scripted(tok, [CALL, "555555555<eos>"]), tok, ["2+3"], 1, len(ids(tok, CALL)) + reply + 4, tools,
                 keys=[(0,)])

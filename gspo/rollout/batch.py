@@ -106,10 +106,11 @@ def collect(cfg, step: int, serve: Callable[[], AbstractContextManager], tokeniz
                              chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
                              engine=cfg.rollout.engine, keep_topk=cfg.rollout.keep_topk, **sample_kwargs)
             else:  # trajectories with tool calls: each turn of each sample keyed as well (gspo/rollout/multiturn.py)
+                keys = [(cfg.seed, step, d, i) for i in range(share.lo, share.hi)]
                 r = multiturn.rollout(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
                                       cfg.rollout.max_new_tokens, tools, temperature=cfg.rollout.temperature,
-                                      top_p=cfg.rollout.top_p, keys=[(cfg.seed, step, d, i) for i in range(share.lo, share.hi)],
-                                      device=share.device, compile=cfg.hardware.compile, engine=cfg.rollout.engine,
+                                      top_p=cfg.rollout.top_p, keys=keys, device=share.device,
+                                      compile=cfg.hardware.compile, engine=cfg.rollout.engine,
                                       keep_topk=cfg.rollout.keep_topk, **sample_kwargs)
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += share.lo  # index in the step's whole prompt list: keys the group's minibatch shuffle

@@ -29,7 +29,7 @@ class Continuation:
     """What one sequence was continued by. n = len(tokens); S = the sequence's length before it."""
 
     tokens: list[int]  # the sampled tokens, the stop token included when one was drawn
-    logp: Optional[torch.Tensor]  # (n,) float32 log-probs as drawn (softmax(logits / temperature), before top-p); None greedy
+    logp: Optional[torch.Tensor]  # (n,) float32 log-probs as drawn (of logits / temperature, before top-p); greedy: None
     stopped: bool  # it ended at a stop id; False: its budget ran out first
     kept_mass: Optional[torch.Tensor] = None  # (n,) the mass the nucleus kept (top_p < 1), else None
     topk_ids: Optional[torch.Tensor] = None  # (n, k) keep_topk: each position's k most likely token ids ...

@@ -143,7 +143,8 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def encode_prompts(tokenizer, prompts: list, chat_template: bool = False, tools: Optional[list] = None) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: list, chat_template: bool = False,
+                   tools: Optional[list] = None) -> list[list[int]]:
     """Token ids of each prompt: a string, or chat messages `[{"role": ..., "content": ...}]`.
 
     Messages are always rendered with the tokenizer's chat template; a string is wrapped as
