@@ -6,10 +6,11 @@ The reward is the final answer's (the task's verdict on the last assistant messa
 the calls (call the tool, with the right expression) and the answers (copy its result). Without the tool
 (`rollout.tools` unset) a tiny model answers from its head and is almost never right.
 
-The warm start teaches the conversation above on half of the problems and a direct answer on the other half
-(`DIRECT_SHARE`): a base that calls its tool about half of the time and copies imperfectly, so the share of
-trajectories that get the product from the tool (`reward/correct_call/mean`, `eval/correct_call`) has room to
-rise, as the answers' accuracy has. `calc` is the tool: `rollout.tools=gspo.tasks.calculator:calc`
+The warm start teaches the conversation above on a fifth of the problems and a direct answer (the product, which
+a tiny model can only guess) on the rest (`DIRECT_SHARE`): a base that knows the call but answers from its head
+when greedy and calls its tool on a minority of its samples, so the share of trajectories that get the product
+from the tool (`reward/correct_call/mean`, `eval/correct_call`) has room to rise, as the answers' accuracy has
+(docs/results.md, "Tool use"). `calc` is the tool: `rollout.tools=gspo.tasks.calculator:calc`
 (`+experiment=tools` sets it).
 """
 
