@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 
 from gspo.config.checks import check_machine, ignored_override
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
-from gspo.config.loading import _explain, compose, load_run_config, resume_overrides, resume_target, sweep_combinations
+from gspo.config.loading import (_explain, compose, load_run_config, quote_tool_lists, resume_overrides, resume_target,
+                                 sweep_combinations)
 from gspo.config.schema import GROUPS, group_options
 from gspo.train import rundir
 from gspo.train.resume import check as check_resume
@@ -84,7 +85,7 @@ def _split_hydra_flags(args: list[str]) -> tuple[list[str], list[str]]:
             flags.append(a)
         else:
             overrides.append(a)
-    return overrides, flags
+    return quote_tool_lists(overrides), flags
 
 
 # Hydra flags after which nothing is trained: the machine checks do not apply

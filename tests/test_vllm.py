@@ -33,7 +33,7 @@ from gspo.models import moe  # noqa: E402
 from gspo.models.build import build_model, char_tokenizer  # noqa: E402
 from gspo.rollout.engine import Engine, EngineProcess, spec  # noqa: E402
 from gspo.rollout.generate import stop_ids, token_logprobs  # noqa: E402
-from gspo.rollout.workers import layout_of  # noqa: E402
+from gspo.rollout.slots import layout_of  # noqa: E402
 from gspo.train import checkpoint  # noqa: E402
 from gspo.train.trainer import train  # noqa: E402
 

@@ -122,6 +122,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "rollout.vllm.kv_cache_gib": (*_above(0), "None = vLLM's default"),
     "rollout.vllm.gpu_memory_utilization": (*_within(0, 1, lo_open=True), "a share of the GPU's memory"),
     "rollout.vllm.max_model_len": (*_at_least(2), ""),
+    "rollout.max_turns": (*_at_least(1), "the model's turns in a trajectory with tools"),
+    "rollout.tool_timeout_s": (*_above(0), "how long one tool call may take"),
     "moe.stats_every": (*_at_least(0), "0 = never"),
     "moe.stats_rows_per_group": (*_at_least(0), "0 = all"),
     "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
@@ -294,8 +296,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "task.prompt_column": (lambda c: c.task.name in _DATA, "only task=data reads a file's columns: add task=data"),
     "task.answer_column": (lambda c: c.task.name in _DATA, "only task=data reads a file's columns: add task=data"),
     "task.system_prompt": (lambda c: c.task.name in _DATA, "only task=data adds a system prompt: add task=data"),
-    "task.digits": (lambda c: c.task.name in ("addition", "long_addition"), "only task=addition and long_addition "
-                    "have operand digits"),
+    "task.digits": (lambda c: c.task.name in ("addition", "long_addition", "calculator"), "only task=addition, "
+                    "long_addition and calculator have operand digits"),
     "task.num_operands": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),
     "task.max_operand": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),
     "reward.weights": (lambda c: c.reward.name == "python", "only reward=python weighs functions"),
@@ -329,6 +331,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.timeout_s": (lambda c: c.rollout.workers > 0 or c.rollout.engine == "vllm",
                           "sampling runs in the trainer's process (rollout.workers=0)"),
     "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
+    "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
+    "rollout.tool_timeout_s": (lambda c: c.rollout.tools is not None, "no tools: set rollout.tools=FILE.py:fn"),
 }
 
 

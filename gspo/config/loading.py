@@ -46,6 +46,19 @@ def _register_resolvers() -> None:
         OmegaConf.register_new_resolver("gspo.every", _every)
 
 
+def quote_tool_lists(overrides: list[str]) -> list[str]:
+    """`rollout.tools=FILE.py:fn1,fn2` quoted for Hydra, which would read its comma as a sweep: a part without
+    `:` (`fn2`) names no tool on its own, so such a value is one spec, never a choice between specs."""
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if (key.lstrip("+") == "rollout.tools" and eq and "," in value and value[:1] not in "[\"'"
+                and not all(":" in part for part in value.split(","))):
+            o = f"{key}='{value}'"
+        out.append(o)
+    return out
+
+
 def compose(overrides: list[str] = ()) -> Any:
     """The composed, validated config for `overrides` (as `gspo train` would see it).
 
@@ -57,7 +70,7 @@ def compose(overrides: list[str] = ()) -> Any:
 
     register_configs()
     _register_resolvers()
-    overrides = list(overrides)
+    overrides = quote_tool_lists(list(overrides))
     _check_group_choices(overrides)
     GlobalHydra.instance().clear()
     try:

@@ -106,8 +106,8 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = MISSING  # addition | countdown | long_addition | chain | data (jsonl: the same)
-    digits: int = 2  # addition, long_addition: operand digits
+    name: str = MISSING  # addition | countdown | long_addition | chain | calculator | data (jsonl: the same)
+    digits: int = 2  # addition, long_addition, calculator: operand digits
     num_operands: int = 3  # countdown, chain: numbers to combine
     max_operand: int = 9  # countdown, chain: largest number
     path: Optional[str] = None  # data: a .jsonl or .parquet file, one problem per row (gspo/tasks/data.py)
@@ -215,6 +215,11 @@ class RolloutConfig:
     # a rollout worker or the vLLM engine that answers nothing for this long (its start: >= 300 s, the engine's 600 s)
     # is taken as hung: the run ends in one line
     timeout_s: float = 900.0
+    # FILE.py:fn1,fn2 (or module.name:fn, or a list of them): functions the model may call, as TRL's `tools=`; each
+    # trajectory then runs turns of model and tool calls (gspo/rollout/multiturn.py); max_new_tokens covers both
+    tools: Any = None
+    max_turns: int = 4  # with tools: the model's turns per trajectory at most (calls in the last one are not run)
+    tool_timeout_s: float = 10.0  # with tools: a call that takes longer is cut and answered with an error
 
 
 @dataclass

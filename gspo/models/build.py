@@ -24,13 +24,39 @@ transformers.utils.logging.disable_progress_bar()  # no per-load progress bars b
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
 
-def char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer in Hugging Face format: one token per character."""
+# The tiny models' chat template (`rollout.tools`): Qwen3's turn structure at one token per role and per tool-call
+# tag, EOS ending the assistant's turn, tool calls in Qwen3's `<tool_call>` JSON (written compactly: every
+# character is a token here) and the tools' names (not their whole schemas, which would fill the 256 positions)
+CHAT_TEMPLATE = (
+    "{%- if tools -%}<|system|>{%- for t in tools -%}{{ t.function.name }}{{ ',' if not loop.last }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}<|assistant|>{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] -%}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson(separators=(',', ':')) }}</tool_call>{%- endfor -%}" + EOS +
+    "{%- else -%}<|{{ m.role }}|>{{ m.content }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")  # special: the model never writes them
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")  # not special, as in Qwen3's tokenizer: the model writes them
+
+
+def char_tokenizer(alphabet: str, chat: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer in Hugging Face format: one token per character.
+
+    `chat`: with the tiny chat template (`CHAT_TEMPLATE`) and one token per role and tool-call tag, for
+    rollouts with tools; off, the vocabulary (and so every model built on it) is what it always was."""
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *sorted(set(alphabet))])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    if chat:
+        out.add_special_tokens({"additional_special_tokens": list(ROLE_TOKENS)})
+        out.add_tokens(list(TOOL_CALL_TOKENS))
+        out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 def build_model(mcfg, vocab_size: int, tokenizer: PreTrainedTokenizerFast, seed: int) -> torch.nn.Module:
@@ -174,7 +200,7 @@ def tokenizer_encode(cfg, task):
 
         tok = AutoTokenizer.from_pretrained(cfg.model.path)
     else:
-        tok = char_tokenizer(task.alphabet)
+        tok = char_tokenizer(task.alphabet, chat=cfg.rollout.tools is not None)
     return lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 

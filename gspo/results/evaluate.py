@@ -21,6 +21,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
 
     from gspo.config.errors import ConfigError
     from gspo.config.loading import compose, load_run_config
+    from gspo.rollout.multiturn import ToolUse
     from gspo.tasks import build_task
     from gspo.train import checkpoint
     from gspo.train.checks import check
@@ -63,7 +64,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     res = evaluate(model, tokenizer, task, problems, cfg.rollout.max_new_tokens,
                    pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,
                    examples=examples, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p, key=(cfg.seed, "gspo-eval"),
-                   engine=cfg.rollout.engine)
+                   engine=cfg.rollout.engine, tools=ToolUse.of(cfg))
     res["model"] = str(model_dir)
     res["task"] = cfg.task.name
     res["n"] = len(problems)  # what was scored, which a small held-out split makes fewer than task.eval_size
@@ -74,6 +75,8 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
 
 
 def _print_eval(res: dict) -> None:
+    import json
+
     from rich.console import Console
     from rich.table import Table
 
@@ -93,6 +96,9 @@ def _print_eval(res: dict) -> None:
         prompt = ex["prompt"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):  # chat: the last turn is the question
             prompt = f"{prompt[-1].get('content', '')} -> "
-        one_line = lambda x: str(x).replace("\n", "\\n")  # noqa: E731  (one example, one line)
+        elif not isinstance(ex["completion"], str):  # a conversation after a plain prompt
+            prompt = f"{prompt} -> "
+        # one example, one line (with tools the completion is a conversation: its JSON)
+        one_line = lambda x: (x if isinstance(x, str) else json.dumps(x)).replace("\n", "\\n")  # noqa: E731
         console.print(f"  {mark} {one_line(prompt)}{one_line(ex['completion'])}   (reference {one_line(ex['reference'])})",
                       markup=False, highlight=False)

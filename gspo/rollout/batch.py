@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from gspo.algos.shaping import dynamic_sampling, overlong_penalty
+from gspo.rollout import multiturn
 from gspo.rollout.generate import Rollout, cat_rollouts, generate
 from gspo.rollout.seeds import group_generator
 from gspo.tasks import Problem, timeouts
@@ -91,22 +92,32 @@ def collect(cfg, step: int, serve: Callable[[], AbstractContextManager], tokeniz
     """
     draws = iter(range(10**6))
     drawn: list[Batch] = []
+    tools = multiturn.ToolUse.of(cfg)
 
     def draw() -> tuple[Batch, torch.Tensor]:
         d = next(draws)
         rng = random.Random(f"{cfg.seed}-{step}-{d}")
         problems = task.sample_train(rng, cfg.rollout.prompts_per_step)[share.lo : share.hi]  # this rank's share
-        gens = [group_generator(cfg.seed, step, d, i, share.device) for i in range(share.lo, share.hi)]
         with serve() as sampling_model:
-            r = generate(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
-                         cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
-                         chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
-                         engine=cfg.rollout.engine, keep_topk=cfg.rollout.keep_topk, **sample_kwargs)
+            if tools is None:
+                gens = [group_generator(cfg.seed, step, d, i, share.device) for i in range(share.lo, share.hi)]
+                r = generate(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
+                             cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
+                             chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
+                             engine=cfg.rollout.engine, keep_topk=cfg.rollout.keep_topk, **sample_kwargs)
+            else:  # trajectories with tool calls: each turn of each sample keyed as well (gspo/rollout/multiturn.py)
+                keys = [(cfg.seed, step, d, i) for i in range(share.lo, share.hi)]
+                r = multiturn.rollout(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
+                                      cfg.rollout.max_new_tokens, tools, temperature=cfg.rollout.temperature,
+                                      top_p=cfg.rollout.top_p, keys=keys, device=share.device,
+                                      compile=cfg.hardware.compile, engine=cfg.rollout.engine,
+                                      keep_topk=cfg.rollout.keep_topk, **sample_kwargs)
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += share.lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
         rewards, parts = timeouts.call(
             lambda: score(task, cfg.reward, r.texts, rows, r.ill_formed, completion_ids=lambda: completion_ids(r),
-                          state=lambda: trainer_state(step - 1, cfg.train.steps), clean_texts=r.clean_texts),
+                          state=lambda: trainer_state(step - 1, cfg.train.steps), clean_texts=r.clean_texts,
+                          conversations=r.conversations),
             cfg.reward.timeout_s, f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
         if cfg.algo.overlong_buffer > 0:
             parts["overlong"] = overlong_penalty(r.lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
@@ -149,4 +160,19 @@ def population_metrics(cfg, population: Batch) -> dict[str, float]:
     for k, v in population.parts.items():  # NaN: a function's None, left out of its mean
         metrics[f"reward/{k}/mean"] = v.nanmean().item()
         metrics[f"{COUNT}reward/{k}/mean"] = float((~v.isnan()).sum())  # ranks weigh the means by it
-    return metrics
+    return metrics | tool_metrics(population.rollout)
+
+
+def tool_metrics(r: Rollout) -> dict[str, float]:
+    """rollout/* of trajectories with tools (none for a single-turn rollout): turns and tool calls per
+    trajectory, the share of calls that failed (0 without calls, as TRL's `tools/failure_frequency`) and of the
+    tokens after the prompt that the tools wrote; the last two weighed over ranks by what they are shares of."""
+    if r.turns is None:
+        return {}
+    calls, written = float(r.tool_calls.sum()), float(r.attention_mask[:, r.prompt_len:].sum())
+    return {"rollout/turns_mean": r.turns.float().mean().item(),
+            "rollout/tool_calls_mean": r.tool_calls.float().mean().item(),
+            "rollout/tool_errors_frac": float(r.tool_errors.sum()) / calls if calls else 0.0,
+            f"{COUNT}rollout/tool_errors_frac": calls,
+            "rollout/env_token_frac": 1.0 - float(r.completion_mask.sum()) / written if written else 0.0,
+            f"{COUNT}rollout/env_token_frac": written}

@@ -58,7 +58,7 @@ class Child:
         try:
             self.conn.send_bytes(pickle.dumps(message))
         except OSError:  # it is gone: its last words (an error it sent before exiting) say why, if it had any
-            at = step if step is not None else (self.jobs[0] if self.jobs else None)
+            at = self.jobs[0] if self.jobs else step  # it died on its oldest job, not on the one being sent
             while self.conn.poll(0):
                 self.recv(at)  # raises on its error message, or on the end of the stream
             raise self.fail(RunFailed(self.died(at))) from None

@@ -115,7 +115,7 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
           on_cpu: bool) -> "EngineSampler":
     """The vLLM engine as the sampler of `model` (the trainer's, whose weights it will be sent), its process
     started: serving `base_dir` with this run's settings (`spec`)."""
-    from gspo.rollout.workers import layout_of
+    from gspo.rollout.slots import layout_of
 
     stop = stop_ids(model, tokenizer)
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
@@ -178,6 +178,33 @@ class Engine:
                       topk_ids=top_ids, topk_logp=top_lp)
 
 
+    def continue_sequences(self, sequences: list[list[int]], max_new_tokens: list[int], generators, *,
+                           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                           capture_routing: bool = False, keep_topk: int = 0) -> list:
+        """gspo/rollout/continuation.py's primitive (multi-turn rollouts): each sequence continued by at most its own
+        budget, one request each, seeded by its generator; routing from each sequence's first token (positions
+        the engine served from its prefix cache: -1, as they were recorded when first computed)."""
+        from gspo.rollout.continuation import Continuation
+
+        seeds = None if greedy or generators is None else [g.initial_seed() for g in generators]
+        got = self.backend.sample_ids(prompts=sequences, n=1, max_new_tokens=list(max_new_tokens),
+                                      temperature=temperature, top_p=top_p, greedy=greedy, seeds=seeds,
+                                      keep_topk=0 if greedy else keep_topk, routing=capture_routing)
+        stops, out = set(self.eos.tolist()), []
+        for i, (seq, tokens) in enumerate(zip(sequences, got["tokens"])):
+            lp, top = got["logprobs"][i], got["topk"][i]
+            c = Continuation(tokens=list(tokens), logp=None if greedy or lp is None else torch.tensor(lp),
+                             stopped=bool(tokens) and tokens[-1] in stops,
+                             topk_ids=None if top is None else torch.tensor(top[0], dtype=torch.long),
+                             topk_logp=None if top is None else torch.tensor(top[1]))
+            if capture_routing:
+                width = len(seq) + len(tokens)
+                c.routing = got["routing"]["indices"][i, :width]
+                c.router_logp = got["routing"]["logprobs"][i, :width]
+            out.append(c)
+        return out
+
+
 class EngineProcess:
     """The engine in a process of its own (`python -m gspo.rollout.vllm_engine FD`), for the trainer's process.
 
@@ -185,7 +212,7 @@ class EngineProcess:
     `timeout_s`) while loading weights or sampling step N; it dies with the trainer."""
 
     def __init__(self, engine: dict, layout: list, timeout_s: float):
-        from gspo.rollout.workers import PREFIX, map_slot, shm_dir
+        from gspo.rollout.slots import PREFIX, map_slot, shm_dir
 
         self.timeout_s, self.layout, self.step = timeout_s, layout, None
         self.dtype = getattr(torch, engine["dtype"])

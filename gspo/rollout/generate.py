@@ -49,6 +49,12 @@ class Rollout:
     # log-probs (N, T, k), the sampled token always among them (as verl's DPPO recipe keeps vLLM's); None: off
     topk_ids: Optional[torch.Tensor] = None
     topk_logp: Optional[torch.Tensor] = None
+    # multi-turn rollouts with tools (gspo/rollout/multiturn.py); None for single-turn ones. The tools' tokens sit in
+    # input_ids and attention_mask, and out of completion_mask and every log-prob: they are not the model's
+    conversations: Optional[list] = None  # each row's messages after the prompt, as TRL hands them to reward functions
+    turns: Optional[torch.Tensor] = None  # (N,) the model's turns
+    tool_calls: Optional[torch.Tensor] = None  # (N,) tool calls run (a malformed call counts as one, and as an error)
+    tool_errors: Optional[torch.Tensor] = None  # (N,) calls that raised, timed out, crashed or were malformed
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -102,6 +108,9 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
             [F.pad(r.topk_ids, (0, 0, 0, T - r.completion_mask.shape[1])) for r in parts]),
         topk_logp=None if parts[0].topk_logp is None else torch.cat(
             [F.pad(r.topk_logp, (0, 0, 0, T - r.completion_mask.shape[1])) for r in parts]),
+        conversations=None if parts[0].conversations is None else [c for r in parts for c in r.conversations],
+        **{k: None if getattr(parts[0], k) is None else torch.cat([getattr(r, k) for r in parts])
+           for k in ("turns", "tool_calls", "tool_errors")},
     )
 
 
@@ -112,7 +121,10 @@ class NonFiniteLogits(FloatingPointError):
 def stop_ids(model, tokenizer) -> torch.Tensor:
     """Every token id a completion ends at: the tokenizer's EOS and each id the model's generation config
     lists (chat checkpoints end a turn with another token: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`,
-    Phi-3's `<|end|>`), as `generate`, vLLM and verl stop."""
+    Phi-3's `<|end|>`), as `generate`, vLLM and verl stop. An inference engine (gspo/rollout/engine.py) stops at
+    the ids it was started with."""
+    if hasattr(model, "sample_rollout"):
+        return model.eos
     ids = {tokenizer.eos_token_id}
     listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids |= set(listed) if isinstance(listed, (list, tuple)) else {listed}
@@ -134,11 +146,13 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def encode_prompts(tokenizer, prompts: list, chat_template: bool = False) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: list, chat_template: bool = False,
+                   tools: Optional[list] = None) -> list[list[int]]:
     """Token ids of each prompt: a string, or chat messages `[{"role": ..., "content": ...}]`.
 
     Messages are always rendered with the tokenizer's chat template; a string is wrapped as
-    one user message when `chat_template` is on (and the tokenizer has a template).
+    one user message when `chat_template` is on (and the tokenizer has a template). `tools`: the
+    JSON schemas the template renders (as `apply_chat_template(tools=...)`).
     """
     has_template = bool(getattr(tokenizer, "chat_template", None))
     texts = []
@@ -148,7 +162,8 @@ def encode_prompts(tokenizer, prompts: list, chat_template: bool = False) -> lis
             continue
         messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
         # render, then tokenize: apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5
-        texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        texts.append(tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                   tokenize=False))
     return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # one batched call
 
 
@@ -168,6 +183,8 @@ def generate(
     compile: bool = False,
     engine: str = "hf",
     keep_topk: int = 0,
+    prompt_ids: Optional[list[list[int]]] = None,
+    limits: Optional[list[int]] = None,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (rows group-contiguous).
 
@@ -181,13 +198,16 @@ def generate(
     `keep_topk` (`rollout.keep_topk`): also keep each position's k most likely tokens and their log-probs.
     `model` may also be an inference engine (`rollout.engine=vllm`, gspo/rollout/engine.py): it samples the
     same kind of Rollout by itself.
+    `prompt_ids` (token ids, one list per prompt) stand in for `prompts`, rendered already; `limits` (one per
+    row, each <= max_new_tokens): a row ends after that many tokens, drawing only as many uniforms (how
+    `continue_sequences` gives each trajectory its own budget).
     """
     if hasattr(model, "sample_rollout"):
         return model.sample_rollout(tokenizer, prompts, group_size, max_new_tokens, temperature, top_p, greedy,
                                     generator, chat_template, capture_routing, keep_topk)
     device = next(model.parameters()).device
     eos, pad = stop_ids(model, tokenizer).to(device), tokenizer.pad_token_id
-    encoded = encode_prompts(tokenizer, prompts, chat_template)
+    encoded = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts, chat_template)
     ids, mask = left_pad([e for e in encoded for _ in range(group_size)], pad)
     ids, mask = ids.to(device), mask.to(device)
     n, p = ids.shape
@@ -202,7 +222,8 @@ def generate(
     # one attention mask for the whole rollout, filled in as tokens arrive (no per-token re-allocation)
     full_mask = torch.cat([mask, torch.ones((n, max_new_tokens), dtype=mask.dtype, device=device)], dim=1)
     # every row's random draws for the whole rollout at once (one call per group, not one per group per token)
-    u = None if greedy else _uniforms(n, max_new_tokens, generator, device)
+    u = None if greedy else _uniforms(n, max_new_tokens, generator, device, limits)
+    limit = None if limits is None else torch.tensor(limits, device=device)
     # on a GPU, asking "all done?" every token stalls the launch queue: ask every few tokens
     check_every = 1 if device.type == "cpu" else 8
     trace = None
@@ -252,7 +273,7 @@ def generate(
                     kept[:, t] = mass
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             out[:, t] = nxt
-            done |= torch.isin(nxt, eos)
+            done |= torch.isin(nxt, eos) if limit is None else torch.isin(nxt, eos) | (limit <= t + 1)
             if (t + 1) % check_every == 0 and bool(done.all()):
                 break
             if cache is None and not fast:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): run the whole sequence again
@@ -273,24 +294,28 @@ def generate(
     return finish(tokenizer, ids, mask, out[:, :width], eos, group_size, routing=routing,
                   sampler_logp=None if greedy else sampler_logp[:, :width], kept=None if kept is None else kept[:, :width],
                   topk_ids=None if topk_ids is None else topk_ids[:, :width],
-                  topk_logp=None if topk_logp is None else topk_logp[:, :width])
+                  topk_logp=None if topk_logp is None else topk_logp[:, :width], limit=limit)
 
 
 def finish(tokenizer, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, eos: torch.Tensor, group_size: int,
            routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None, sampler_logp: Optional[torch.Tensor] = None,
            kept: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
-           topk_logp: Optional[torch.Tensor] = None) -> Rollout:
+           topk_logp: Optional[torch.Tensor] = None, limit: Optional[torch.Tensor] = None) -> Rollout:
     """The `Rollout` of sampled completions, whichever engine drew them.
 
     ids, mask (N, P): the left-padded prompts, rows group-contiguous; out (N, T): the sampled tokens, padding
     after a row's stop token (the stop token itself is the row's last completion token); the per-token tensors
     (N, T) or (N, T, k) aligned with `out`; routing: (expert ids (N, W, L, k), router log-probs (N, W, L, E)) over
-    the prompt and completion positions, W <= P + T (positions never routed: -1 / 0).
+    the prompt and completion positions, W <= P + T (positions never routed: -1 / 0); limit (N,): each row's token
+    budget, when rows have their own (`generate(limits=)`).
     """
     # completion tokens: everything up to and including the first stop token
     is_eos = torch.isin(out, eos)
+    within = None if limit is None else torch.arange(out.shape[1], device=out.device) < limit[:, None]
+    if within is not None:  # a row's budget ends its completion: the padding after it (EOS may pad) is no token of it
+        is_eos &= within
     after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-    comp_mask = (~after_eos).float()
+    comp_mask = (~after_eos if within is None else ~after_eos & within).float()
     if bool((comp_mask.sum(0) == 0).any()):  # trailing columns where every row had ended
         width = int((comp_mask.sum(0) > 0).nonzero().max()) + 1
         out, comp_mask, is_eos = out[:, :width], comp_mask[:, :width], is_eos[:, :width]
@@ -392,10 +417,13 @@ def _fit(x: torch.Tensor, width: int, value) -> torch.Tensor:
     return F.pad(x.movedim(1, -1), (0, width - x.shape[1]), value=value).movedim(-1, 1)
 
 
-def _uniforms(n: int, steps: int, generator, device) -> torch.Tensor:
+def _uniforms(n: int, steps: int, generator, device, limits: Optional[list[int]] = None) -> torch.Tensor:
     """(n, steps) uniforms in [0, 1) for the whole rollout, drawn once: per group from its own
     generator (a list: one per prompt group, rows group-contiguous), so a group's draws do not
-    depend on the rest of the batch."""
+    depend on the rest of the batch. With `limits` (one generator per row), row i draws limits[i]."""
+    if limits is not None:
+        return torch.stack([F.pad(torch.rand(m, generator=g, device=g.device).to(device), (0, steps - m))
+                            for g, m in zip(generator, limits)])
     if isinstance(generator, (list, tuple)):
         per_group = n // len(generator)
         return torch.cat([torch.rand((per_group, steps), generator=g, device=g.device).to(device) for g in generator])

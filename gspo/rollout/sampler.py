@@ -58,14 +58,9 @@ def old_logprobs_mode(cfg) -> str:
 
 
 def check(cfg) -> None:
-    """Refuse what a separate sampler cannot do (called by gspo.train.checks.check)."""
-    if cfg.rollout.engine == "vllm":
-        from gspo.rollout.engine import check as check_engine
-
-        check_engine(cfg, on_cpu=cfg.hardware.device == "cpu" or (cfg.hardware.device == "auto"
-                                                                 and not torch.cuda.is_available()))
-        return
-    if separate(cfg) and cfg.hardware.strategy == "fsdp":
+    """Refuse what a copy in another precision cannot do (called by gspo.train.checks.check; the engine's
+    checks are gspo/rollout/engine.py `check`)."""
+    if separate(cfg) and cfg.rollout.engine != "vllm" and cfg.hardware.strategy == "fsdp":
         raise ConfigError(f"rollout.dtype={cfg.rollout.dtype}: a sampler in another precision than the trainer "
                           f"({cfg.hardware.dtype}) is not supported with hardware.strategy=fsdp (sharded weights); "
                           "use hardware.strategy=ddp, or leave rollout.dtype unset")

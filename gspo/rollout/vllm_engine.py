@@ -104,15 +104,17 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
 
     # -- sampling -----------------------------------------------------------------
-    def sample_ids(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float = 1.0,
+    def sample_ids(self, prompts: list[list[int]], n: int, max_new_tokens: int | list[int], temperature: float = 1.0,
                    top_p: float = 1.0, greedy: bool = False, seeds: Optional[list[int]] = None, keep_topk: int = 0,
                    routing: bool = False) -> dict:
-        """n completions of each prompt (token ids), rows prompt-major: each row's completion tokens (the stop
-        token included when it stopped), their log-probs, the top-k (ids, log-probs) per token when asked, and
-        with `routing` the experts chosen at every position of the row's prompt + completion."""
+        """n completions of each prompt (token ids), rows prompt-major, at most `max_new_tokens` tokens each (or
+        per prompt): each row's completion tokens (the stop token included when it stopped), their log-probs, the
+        top-k (ids, log-probs) per token when asked, and with `routing` the experts chosen at every position of
+        the row's prompt + completion that the engine computed."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+        budget = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        params = [SamplingParams(n=n, max_tokens=budget[i], temperature=0.0 if greedy else temperature,
                                  top_p=1.0 if greedy else top_p, seed=None if greedy or seeds is None else seeds[i],
                                  stop_token_ids=self.stop_ids, detokenize=False, skip_special_tokens=False,
                                  logprobs=None if greedy or not self.logprobs_mode else max(keep_topk, 0))
@@ -281,7 +283,7 @@ def _row(request_id: str, parents: dict[str, int], n: int) -> int:
 
 def start(spec: dict):
     """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py)."""
-    from gspo.rollout.workers import map_slot
+    from gspo.rollout.slots import map_slot
 
     engine = VllmEngine(**spec["engine"])
     dtype = getattr(torch, spec["dtype"])

@@ -25,7 +25,7 @@ def start(spec: dict):
 
     from gspo.config.errors import tidy_warnings
     from gspo.rollout.batch import Share, collect
-    from gspo.rollout.workers import map_slot
+    from gspo.rollout.slots import map_slot
     from gspo.tasks import build_task
 
     tidy_warnings()

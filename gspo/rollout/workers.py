@@ -23,10 +23,8 @@ Design (docs/scaling.md, "Asynchronous rollouts"):
 
 from __future__ import annotations
 
-import glob
 import os
 import secrets
-import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -38,35 +36,11 @@ from gspo.config.errors import RunFailed
 from gspo.models import adapters
 from gspo.rollout.batch import Batch
 from gspo.rollout.child import Child
+from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove_stale_slots, shm_dir
 from gspo.rollout.vllm_engine import environment
 from gspo.rollout.source import Collected
 
-PREFIX = "gspo-weights-"
 STARTUP_S = 300.0  # the least a worker is given to start (import torch, build its model) before it counts as hung
-
-
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def layout_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every sampling weight, in slot order: the plain model's parameters (LoRA merged)."""
-    return [(name, tuple(value.shape)) for name, value, _ in adapters.merged_parameters(model)]
-
-
-def map_slot(path: str, layout: list, dtype: torch.dtype, create: bool = False) -> dict[str, torch.Tensor]:
-    """Views (name -> tensor) of the weights in the slot file `path`, shared with every process that maps it."""
-    total = sum(int(torch.Size(shape).numel()) for _, shape in layout)
-    if create:
-        with open(path, "wb") as f:
-            f.truncate(total * torch.tensor([], dtype=dtype).element_size())
-    flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
-    views, at = {}, 0
-    for name, shape in layout:
-        n = int(torch.Size(shape).numel())
-        views[name] = flat[at : at + n].view(shape)
-        at += n
-    return views
 
 
 @dataclass
@@ -95,7 +69,7 @@ class WorkerPool:
 
     # -- lifetime ---------------------------------------------------------------
     def start(self, start: int, model, pending: dict[int, dict]) -> None:
-        _remove_stale_slots()
+        remove_stale_slots()
         self.version = start
         self.layout = layout_of(model)
         for i in range(self.N):
@@ -191,15 +165,3 @@ class WorkerPool:
                 self.slot_of.pop(got).users -= 1
                 self.version_of.pop(got)
                 self.done[got] = (Batch.from_state(state), metrics | timing, version)
-
-
-def _remove_stale_slots() -> None:
-    """Weight slots left by a trainer that was killed (-9): its pid is gone."""
-    for path in glob.glob(os.path.join(shm_dir(), f"{PREFIX}*.bin")):
-        try:
-            pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            Path(path).unlink(missing_ok=True)
-        except (ValueError, PermissionError):
-            continue

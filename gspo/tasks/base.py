@@ -32,6 +32,11 @@ class Verdict:
 
 
 class Task(Protocol):
+    """What every task has. Two optional methods serve rollouts with tools (gspo/tasks/calculator.py has both):
+    `reference_conversation(problem) -> messages` after the prompt (the warm start's target; default: the answer
+    as one assistant message) and `conversation_parts(conversations, problems) -> {name: (N,) tensor}` (its own
+    diagnostics of the trajectories, logged as reward/<name>/mean and eval/<name>)."""
+
     name: str
     alphabet: str  # every character prompts and answers may contain
 

@@ -191,8 +191,11 @@ def is_conversational(prompt) -> bool:
 
 
 def completion_ids(rollout) -> list[list[int]]:
-    """Each row's completion token ids (its EOS included, padding not), as TRL's `completion_ids` holds them."""
-    ids, keep = rollout.completion_ids.cpu().tolist(), rollout.completion_mask.cpu().bool().tolist()
+    """Each row's completion token ids (its EOS included, padding not), as TRL's `completion_ids` holds them:
+    with tools, every token after the prompt, the tools' replies included."""
+    tools = getattr(rollout, "turns", None) is not None
+    written = rollout.attention_mask[:, rollout.prompt_len :] if tools else rollout.completion_mask
+    ids, keep = rollout.completion_ids.cpu().tolist(), written.cpu().bool().tolist()
     return [[t for t, k in zip(row, m) if k] for row, m in zip(ids, keep)]  # lists: no per-row tensor indexing
 
 
@@ -287,17 +290,20 @@ def call_user_fn(f: UserFn, prompts: list, completions: list, fields: dict[str, 
 
 
 def _user_rewards(cfg, texts: list[str], problems: list[Problem], flags: list[bool],
-                  ids: list[list[int]] | None, state) -> tuple[list[float], dict]:
+                  ids: list[list[int]] | None, state, conversations: list | None = None) -> tuple[list[float], dict]:
     """The user functions' weighted rewards and parts; `texts` as TRL decodes them (special tokens skipped).
 
     Every row is scored, unless `reward.ill_formed` is a number: then ill-formed rows get it, unscored.
+    `conversations` (rollouts with tools): each row's messages after the prompt, passed as its completion.
     """
     fns, weights = user_fns(cfg)
     fixed = cfg.ill_formed is not None
     keep = [i for i, bad in enumerate(flags) if not (bad and fixed)]
     prompts = [problems[i].prompt for i in keep]
-    # TRL's conversational completions: one assistant message per row, for prompts that are messages
-    completions = [[{"role": "assistant", "content": texts[i]}] if is_conversational(problems[i].prompt) else texts[i]
+    # TRL's conversational completions: one assistant message per row for prompts that are messages, or the
+    # whole conversation after the prompt (its tool calls and the tools' replies) in a rollout with tools
+    completions = [conversations[i] if conversations is not None else
+                   [{"role": "assistant", "content": texts[i]}] if is_conversational(problems[i].prompt) else texts[i]
                    for i in keep]
     rows = [row_fields(problems[i]) for i in keep]
     fields = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
@@ -336,7 +342,9 @@ def probe(task: Task, cfg, encode: Callable[[str], list[int]]) -> None:
 
     problem = task.sample_train(random.Random(cfg.seed), 1)[0]
     text = str(problem.answer)
-    _user_rewards(cfg.reward, [text], [problem], [False], [encode(text)], trainer_state(0, cfg.train.steps))
+    conversations = None if cfg.rollout.tools is None else [[{"role": "assistant", "content": text}]]
+    _user_rewards(cfg.reward, [text], [problem], [False], [encode(text)], trainer_state(0, cfg.train.steps),
+                  conversations)
 
 
 # --------------------------------------------------------------------------- scoring
@@ -344,7 +352,8 @@ def probe(task: Task, cfg, encode: Callable[[str], list[int]]) -> None:
 
 def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed=None,
           completion_ids: list[list[int]] | Callable[[], list[list[int]]] | None = None,
-          state=None, clean_texts: list[str] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+          state=None, clean_texts: list[str] | None = None,
+          conversations: list | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Rewards (N,) for completions `texts` of `problems`, plus per-part diagnostics (N,) each.
 
     `ill_formed` (N,) bool, from the rollout: rows with a special token before their EOS (tasks.judge).
@@ -353,6 +362,9 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed
     `completion_ids` (each row's token ids) and `state` (a TrainerState) are passed on to reward=python functions;
     either may be a zero-argument callable, called only then (the trainer's are: the first TrainerState imports
     transformers' trainer, seconds, and the ids are a pass over the rollout, for rewards that never read them).
+    `conversations` (rollouts with tools): each row's messages after the prompt; `texts` is then the last
+    assistant message's content. reward=python functions get the conversations as `completions`, and a task
+    with `conversation_parts` adds its own parts (the calculator's `correct_call`).
     """
     flags = [False] * len(texts) if ill_formed is None else [bool(x) for x in ill_formed]
     if cfg.name != PYTHON and cfg.name not in REWARDS:
@@ -371,10 +383,12 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed
              "format": torch.tensor([float(v.well_formed) for v in verdicts])}
     if batched:  # the share the checker had to give up on (scored as wrong)
         parts["verify_timeout"] = torch.tensor([float(v.timed_out) for v in verdicts])
+    if conversations is not None and hasattr(task, "conversation_parts"):
+        parts |= task.conversation_parts(conversations, problems)
     if cfg.name == PYTHON:
         ids, state = (x() if callable(x) else x for x in (completion_ids, state))
         rewards, user_parts = _user_rewards(cfg, clean_texts if clean_texts is not None else texts, problems,
-                                            flags, ids, state)
+                                            flags, ids, state, conversations)
         return torch.tensor(rewards), parts | user_parts
     fn, values = REWARDS[cfg.name], _plain(cfg)  # plain values: an OmegaConf lookup per sample is slow
     return torch.tensor([float(fn(v, values)) for v in verdicts]), parts

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from gspo.algos.advantages import ADVANTAGES
 from gspo.algos.losses import LOSSES
 from gspo.config.checks import check_values
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
+from gspo.rollout.engine import check as check_engine
 from gspo.rollout.sampler import check as check_sampler
 from gspo.rollout.sampler import old_logprobs_mode
-from gspo.tasks import TASKS, data, rewards  # gspo.tasks registers every task on import
+from gspo.tasks import TASKS, data, rewards, tools  # gspo.tasks registers every task on import
 
 
 def check(cfg: Any) -> None:
@@ -36,7 +39,17 @@ def check(cfg: Any) -> None:
     adapters.check(cfg)  # model.lora.*
     data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
     rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
+    tools.check(cfg)  # rollout.tools: the files import (in the tools' own process), the functions have schemas
+    if cfg.rollout.tools is not None and cfg.model.arch == "hf":  # the tiny models' template has what tools need
+        from transformers import AutoTokenizer
+
+        from gspo.rollout.chat import check_template
+
+        check_template(AutoTokenizer.from_pretrained(cfg.model.path))
     check_sampler(cfg)  # rollout.dtype
+    if cfg.rollout.engine == "vllm":
+        check_engine(cfg, on_cpu=cfg.hardware.device == "cpu" or (cfg.hardware.device == "auto"
+                                                                 and not torch.cuda.is_available()))
     r = cfg.rollout
     for key, value in (("rollout.tis", r.tis), ("rollout.mask", r.mask)):
         if value != "none" and old_logprobs_mode(cfg) != "recompute":

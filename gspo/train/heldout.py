@@ -5,10 +5,13 @@ finished run."""
 from __future__ import annotations
 
 from math import comb
+from typing import Optional
 
 import torch
 
+from gspo.rollout import multiturn
 from gspo.rollout.generate import generate
+from gspo.rollout.multiturn import ToolUse
 from gspo.tasks import Problem, Task, timeouts
 from gspo.tasks.base import judge_all
 from gspo.rollout.seeds import keyed_generator
@@ -38,6 +41,7 @@ def evaluate(
     top_p: float = 1.0,
     key: tuple = (),
     engine: str = "hf",
+    tools: Optional[ToolUse] = None,
 ) -> dict:
     """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0).
 
@@ -47,38 +51,52 @@ def evaluate(
     of the seed, whatever the batching or the number of ranks. `engine`: the decode engine
     (training and `gspo eval` pass `rollout.engine`: the fast one where it supports the model, the same
     tokens as `hf`; the warm start's stopping check keeps `hf`, so cached bases stay what they were).
+    `tools` (`rollout.tools`): whole trajectories with tool calls, judged on their last assistant message;
+    adds eval/turns_mean, eval/tool_calls_mean and the task's conversation parts (the calculator's
+    eval/correct_call), and the examples show the conversations.
     Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
     """
+    def sample(prompts: list, n: int, greedy: bool, keys: Optional[list] = None):
+        if tools is not None:
+            return multiturn.rollout(model, tokenizer, prompts, n, max_new_tokens, tools, temperature=temperature,
+                                     top_p=top_p, greedy=greedy, keys=keys, purpose="eval_passk", engine=engine)
+        gens = None if keys is None else [keyed_generator(*k, purpose="eval_passk") for k in keys]
+        return generate(model, tokenizer, prompts, n, max_new_tokens, temperature=temperature, top_p=top_p,
+                        greedy=greedy, generator=gens, chat_template=chat_template, engine=engine)
+
     def verdicts(r, chunk_problems) -> list:  # one problem per completion
         return timeouts.call(lambda: judge_all(task, r.texts, chunk_problems, [bool(b) for b in r.ill_formed.tolist()]),
                              timeout_s, f"the task's verifier on {len(r.texts)} held-out completions")
 
     was_training = model.training
     model.eval()
-    correct, formed, lengths, shown = [], [], [], []
+    correct, formed, lengths, shown, extra = [], [], [], [], {}
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        r = generate(model, tokenizer, [p.prompt for p in chunk], 1, max_new_tokens, greedy=True,
-                     chat_template=chat_template, engine=engine)
-        for text, p, n, v in zip(r.texts, chunk, r.lengths.tolist(), verdicts(r, chunk)):
+        r = sample([p.prompt for p in chunk], 1, greedy=True)
+        for j, (text, p, n, v) in enumerate(zip(r.texts, chunk, r.lengths.tolist(), verdicts(r, chunk))):
             correct.append(v.correct)
             formed.append(v.well_formed)
             lengths.append(n)
             if len(shown) < examples:
-                shown.append({"prompt": p.prompt, "completion": text, "correct": v.correct, "reference": p.answer})
+                shown.append({"prompt": p.prompt, "completion": text if r.conversations is None else r.conversations[j],
+                              "correct": v.correct, "reference": p.answer})
+        if r.conversations is not None:  # per problem: the trajectory's counts and the task's own parts
+            parts = {"turns_mean": r.turns, "tool_calls_mean": r.tool_calls}
+            parts |= task.conversation_parts(r.conversations, chunk) if hasattr(task, "conversation_parts") else {}
+            for name, values in parts.items():
+                extra.setdefault(f"eval/{name}", []).extend(values.float().tolist())
     out = {
         "eval/accuracy": sum(correct) / max(1, len(correct)),
         "eval/format": sum(formed) / max(1, len(formed)),
         "eval/len_mean": sum(lengths) / max(1, len(lengths)),
-    }
+    } | {k: sum(v) / max(1, len(v)) for k, v in extra.items()}
     if pass_k > 0:
         n = 2 * pass_k
         scores = []
         for i in range(0, len(problems), max(1, batch_size // n)):
             chunk = problems[i : i + max(1, batch_size // n)]
-            gens = [keyed_generator(*key, repr(p.prompt), purpose="eval_passk") for p in chunk]
-            r = generate(model, tokenizer, [p.prompt for p in chunk], n, max_new_tokens, temperature=temperature,
-                         top_p=top_p, generator=gens, chat_template=chat_template, engine=engine)
+            r = sample([p.prompt for p in chunk], n, greedy=False, keys=[(*key, repr(p.prompt)) for p in chunk])
             right = [v.correct for v in verdicts(r, [p for p in chunk for _ in range(n)])]
             for j in range(len(chunk)):
                 scores.append(pass_at_k(n, sum(right[j * n : (j + 1) * n]), pass_k))

@@ -25,6 +25,7 @@ from gspo.models.build import load_pretrained, tokenizer_encode
 from gspo.rollout import engine
 from gspo.rollout.batch import Share, collect
 from gspo.rollout.generate import stop_ids
+from gspo.rollout.multiturn import ToolUse
 from gspo.rollout.sampler import Sampler, old_logprobs_mode, sampler_dtype
 from gspo.rollout.source import Inline, describe, pending_of
 from gspo.rollout.workers import WorkerPool
@@ -146,7 +147,7 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     ev = lambda step: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
         cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p,
-        key=(cfg.seed, step), engine=cfg.rollout.engine), eval_problems, model)
+        key=(cfg.seed, step), engine=cfg.rollout.engine, tools=ToolUse.of(cfg)), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, opt=opt, sched=sched, recompute=recompute, moe_step=moe_step,

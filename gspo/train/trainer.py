@@ -230,8 +230,10 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
 
 
 def _samples(batch: Batch, n: int = 8) -> list[dict]:
+    """samples.jsonl's rows: the completion, or with tools the whole conversation after the prompt."""
+    shown = batch.rollout.texts if batch.rollout.conversations is None else batch.rollout.conversations
     return [
-        {"prompt": batch.problems[i].prompt, "completion": batch.rollout.texts[i], "reward": batch.rewards[i].item()}
+        {"prompt": batch.problems[i].prompt, "completion": shown[i], "reward": batch.rewards[i].item()}
         for i in range(min(n, len(batch.problems)))
     ]
 

@@ -23,6 +23,10 @@ import torch
 from gspo.config.errors import ConfigError
 from gspo.models.build import build_model, char_tokenizer
 from gspo.models.moe import is_moe
+from gspo.rollout.chat import render_reference
+from gspo.rollout.generate import encode_prompts
+from gspo.rollout.multiturn import ToolUse
+from gspo.tasks.tools import specs_of
 from gspo.train.heldout import evaluate
 from gspo.train.preemption import Stopped
 
@@ -55,6 +59,8 @@ def _base_key(cfg) -> str:
     t.pop("eval_size", None)
     files = {k: _sha256(path) for k, path in _input_files(cfg).items() if Path(path).is_file()}  # content, not name
     key = {"v": CACHE_VERSION, "model": m, "task": t, "T": cfg.rollout.max_new_tokens}
+    if cfg.rollout.tools is not None:  # the tools' names are in every prompt and their calls in the references
+        key["tools"] = {"specs": list(specs_of(cfg.rollout.tools)), "max_turns": cfg.rollout.max_turns}
     blob = json.dumps(key | ({"files": files} if files else {}), sort_keys=True)  # no file: the key it always had
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -79,11 +85,12 @@ def base_model(cfg, task, log=print, stop=None) -> Path:
             log(f"gspo: reusing the warm-started base {target}" + (f" (built from {inputs}, same content)" if inputs else ""))
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = char_tokenizer(task.alphabet)
+    tools = ToolUse.of(cfg)
+    tokenizer = char_tokenizer(task.alphabet, chat=tools is not None)
     model = build_model(cfg.model, len(tokenizer), tokenizer, seed=cfg.model.warm_start.seed)
     t0 = time.time()
     partial = target.parent / f".partial-{target.name}"
-    record = warm_start(model, tokenizer, task, cfg.model.warm_start, log=log, stop=stop, partial=partial)
+    record = warm_start(model, tokenizer, task, cfg.model.warm_start, log=log, stop=stop, partial=partial, tools=tools)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
@@ -97,8 +104,13 @@ def base_model(cfg, task, log=print, stop=None) -> Path:
     return target
 
 
-def warm_start(model, tokenizer, task, wcfg, log=print, stop=None, partial: Optional[Path] = None) -> dict:
+def warm_start(model, tokenizer, task, wcfg, log=print, stop=None, partial: Optional[Path] = None,
+               tools: Optional[ToolUse] = None) -> dict:
     """Supervised steps on (prompt, reference answer + EOS); loss on the answer tokens only.
+
+    With `tools` (`rollout.tools`): on each problem's reference conversation after its prompt
+    (`task.reference_conversation`, else the answer as one assistant message), rendered with the chat
+    template and the tools as a rollout holds it; loss on the model's turns only, not the tools' replies.
 
     The data: `wcfg.problems` fixed training problems drawn once and sampled in batches, or
     (0) fresh training problems every step; never a held-out one. With `wcfg.target_accuracy`
@@ -123,7 +135,7 @@ def warm_start(model, tokenizer, task, wcfg, log=print, stop=None, partial: Opti
     rng = random.Random(wcfg.seed)
     torch.manual_seed(wcfg.seed)
     pool = task.sample_train(rng, wcfg.problems) if wcfg.problems > 0 else None
-    check = _accuracy_check(model, tokenizer, task, wcfg) if wcfg.target_accuracy > 0 else None
+    check = _accuracy_check(model, tokenizer, task, wcfg, tools) if wcfg.target_accuracy > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=wcfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / wcfg.steps))
     moe_kwargs = {"output_router_logits": True} if is_moe(model) else {}
@@ -148,10 +160,9 @@ def warm_start(model, tokenizer, task, wcfg, log=print, stop=None, partial: Opti
                     else rng.sample(pool, min(wcfg.batch_size, len(pool))))
         ids, labels = [], []
         for p in problems:
-            prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
-            answer = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            ids.append(prompt + answer)
-            labels.append([-100] * len(prompt) + answer)
+            x, learn = _reference(tokenizer, task, p, tools)
+            ids.append(x)
+            labels.append([t if m else -100 for t, m in zip(x, learn)])
         width = max(map(len, ids))
         pad = tokenizer.pad_token_id
         input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
@@ -198,12 +209,26 @@ def _tuples(x):
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _accuracy_check(model, tokenizer, task, wcfg, n: int = 200):
+def _reference(tokenizer, task, problem, tools: Optional[ToolUse]) -> tuple[list[int], list[int]]:
+    """(token ids, 1 where the model is taught) of a problem's prompt and reference solution."""
+    if tools is None:
+        prompt = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        answer = tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+    make = getattr(task, "reference_conversation", None)
+    messages = make(problem) if make is not None else [{"role": "assistant", "content": problem.answer}]
+    prompt = problem.prompt if isinstance(problem.prompt, list) else [{"role": "user", "content": problem.prompt}]
+    prompt_ids = encode_prompts(tokenizer, [prompt], True, tools.box.schemas)[0]
+    return render_reference(tokenizer, prompt_ids, prompt, messages, {tokenizer.eos_token_id})
+
+
+def _accuracy_check(model, tokenizer, task, wcfg, tools: Optional[ToolUse] = None, n: int = 200):
     """A function returning greedy accuracy on `n` fixed training problems (never held-out ones)."""
     problems = task.sample_train(random.Random(f"warm-start-check-{wcfg.seed}"), n)
-    width = max(len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) for p in problems) + 1
+    # room for the longest reference: its answer and EOS, or with tools every token after its prompt
+    width = max(len(ids) - learn.index(1) for ids, learn in (_reference(tokenizer, task, p, tools) for p in problems))
 
     def check() -> float:
-        return evaluate(model, tokenizer, task, problems, max_new_tokens=width)["eval/accuracy"]
+        return evaluate(model, tokenizer, task, problems, max_new_tokens=width, tools=tools)["eval/accuracy"]
 
     return check

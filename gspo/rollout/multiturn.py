@@ -1,0 +1,221 @@
+"""Multi-turn rollouts with tools: the model calls functions, reads their results and goes on (`rollout.tools`).
+
+A trajectory is prompt -> model turn -> tool result(s) -> model turn ... until the model stops calling tools,
+`rollout.max_turns` model turns are done, or its token budget (`rollout.max_new_tokens`, everything after the
+prompt: the model's tokens and the tools', as TRL's `max_completion_length`) runs out. Token in, token out: the
+model's tokens are the ones sampled (gspo/rollout/continuation.py continues the token sequences themselves, never
+a re-rendered text), the tools' replies are appended as the chat template renders them (gspo/rollout/chat.py).
+
+The result is a `Rollout` like a single-turn one, so everything downstream is unchanged: `input_ids` and
+`attention_mask` hold the whole trajectory, `completion_mask` is 1 on the model's tokens only (every loss, KL,
+entropy, length, mismatch and routing statistic reads it), `sampler_logp` exists on the model's tokens only, and
+the routing recorded while sampling covers every position (a position is recorded by the pass that first fed
+it, as an engine's prefix cache would: R3 replays what the model saw). `texts` holds each row's last assistant
+message (what the task's verifier judges), `conversations` the messages after the prompt (what reward
+functions get as `completions`, as TRL passes them), and `turns`, `tool_calls`, `tool_errors` the counts.
+
+Seeds: turn k of sample j of prompt g draws from a generator keyed by (the prompt's key, j, k), the prompt's key
+being (seed, step, draw, global prompt index) in training: a trajectory depends on nothing else in the batch,
+whatever the batching, the number of ranks or where sampling runs.
+
+Where gspo differs from TRL's `tools=` loop: a trajectory ends after `rollout.max_turns` model turns (TRL:
+`max_tool_calling_iterations` = max_turns - 1 rounds of calls); the tools run in a child process under a time
+limit (gspo/tasks/tools.py); a malformed `<tool_call>` is answered with an error and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from gspo.rollout import chat
+from gspo.rollout.continuation import Continuation, continue_sequences
+from gspo.rollout.generate import Rollout, encode_prompts, stop_ids
+from gspo.rollout.seeds import keyed_generator
+from gspo.tasks.tools import Toolbox, specs_of, toolbox
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A run's tools as its rollouts use them (`rollout.tools`, `rollout.max_turns`, `rollout.tool_timeout_s`)."""
+
+    specs: tuple[str, ...]
+    timeout_s: float
+    max_turns: int
+
+    @staticmethod
+    def of(cfg) -> Optional["ToolUse"]:
+        """The run's tools, or None without `rollout.tools`."""
+        r = cfg.rollout
+        return None if r.tools is None else ToolUse(tuple(specs_of(r.tools)), float(r.tool_timeout_s), int(r.max_turns))
+
+    @property
+    def box(self) -> Toolbox:
+        """This process's tool server (started on first use)."""
+        return toolbox(list(self.specs), self.timeout_s)
+
+
+@dataclass
+class _Trajectory:
+    """One row being sampled: its prompt, the tokens after it, and what the Rollout needs of them."""
+
+    prompt: list[int]
+    tail: list[int] = field(default_factory=list)
+    mine: list[int] = field(default_factory=list)  # per tail token: 1 the model sampled it, 0 a tool's reply
+    logp: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+    topk: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per tail chunk: (ids, logp)
+    routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per fed chunk of positions
+    routed: int = 0  # positions whose routing is recorded
+    messages: list[dict] = field(default_factory=list)
+    answer: str = ""  # the last assistant message's content
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    ill_formed: bool = False
+    truncated: bool = False
+    done: bool = False
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.tail
+
+    def add(self, tokens: list[int], mine: bool, c: Optional[Continuation] = None, k: int = 0) -> None:
+        n = len(tokens)
+        self.tail += tokens
+        self.mine += [int(mine)] * n
+        self.logp += c.logp.tolist() if c is not None and c.logp is not None else [0.0] * n
+        self.kept += c.kept_mass.tolist() if c is not None and c.kept_mass is not None else [1.0] * n
+        if k:
+            self.topk.append((c.topk_ids, c.topk_logp) if c is not None else
+                             (torch.zeros((n, k), dtype=torch.long), torch.zeros((n, k))))
+        if c is not None and c.routing is not None:  # positions fed for the first time (the last token is not yet)
+            end = len(self.ids) - 1
+            self.routing.append((c.routing[self.routed : end], c.router_logp[self.routed : end]))
+            self.routed = end
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, prompts: list, group_size: int, max_new_tokens: int, tools: ToolUse, *,
+            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, keys: Optional[list[tuple]] = None,
+            purpose: str = "sample", device: Any = "cpu", capture_routing: bool = False, compile: bool = False,
+            engine: str = "hf", keep_topk: int = 0) -> Rollout:
+    """`group_size` trajectories for each prompt (rows group-contiguous), as a Rollout (module docstring).
+
+    `keys`: one per prompt (None when `greedy`): sample j's turn k draws from keyed_generator(*keys[g], j, k,
+    purpose=purpose) on `device`. Prompts (strings or chat messages) are rendered with the chat template and
+    the tools' schemas. The other arguments are `generate`'s.
+    """
+    box = tools.box
+    chat.check_template(tokenizer)
+    stops = set(stop_ids(model, tokenizer).tolist())
+    special = set(tokenizer.all_special_ids) - stops
+    k = 0 if greedy else keep_topk
+    rows = [_Trajectory(p) for p in encode_prompts(tokenizer, prompts, True, box.schemas) for _ in range(group_size)]
+    for turn in range(tools.max_turns):
+        active = [i for i, r in enumerate(rows) if not r.done]
+        if not active:
+            break
+        gens = None if greedy else [keyed_generator(*keys[i // group_size], i % group_size, turn, purpose=purpose,
+                                                    device=device) for i in active]
+        outs = continue_sequences(model, tokenizer, [rows[i].ids for i in active],
+                                  [max_new_tokens - len(rows[i].tail) for i in active], gens, temperature=temperature,
+                                  top_p=top_p, greedy=greedy, capture_routing=capture_routing, compile=compile,
+                                  engine=engine, keep_topk=k)
+        for i, c in zip(active, outs):
+            _model_turn(rows[i], c, tokenizer, box, stops, special, k, last=turn == tools.max_turns - 1,
+                        budget=max_new_tokens)
+    return _as_rollout(rows, tokenizer, group_size, len(prompts), capture_routing, greedy, top_p, k, device)
+
+
+def _model_turn(row: _Trajectory, c: Continuation, tokenizer, box: Toolbox, stops: set[int], special: set[int],
+                k: int, last: bool, budget: int) -> None:
+    """Append the model's turn `c` to `row`; run the tools it called and append their replies, or end the row."""
+    prefix = row.ids
+    row.add(c.tokens, True, c, k)
+    row.turns += 1
+    body = c.tokens[:-1] if c.stopped else c.tokens
+    row.ill_formed |= any(t in special for t in body)  # a special token the model wrote inside its turn
+    text = tokenizer.decode(body, skip_special_tokens=True)
+    turn = chat.read_turn(tokenizer, text, body, prefix, box.schemas)
+    message = {"role": "assistant", "content": turn.content}
+    if turn.calls:
+        message["tool_calls"] = turn.calls
+    row.messages.append(message)
+    row.answer = turn.content
+    row.truncated = not c.stopped
+    if not c.stopped or last or not (turn.calls or turn.malformed):
+        row.done = True  # out of budget, out of turns (calls left unanswered are not run), or an answer
+        return
+    replies = []
+    for call in turn.calls:
+        content, failed = box.call(call["function"]["name"], call["function"]["arguments"])
+        replies.append({"role": "tool", "name": call["function"]["name"], "content": content})
+        row.errors += failed
+    for why in turn.malformed:  # answered as a failed call, as TRL answers an unsupported one
+        replies.append({"role": "tool", "name": "unknown", "content": str({"error": f"malformed tool call: {why}"})})
+        row.errors += 1
+    row.calls += len(replies)
+    suffix = chat.tool_suffix(tokenizer, replies, stops)
+    if len(row.tail) + len(suffix) >= budget:  # no room left for the model to read the replies and go on (as TRL)
+        row.done = True
+        return
+    row.add(suffix, False, None, k)
+    row.messages += replies
+
+
+def _as_rollout(rows: list[_Trajectory], tokenizer, group_size: int, n_prompts: int, capture_routing: bool,
+                greedy: bool, top_p: float, k: int, device) -> Rollout:
+    """The trajectories as one Rollout: prompts left-padded to P columns, tails right-padded to T."""
+    pad = tokenizer.pad_token_id
+    P, T = max(len(r.prompt) for r in rows), max(len(r.tail) for r in rows)
+
+    def tails(values, fill, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor([v + [fill] * (T - len(v)) for v in values], dtype=dtype)
+
+    prompts = torch.tensor([[pad] * (P - len(r.prompt)) + r.prompt for r in rows], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (P - len(r.prompt)) + [1] * len(r.prompt) for r in rows], dtype=torch.long)
+    tail_mask = tails([[1] * len(r.tail) for r in rows], 0, torch.long)
+    mine = tails([r.mine for r in rows], 0)
+    routing = router_logp = None
+    if capture_routing:  # each row's positions [P - len(prompt), P + len(tail)); -1 / 0 where none was recorded
+        routing_rows, logp_rows = [], []
+        for r in rows:
+            idx, lp = (torch.cat([c[j] for c in r.routing]) for j in (0, 1))
+            before = P - len(r.prompt)
+            after = P + T - before - idx.shape[0]
+            routing_rows.append(F.pad(idx.movedim(0, -1), (before, after), value=-1).movedim(-1, 0))
+            logp_rows.append(F.pad(lp.movedim(0, -1), (before, after), value=0.0).movedim(-1, 0))
+        routing, router_logp = torch.stack(routing_rows).to(device), torch.stack(logp_rows).to(device)
+    topk_ids = topk_logp = None
+    if k:
+        topk_ids = torch.stack([F.pad(torch.cat([c[0] for c in r.topk]), (0, 0, 0, T - len(r.tail))) for r in rows])
+        topk_logp = torch.stack([F.pad(torch.cat([c[1] for c in r.topk]), (0, 0, 0, T - len(r.tail))) for r in rows])
+        topk_logp = topk_logp * mine[..., None]
+    texts = [r.answer for r in rows]
+    return Rollout(
+        input_ids=torch.cat([prompts, tails([r.tail for r in rows], pad, torch.long)], 1).to(device),
+        attention_mask=torch.cat([prompt_mask, tail_mask], 1).to(device),
+        completion_mask=mine.to(device),
+        truncated=torch.tensor([r.truncated for r in rows]).to(device),
+        prompt_len=P,
+        texts=texts,
+        prompt_index=torch.arange(n_prompts).repeat_interleave(group_size),
+        pad_id=pad,
+        routing=routing,
+        router_logp=router_logp,
+        ill_formed=torch.tensor([r.ill_formed for r in rows]),
+        clean_texts=list(texts),
+        sampler_logp=None if greedy else (tails([r.logp for r in rows], 0.0) * mine).to(device),
+        kept_mass=None if greedy or top_p >= 1.0 else torch.where(mine.bool(), tails([r.kept for r in rows], 1.0),
+                                                                   1.0).to(device),
+        topk_ids=None if topk_ids is None else topk_ids.to(device),
+        topk_logp=None if topk_logp is None else topk_logp.to(device),
+        conversations=[r.messages for r in rows],
+        turns=torch.tensor([r.turns for r in rows]),
+        tool_calls=torch.tensor([r.calls for r in rows]),
+        tool_errors=torch.tensor([r.errors for r in rows]),
+    )

@@ -1,0 +1,53 @@
+"""Weight slots: files in /dev/shm (the temp dir elsewhere) holding every sampling weight, flat, in the
+sampler's dtype, mapped by the trainer and by the processes that sample (rollout workers, the vLLM engine's
+process) alike with `torch.from_file(shared=True)`: a weight push is one copy into a slot, no pickling.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gspo.models import adapters
+
+PREFIX = "gspo-weights-"
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def layout_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every sampling weight, in slot order: the plain model's parameters (LoRA merged)."""
+    return [(name, tuple(value.shape)) for name, value, _ in adapters.merged_parameters(model)]
+
+
+def map_slot(path: str, layout: list, dtype: torch.dtype, create: bool = False) -> dict[str, torch.Tensor]:
+    """Views (name -> tensor) of the weights in the slot file `path`, shared with every process that maps it."""
+    total = sum(int(torch.Size(shape).numel()) for _, shape in layout)
+    if create:
+        with open(path, "wb") as f:
+            f.truncate(total * torch.tensor([], dtype=dtype).element_size())
+    flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
+    views, at = {}, 0
+    for name, shape in layout:
+        n = int(torch.Size(shape).numel())
+        views[name] = flat[at : at + n].view(shape)
+        at += n
+    return views
+
+
+def remove_stale_slots() -> None:
+    """Weight slots left by a trainer that was killed (-9): its pid is gone."""
+    for path in glob.glob(os.path.join(shm_dir(), f"{PREFIX}*.bin")):
+        try:
+            pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            Path(path).unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            continue
