@@ -16,7 +16,6 @@ and kept (workers load their own), on `reward.device` (default: the trainer's `h
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,10 +48,9 @@ def check(path: str) -> None:
     if type(config) not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING:
         raise ConfigError(f"reward.path={path}: {type(config).__name__} has no sequence-classification class in "
                           "transformers; a reward model is an AutoModelForSequenceClassification")
-    labels = json.loads((p / "config.json").read_text()).get("id2label")
-    if labels is not None and len(labels) != 1:
+    if config.num_labels != 1:
         raise ConfigError(f"reward.path={path}: a reward model has one output (num_labels = 1); this one has "
-                          f"{len(labels)} (its config's id2label)")
+                          f"{config.num_labels}")
     if not any(p.glob("*.safetensors")):
         raise ConfigError(f"reward.path={path}: no *.safetensors weights there (gspo loads safetensors only)")
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):

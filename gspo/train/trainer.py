@@ -48,7 +48,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         stop.close()
         return s.summary.data
     dist, summary, start, logger, source = s.dist, s.summary, s.start, s.logger, s.source
-    model, sched = s.model, s.sched
+    model = s.model
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
     saved = start  # the step of the newest checkpoint
@@ -79,10 +79,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             # the step's batch: sampled now, or ahead by the policy rollout.staleness steps older, exactly
             batch, metrics = _sampled(lambda: source.batch(step, model), step)
             batch, metrics = _trimmed(cfg, batch, metrics, dist)
-            metrics["train/lr"] = sched.get_last_lr()[0]  # the rate this step's updates use
             t_update = time.time()
             metrics |= _update(cfg, s, batch, step)
-            sched.step()
             metrics["time/update_s"] = time.time() - t_update
             for k, v in _sampled(lambda: source.updated(step, model), step).items():  # push the weights, sample ahead
                 metrics[k] = metrics.get(k, 0.0) + v
@@ -197,7 +195,7 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, ref_logp, parts: lis
     gather = lambda x: dist.all_gather_rows(x)[0]  # noqa: E731  (every rank's tokens: the one-process minibatch's)
     model.train()
     topk = algo.loss == "dppo_topk"
-    per_mb: dict[str, list[float]] = {}
+    per_mb: dict[str, list[float]] = {"train/lr": [s.sched.get_last_lr()[0]]}  # the rate this step's updates use
     for i, rows in enumerate(parts):
         sub, m = ro.select(rows), mask[rows]
         with s.moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
@@ -236,6 +234,7 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, ref_logp, parts: lis
         }
         for k, v in stats.items():
             per_mb.setdefault(k, []).append(float(v))
+    s.sched.step()  # the schedule counts the steps the policy trained (not a critic's warm-up: verl's too)
     # extremes stay extremes; everything else is the mean over minibatches
     return {k: min(v) if k.endswith("_min") else max(v) if k.endswith("_max") else sum(v) / len(v)
             for k, v in per_mb.items()}
