@@ -582,3 +582,26 @@ def test_a_run_directory_the_nodes_do_not_share_is_refused(tmp_path):
 def steady_rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
             for m in jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ppo_and_trls_knobs_on_two_ranks_compute_what_one_process_computes(strategy, tmp_path, cache_dir):
+    """PPO's critic (its own DDP / FSDP2 module and optimizer; GAE whitened over every rank's tokens) with TRL's
+    high-entropy mask (the quantile over every rank's tokens) and entropy bonus (a token mean over every rank's):
+    2 ranks compute the one-process loss, gradient norms, explained variance and updated policy and critic."""
+    from gspo.train.critic import CRITIC_FILE
+
+    opts = small(cache_dir, algo="ppo", **{"algo.top_entropy_quantile": 0.5, "algo.entropy_coef": 0.05,
+                                           "algo.critic.lr": 1e-3})
+    train(compose(opts), tmp_path / "one")
+    cli("train", "hardware=cpu-ddp", f"hardware.strategy={strategy}", f"hydra.run.dir={tmp_path / 'two'}", *opts,
+        cwd=tmp_path)
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    a, b = jsonl(tmp_path / "one" / "metrics.jsonl")[1], jsonl(tmp_path / "two" / "metrics.jsonl")[1]
+    for key in ("critic/explained_variance", "critic/value_mean", "critic/grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    ca, cb = (load_file(checkpoint.latest(tmp_path / d) / CRITIC_FILE) for d in ("one", "two"))
+    assert ca.keys() == cb.keys()
+    for k in ca:
+        assert_adam_close(cb[k], ca[k], lr=1e-3, name=f"critic {k}")
