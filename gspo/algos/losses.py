@@ -37,7 +37,7 @@ class Hyper:
     eps_low: float = 0.2  # ratio clipped below at 1 - eps_low (GMPO: log-ratio at -eps_low)
     eps_high: float = 0.2  # ratio clipped above at 1 + eps_high (GMPO: log-ratio at +eps_high)
     clip_ratio_c: Optional[float] = None  # dual clip for A < 0 (arXiv 1912.09729); None = off
-    delta: Optional[float] = None  # two-sided clip (INTELLECT-2, TRL's `delta`): the unclipped ratio capped at delta; None = off
+    delta: Optional[float] = None  # two-sided clip (INTELLECT-2, TRL's delta): unclipped ratio capped at delta; None: off
     agg: Optional[str] = None  # aggregation override; None = the loss's own
     max_tokens: Optional[int] = None  # seq_mean_token_sum_norm constant (Dr. GRPO: generation cap)
     tau_pos: float = 1.0  # SAPO gate temperature for A > 0
@@ -88,7 +88,8 @@ class LossSpec:
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, *, agg: str, seq_ratio: bool = False, ppo_clip: bool = False) -> Callable[[LossFn], LossFn]:
+def register_loss(name: str, *, agg: str, seq_ratio: bool = False,
+                  ppo_clip: bool = False) -> Callable[[LossFn], LossFn]:
     """Decorator: add a loss to the registry under `name` with its default aggregation; `ppo_clip`: its objective
     is PPO's clipped one (`_ppo_clip`), which the two-sided clip `delta` acts on."""
     if agg not in AGG_MODES:

@@ -85,7 +85,8 @@ class RewardModel:
             if tokenizer.pad_token_id is None:
                 tokenizer.pad_token = tokenizer.eos_token
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, use_safetensors=True)
-            model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
+            # the head reads each row's last token that is not padding: the model must know the pad id
+            model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
             _LOADED[key] = RewardModel(Path(path).resolve().name, model.to(dev).eval(), tokenizer, dev, int(batch_size))
         return _LOADED[key]
 

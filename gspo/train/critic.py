@@ -96,19 +96,18 @@ class ValueModel(nn.Module):
                               "value head on")
         config = lm.config.get_text_config()
         self.model = lm.base_model
-        self.config = config
         self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP2 shards these blocks
         w = lm.get_input_embeddings().weight
         self.score = nn.Linear(config.hidden_size, 1, device=w.device, dtype=w.dtype)
-        g = torch.Generator().manual_seed(seed)
+        std, g = getattr(config, "initializer_range", 0.02), torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            self.score.weight.copy_(torch.randn(1, config.hidden_size, generator=g) * getattr(config, "initializer_range", 0.02))
+            self.score.weight.copy_(torch.randn(1, config.hidden_size, generator=g) * std)
             self.score.bias.zero_()
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
         """(B, T) float32 values of the states before each completion token: positions P-1 .. P+T-2."""
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                            use_cache=False).last_hidden_state
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
         return self.score(hidden[:, prompt_len - 1 : -1]).squeeze(-1).float()
 
 
@@ -127,7 +126,8 @@ class ValueCritic(Critic):
         self.module = dist.wrap(bare, dtype)
         fused = {"fused": True} if dist.strategy != "fsdp" else {}
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=c.lr, weight_decay=c.weight_decay, **fused)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / max(1, c.lr_warmup_steps)))
+        warmup = max(1, c.lr_warmup_steps)  # RL steps, as train.warmup_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warmup))
         if resume is not None:
             state = checkpoint.load_state(resume)["critic"]
             dist.load_optimizer_state(self.module, self.opt, state["optimizer"])
@@ -162,12 +162,12 @@ class ValueCritic(Critic):
     def update(self, rollout: Rollout, mask: Tensor, minibatches: list[Tensor], step: int) -> dict[str, float]:
         """One gradient step of the clipped value loss (token mean) per minibatch, the policy's minibatches."""
         self.module.train()
-        lr = self.sched.get_last_lr()[0]
+        lr, clip = self.sched.get_last_lr()[0], self.cfg.algo.critic.value_clip
         per: dict[str, list[float]] = {}
         for rows in minibatches:
             sub, m = rollout.select(rows), mask[rows]
             values = self.module(sub.input_ids, sub.attention_mask, sub.prompt_len)
-            total, clipped = value_loss(values, self._old[rows], self._returns[rows], m, self.cfg.algo.critic.value_clip)
+            total, clipped = value_loss(values, self._old[rows], self._returns[rows], m, clip)
             n = m.sum()
             # under several ranks: this rank's share of the one-process token mean (1 x in one process)
             loss = total / n.clamp(min=1) * self.dist.loss_scale(n)
