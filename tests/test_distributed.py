@@ -127,7 +127,9 @@ def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: i
 
     from gspo.models.build import build_model, char_tokenizer
     from gspo.rollout.generate import generate
+    from gspo.train.critic import Critic
     from gspo.train.moe_step import MoEStep
+    from gspo.train.setup import Setup
     from gspo.train.trainer import Batch, _update
 
     cfg = compose(overrides)
@@ -146,8 +148,10 @@ def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: i
     rewards = torch.tensor([(i * 7919 % 13) / 13 for i in range(P * G)])[lo * G : hi * G]
     policy = dist.wrap(model, torch.float32)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    m = _update(cfg, policy, None, opt, Batch(ro, [None] * len(rewards), rewards, {}), 1,
-                MoEStep.for_model(model, cfg, dist, old_pass=False), dist, recompute=False)
+    s = Setup(dist, torch.float32, None, 0, policy=policy, opt=opt, critic=Critic(cfg, dist),
+              sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+              moe_step=MoEStep.for_model(model, cfg, dist, old_pass=False))
+    m = _update(cfg, s, Batch(ro, [None] * len(rewards), rewards, {}), 1)
     return {"loss": m["train/loss"], "grad_norm": m["train/grad_norm"],
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
