@@ -24,6 +24,7 @@ import torch
 from gspo.config.errors import ConfigError
 
 _LOADED: dict[tuple[str, str], "RewardModel"] = {}  # one copy per (directory, device) in a process
+_CHECKED: set[str] = set()  # directories `check` passed (the reward functions are listed again at every batch)
 
 
 def paths(spec) -> list[str]:
@@ -39,6 +40,8 @@ def check(path: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
     p = Path(path)
+    if str(p.resolve()) in _CHECKED:
+        return
     if not (p / "config.json").is_file():
         raise ConfigError(f"reward.path={path}: not a Hugging Face checkpoint directory (no config.json there)")
     try:
@@ -55,6 +58,7 @@ def check(path: str) -> None:
         raise ConfigError(f"reward.path={path}: no *.safetensors weights there (gspo loads safetensors only)")
     if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")):
         raise ConfigError(f"reward.path={path}: no tokenizer there; save one into it with tokenizer.save_pretrained")
+    _CHECKED.add(str(p.resolve()))
 
 
 def device_of(name) -> torch.device:
