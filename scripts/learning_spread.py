@@ -35,7 +35,7 @@ from gspo.tasks import build_task
 from gspo.train.warm_start import base_model
 
 ALGOS = ["dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "gpg", "topr", "reinforce_plus_plus",
-         "reinforce_plus_plus_baseline", "passk", "grpo_passk"]
+         "reinforce_plus_plus_baseline", "passk", "grpo_passk", "ppo", "rloo"]
 OVERRIDES = {"train.steps": 60, "rollout.prompts_per_step": 16, "eval.every": 0, "hardware.threads": 1,
              "logger.progress": False, "reward": "python", "reward.fn": f"{Path(__file__).resolve()}:has_seven"}
 

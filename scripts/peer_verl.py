@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from gspo.algos.advantages import compute_advantages  # noqa: E402
 from gspo.algos.losses import policy_loss  # noqa: E402
+from gspo.algos.value import gae, outcome_rewards, value_loss, whiten  # noqa: E402
 
 
 class _Anything(types.ModuleType):
@@ -150,6 +151,34 @@ def main() -> None:
     checks["gpg (verl's alpha = N / nonzero rewards, gspo's N / (N - M))"] = (gpg_verl / alpha_ratio, compute_advantages("gpg", r, G))
     for name, (theirs, ours) in checks.items():
         print(f"| {name} | {float((theirs - ours).abs().max()):.2e} |")
+    print()
+    print(compare_critic(core))
+
+
+def compare_critic(core) -> str:
+    """PPO's critic math: verl's compute_gae_advantage_return (with its whitening) and compute_value_loss
+    (token-mean) against gspo's gae + whiten and value_loss, 3 seeds x 3 (gamma, lambda), a KL penalty per token."""
+    worst = {"GAE returns": 0.0, "GAE advantages, whitened": 0.0, "value loss": 0.0, "value loss gradient": 0.0}
+    for seed in (0, 1, 2):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.tensor([6, 2, 4, 6, 1, 5])
+        mask = (torch.arange(6)[None] < lengths[:, None]).float()
+        values = torch.randn(6, 6, generator=g)
+        rewards = outcome_rewards(torch.randn(6, generator=g), mask) - 0.05 * torch.randn(6, 6, generator=g) * mask
+        for gamma, lam in ((1.0, 1.0), (0.99, 0.95), (0.9, 0.3)):
+            adv_v, ret_v = core.compute_gae_advantage_return(rewards, values, mask, gamma, lam)
+            adv, ret = gae(rewards, values, mask, gamma, lam)
+            worst["GAE returns"] = max(worst["GAE returns"], float(((ret - ret_v) * mask).abs().max()))
+            worst["GAE advantages, whitened"] = max(worst["GAE advantages, whitened"],
+                                                    float(((whiten(adv, mask) - adv_v) * mask).abs().max()))
+        new = (values + 0.3 * torch.randn(6, 6, generator=g)).requires_grad_()
+        theirs, _ = core.compute_value_loss(new, ret, values, mask, cliprange_value=0.5)
+        total, _ = value_loss(new, values, ret, mask, clip=0.5)
+        ours = total / mask.sum()
+        worst["value loss"] = max(worst["value loss"], float((ours - theirs).detach().abs()))
+        gv, go = (torch.autograd.grad(x, new)[0] for x in (theirs, ours))
+        worst["value loss gradient"] = max(worst["value loss gradient"], float((gv - go).abs().max()))
+    return "| PPO's critic | max |difference| |\n|---|---:|\n" + "\n".join(f"| {k} | {v:.2e} |" for k, v in worst.items())
 
 
 if __name__ == "__main__":

@@ -46,3 +46,27 @@ def tiny(cache_dir, **extra: object) -> list[str]:
 def cache_dir(tmp_path_factory):
     """One warm-start cache for the whole test session, as a sweep would share it."""
     return tmp_path_factory.mktemp("cache")
+
+
+# a chat template for the character tokenizer: role initial, colon, content, semicolon
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+
+
+def tiny_reward_model(directory, seed: int = 0, num_labels: int = 1):
+    """A reward model as a user would point reward.path at: a tiny Qwen3ForSequenceClassification (one output)
+    built from config with random weights, and gspo's character tokenizer (with a chat template), saved to
+    `directory`. Nothing is downloaded."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from gspo.models.build import char_tokenizer
+
+    tok = char_tokenizer("0123456789+-=#,:;uas")
+    tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=256,
+                         num_labels=num_labels, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen3ForSequenceClassification(config).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory

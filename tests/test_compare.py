@@ -520,3 +520,25 @@ def test_the_staleness_figure_reads_each_cell_at_each_k(tmp_path, capsys):
     # t_{0.975, 1} = 12.706 x s / sqrt(2), s = 0.1414: half-width 1.271
     assert "| grpo | 0.600 ± 1.271 (2) | 0.300 ± 1.271 (2) |" in out and "| gspo_sampler | — | 0.600 ± 0.000 (2) |" in out
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_critic_of_a_ppo_group_is_tabulated(tmp_path):
+    """A ppo / grpo sweep: the critic's metrics get a table of their own, for the group that logs them
+    (value loss and value clip: means over the steps; explained variance: the last 10% of steps)."""
+    root = tmp_path / "sweep"
+    for seed in (0, 1):
+        make_run(root / f"grpo{seed}", "grpo", seed)
+        ev = [0.1 * t / 20 for t in range(1, 21)]  # 0.005 .. 0.1; the last 2 steps: 0.095, 0.1
+        lines = [{"critic/value_loss": 0.02 + seed * 0.02, "critic/value_mean": 0.3, "critic/clip_frac": 0.1,
+                  "critic/explained_variance": e} for e in ev]
+        run = make_run(root / f"ppo{seed}", "ppo", seed)
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r | (lines[r["step"] - 1] if r["step"] else {})) + "\n"
+                                                   for r in rows))
+    result = compare([root], out=tmp_path / "out", plot=False)
+    ppo = next(r for r in result.rows if r["group"] == "ppo")
+    assert ppo["value_loss"].mean == pytest.approx(0.03) and ppo["explained_variance"].mean == pytest.approx(0.0975)
+    assert next(r for r in result.rows if r["group"] == "grpo")["value_loss"].mean is None
+    md = (tmp_path / "out" / "compare.md").read_text()
+    critic = md[md.index("## Critic"):]
+    assert "| ppo | 0.03±0.0141 | 0.098±0.000 | 0.3±0 | 10%±0% |" in critic and "| grpo |" not in critic.split("\n\n")[1]

@@ -127,7 +127,9 @@ def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: i
 
     from gspo.models.build import build_model, char_tokenizer
     from gspo.rollout.generate import generate
+    from gspo.train.critic import Critic
     from gspo.train.moe_step import MoEStep
+    from gspo.train.setup import Setup
     from gspo.train.trainer import Batch, _update
 
     cfg = compose(overrides)
@@ -146,8 +148,10 @@ def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: i
     rewards = torch.tensor([(i * 7919 % 13) / 13 for i in range(P * G)])[lo * G : hi * G]
     policy = dist.wrap(model, torch.float32)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    m = _update(cfg, policy, None, opt, Batch(ro, [None] * len(rewards), rewards, {}), 1,
-                MoEStep.for_model(model, cfg, dist, old_pass=False), dist, recompute=False)
+    s = Setup(dist, torch.float32, None, 0, policy=policy, opt=opt, critic=Critic(cfg, dist),
+              sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+              moe_step=MoEStep.for_model(model, cfg, dist, old_pass=False))
+    m = _update(cfg, s, Batch(ro, [None] * len(rewards), rewards, {}), 1)
     return {"loss": m["train/loss"], "grad_norm": m["train/grad_norm"],
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
@@ -582,3 +586,26 @@ def test_a_run_directory_the_nodes_do_not_share_is_refused(tmp_path):
 def steady_rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
             for m in jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ppo_and_trls_knobs_on_two_ranks_compute_what_one_process_computes(strategy, tmp_path, cache_dir):
+    """PPO's critic (its own DDP / FSDP2 module and optimizer; GAE whitened over every rank's tokens) with TRL's
+    high-entropy mask (the quantile over every rank's tokens) and entropy bonus (a token mean over every rank's):
+    2 ranks compute the one-process loss, gradient norms, explained variance and updated policy and critic."""
+    from gspo.train.critic import CRITIC_FILE
+
+    opts = small(cache_dir, algo="ppo", **{"algo.top_entropy_quantile": 0.5, "algo.entropy_coef": 0.05,
+                                           "algo.critic.lr": 1e-3})
+    train(compose(opts), tmp_path / "one")
+    cli("train", "hardware=cpu-ddp", f"hardware.strategy={strategy}", f"hydra.run.dir={tmp_path / 'two'}", *opts,
+        cwd=tmp_path)
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    a, b = jsonl(tmp_path / "one" / "metrics.jsonl")[1], jsonl(tmp_path / "two" / "metrics.jsonl")[1]
+    for key in ("critic/explained_variance", "critic/value_mean", "critic/grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    ca, cb = (load_file(checkpoint.latest(tmp_path / d) / CRITIC_FILE) for d in ("one", "two"))
+    assert ca.keys() == cb.keys()
+    for k in ca:
+        assert_adam_close(cb[k], ca[k], lr=1e-3, name=f"critic {k}")

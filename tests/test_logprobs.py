@@ -35,12 +35,20 @@ def test_values_and_gradients_match_the_naive_computation(monkeypatch, chunk_ele
     ref_logp, ref_ent = naive(hidden, weight, targets, temperature)
     torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-6, atol=1e-6)  # float32 results
     torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=1e-6, atol=1e-6)
-    assert not ent.requires_grad
 
-    got = torch.autograd.grad((logp.double() * upstream).sum(), (hidden, weight))
-    want = torch.autograd.grad((ref_logp * upstream).sum(), (hidden, weight))
+    got = torch.autograd.grad((logp.double() * upstream).sum(), (hidden, weight), retain_graph=True)
+    want = torch.autograd.grad((ref_logp * upstream).sum(), (hidden, weight), retain_graph=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the entropy carries its gradient (an entropy bonus), alone and beside the log-probs'
+    bonus = torch.randn(M, generator=g, dtype=torch.float64)
+    for use_logp in (0.0, 1.0):
+        got = torch.autograd.grad((use_logp * logp.double() * upstream + ent.double() * bonus).sum(), (hidden, weight),
+                                  retain_graph=True)
+        want = torch.autograd.grad((use_logp * ref_logp * upstream + ref_ent * bonus).sum(), (hidden, weight),
+                                   retain_graph=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 1.3])

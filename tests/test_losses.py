@@ -41,8 +41,8 @@ def clip(x, lo, hi):
     return max(min(x, hi), lo)  # python min/max on 0-dim tensors: the gradient follows the pick
 
 
-def ppo(w, a, el, eh, c=None):
-    j = min(w * a, clip(w, 1 - el, 1 + eh) * a)
+def ppo(w, a, el, eh, c=None, delta=None):
+    j = min((w if delta is None else min(w, delta)) * a, clip(w, 1 - el, 1 + eh) * a)
     if c is not None and a < 0:
         j = max(j, c * a)
     return j
@@ -60,7 +60,7 @@ def reduce_loops(objs, agg, max_tokens=None):
 
 
 def reference(name, logp, old, adv, el=0.2, eh=0.2, agg=None, max_tokens=None, c=None,
-              tau_pos=1.0, tau_neg=1.05, rs=None, floor=0.0):
+              tau_pos=1.0, tau_neg=1.05, rs=None, floor=0.0, delta=None):
     """Straight-line per-token formulas of each paper; adv is (B,) or (B, T)."""
     def A(i, t):
         return adv[i] if adv.dim() == 1 else adv[i, t]
@@ -70,13 +70,16 @@ def reference(name, logp, old, adv, el=0.2, eh=0.2, agg=None, max_tokens=None, c
         d = [logp[i, t] - old[i, t] for t in range(L)]
         if name in ("grpo", "dapo", "dr_grpo", "rspo"):
             fac = [1.0] * L if rs is None else [max(float(rs[i, t]), floor) for t in range(L)]
-            o = [ppo(torch.exp(d[t]) * fac[t], A(i, t), el, eh, c) for t in range(L)]
+            o = [ppo(torch.exp(d[t]) * fac[t], A(i, t), el, eh, c, delta) for t in range(L)]
         elif name == "gspo":
             s = torch.exp(sum(d) / L)
-            o = [ppo(s, A(i, t), el, eh, c) for t in range(L)]
+            o = [ppo(s, A(i, t), el, eh, c, delta) for t in range(L)]
+        elif name == "rloo":  # TRL's RLOO: the whole completion's ratio, not length-normalised
+            s = torch.exp(sum(d))
+            o = [ppo(s, A(i, t), el, eh, c, delta) for t in range(L)]
         elif name == "gspo_token":
             s = torch.exp(sum(x.detach() for x in d) / L)
-            o = [ppo(s * torch.exp(logp[i, t] - logp[i, t].detach()), A(i, t), el, eh, c) for t in range(L)]
+            o = [ppo(s * torch.exp(logp[i, t] - logp[i, t].detach()), A(i, t), el, eh, c, delta) for t in range(L)]
         elif name == "gmpo":
             a = sum(A(i, t) for t in range(L)) / L
             if a > 0:
@@ -129,7 +132,8 @@ def check(name, seed=0, noise=0.3, adv=(0.9, -1.3, 0.4), **hyper):
     logp, old, mask, a = make_batch(seed, noise, adv, probs=name.startswith("dppo"))
     ours, stats = policy_loss(name, logp, old, a, mask, **hyper)
     kw = {k: v for k, v in hyper.items() if k in ("agg", "max_tokens")}
-    kw.update(el=hyper.get("eps_low", 0.2), eh=hyper.get("eps_high", 0.2), c=hyper.get("clip_ratio_c"))
+    kw.update(el=hyper.get("eps_low", 0.2), eh=hyper.get("eps_high", 0.2), c=hyper.get("clip_ratio_c"),
+              delta=hyper.get("delta"))
     ref = reference(name, logp, old, a, **kw)
     torch.testing.assert_close(ours, ref)
     g = grad(ours, logp)
@@ -221,6 +225,66 @@ def test_dual_clip():
     check("grpo", 0, noise=1.5, clip_ratio_c=1.5)  # mixed batch against the reference
     with pytest.raises(ValueError, match="clip_ratio_c"):
         policy_loss("grpo", logp, old, a, mask, clip_ratio_c=0.5)
+
+
+def test_two_sided_clip_delta_by_hand():
+    """INTELLECT-2's two-sided clip (TRL's delta = 2): the unclipped ratio capped at delta, for every sign of A.
+    A = -1, w = 2.5: PPO gives min(-2.5, -1.2) = -2.5 (loss 2.5, gradient 2.5); capped: min(-2, -1.2) = -2,
+    loss 2 and no gradient. A = -1, w = 1.5 < delta: untouched (loss 1.5, gradient 1.5). A = +1, w = 1.1 with
+    delta = 1.05 < 1 + eps_high: min(1.05, 1.1) = 1.05, no gradient (TRL advises delta > 1 + eps_high)."""
+    old, mask = torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64)
+    for w, a, delta, loss, g in ((2.5, -1.0, 2.0, 2.0, 0.0), (1.5, -1.0, 2.0, 1.5, 1.5), (1.1, 1.0, 1.05, -1.05, 0.0)):
+        logp = torch.tensor([[math.log(w)]], dtype=F64, requires_grad=True)
+        out, st = policy_loss("grpo", logp, old, torch.tensor([a], dtype=F64), mask, delta=delta)
+        assert out.item() == pytest.approx(loss) and grad(out, logp).item() == pytest.approx(g)
+        assert st["clip/frac_dual"] == float(a < 0 and w > delta)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "gspo_token", "rloo"])
+def test_delta_matches_reference(name):
+    for seed in (0, 1):
+        check(name, seed, noise=0.6, delta=1.5, eps_low=0.2, eps_high=0.28)
+
+
+def test_delta_above_the_clip_range_is_the_dual_clip_at_c_delta():
+    """With delta > 1 + eps_high only A < 0 tokens with w > delta change, to delta A: the dual clip at c = delta."""
+    for seed in range(3):
+        logp, old, mask, a = make_batch(seed, noise=1.5)
+        two_sided, s1 = policy_loss("grpo", logp, old, a, mask, delta=1.6)
+        dual, s2 = policy_loss("grpo", logp, old, a, mask, clip_ratio_c=1.6)
+        torch.testing.assert_close(two_sided, dual)
+        torch.testing.assert_close(grad(two_sided, logp), grad(dual, logp))
+        assert s1["clip/frac_dual"] == s2["clip/frac_dual"]
+
+
+def test_delta_is_refused_with_a_loss_without_ppos_clip():
+    logp, old, mask, a = make_batch()
+    for name in ("cispo", "gmpo", "sapo", "dppo_tv", "kl_cov", "topr", "gpg", "nll"):
+        with pytest.raises(ValueError, match=f"delta .*loss '{name}' has none"):
+            policy_loss(name, logp, old, a, mask, delta=2.0, max_tokens=8)
+    with pytest.raises(ValueError, match="delta"):
+        policy_loss("grpo", logp, old, a, mask, delta=0.9)
+
+
+def test_rloo_loss_hand_worked():
+    """TRL's RLOO loss: one ratio per completion, the product of its token ratios. Row 0: log-ratios 0.1 and 0.05
+    -> w = e^0.15 = 1.1618 > 1.2? no: inside [0.8, 1.2], J = w A = 1.1618 x 2; row 1: log-ratio -0.3 -> w = 0.7408
+    < 0.8 with A = -1: clipped, J = 0.8 x -1 and no gradient. Loss = -(2.3237 - 0.8) / 2."""
+    logp = torch.tensor([[0.1, 0.05], [-0.3, 0.0]], dtype=F64, requires_grad=True)
+    old = torch.zeros(2, 2, dtype=F64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=F64)
+    loss, st = policy_loss("rloo", logp, old, torch.tensor([2.0, -1.0], dtype=F64), mask)
+    w = math.exp(0.15)
+    assert loss.item() == pytest.approx(-(2 * w - 0.8) / 2)
+    # d loss / d logp_t = -(1/2) A w on both tokens of row 0 (the ratio is their product), 0 on the clipped row
+    torch.testing.assert_close(grad(loss, logp), torch.tensor([[-w, -w], [0.0, 0.0]], dtype=F64))
+    assert st["clip/seq_frac"] == 0.5 and st["clip/frac_low"] == pytest.approx(1 / 3)
+
+
+def test_rloo_matches_reference():
+    for seed in (0, 1):
+        check("rloo", seed, noise=0.1)
+        check("rloo", seed, noise=0.1, eps_low=0.1, eps_high=0.3, clip_ratio_c=3.0)
 
 
 def test_dr_grpo_unchanged_when_padding_grows():
@@ -479,6 +543,7 @@ def test_every_algo_preset_fits_the_schema_and_the_registries():
 
     from gspo.algos.advantages import ADVANTAGES
     from gspo.algos.losses import HYPER_NAMES, LOSSES
+    from gspo.algos.value import GAE
     from gspo.config.schema import CONF_DIR, AlgoConfig
 
     presets = sorted((CONF_DIR / "algo").glob("*.yaml"))
@@ -489,7 +554,7 @@ def test_every_algo_preset_fits_the_schema_and_the_registries():
         raw = OmegaConf.load(p)
         raw = raw.algo if "algo" in raw else raw  # a global-package preset (dppo_topk: it also sets rollout keys)
         cfg = OmegaConf.merge(OmegaConf.structured(AlgoConfig), raw)  # unknown key -> error
-        assert cfg.name == p.stem and cfg.loss in LOSSES and cfg.advantage in ADVANTAGES
+        assert cfg.name == p.stem and cfg.loss in LOSSES and cfg.advantage in [*ADVANTAGES, GAE]
         hyper = {k: cfg[k] for k in HYPER_NAMES if k in cfg}
         if cfg.loss == "dppo_topk":  # the sampler's top-2 and the policy's log-probs of them
             hyper |= {"topk_old_logp": torch.stack([old, old - 1.0], -1), "topk_logp": torch.stack([logp, logp - 1.0], -1)}
@@ -786,3 +851,31 @@ def test_the_sampler_keeps_its_topk_and_the_trainer_reads_the_same_tokens():
         logp, _, _, top = token_logprobs(model, r, temperature=0.7, topk=True)
     torch.testing.assert_close(top[m], r.topk_logp[m], atol=1e-5, rtol=0)
     torch.testing.assert_close(logp[m], r.sampler_logp[m], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- TRL's entropy knobs (gspo/algos/entropy.py)
+
+
+def test_high_entropy_mask_by_hand():
+    """Tokens' entropies 0.1 .. 0.6 (padding 9.0 ignored). rho = 0.5: threshold = the 0.5 quantile of the six,
+    linearly interpolated = 0.35; kept 0.4, 0.5, 0.6. rho = 0: only the largest; rho = 1: all."""
+    from gspo.algos.entropy import high_entropy_mask
+
+    ent = torch.tensor([[0.1, 0.5, 9.0], [0.6, 0.2, 0.3], [0.4, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 1], [1, 0, 0]])
+    assert high_entropy_mask(ent, mask, 0.5).tolist() == [[False, True, False], [True, False, False], [True, False, False]]
+    assert high_entropy_mask(ent, mask, 0.0).sum() == 1 and high_entropy_mask(ent, mask, 0.0)[1, 0]
+    assert torch.equal(high_entropy_mask(ent, mask, 1.0), mask.bool())
+    assert not high_entropy_mask(ent, torch.zeros_like(mask), 0.5).any()
+    # the quantile over every process's tokens: a gather that adds another rank's low entropies lowers the bar
+    more = high_entropy_mask(ent, mask, 0.5, gather=lambda x: torch.cat([x, torch.zeros(6)]))
+    assert more.sum() == 6
+
+
+def test_entropy_bonus_is_the_mean_over_the_kept_tokens_with_its_gradient():
+    from gspo.algos.entropy import entropy_bonus
+
+    ent = torch.tensor([[1.0, 2.0, 7.0]], requires_grad=True)
+    total, n = entropy_bonus(ent, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert total.item() == 3.0 and n.item() == 2.0
+    assert grad(total / n, ent).tolist() == [[0.5, 0.5, 0.0]]

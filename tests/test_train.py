@@ -152,6 +152,7 @@ def test_routing_replay_with_gradient_checkpointing(tmp_path, cache_dir):
 #   clip_cov                      +0.643  +0.692  +0.718      reinforce_plus_plus_baseline  +0.675  +0.704  +0.724
 #   kl_cov                        +0.649  +0.689  +0.718      passk                         +0.391  +0.514  +0.580
 #   gpg                           +0.623  +0.679  +0.720      grpo_passk                    +0.194  +0.278  +0.363
+#   ppo                           +0.535  +0.619  +0.685      rloo                          +0.444  +0.494  +0.527
 # Pass@k rewards a group for one success, not every sample for its own: its mean reward rises least. At a fixed
 # policy the difference has a standard deviation of about 0.015 (128 samples a step at p ~ 0.25); the threshold
 # is half the lowest gain measured and six of those deviations. (The old test asserted on the task's own reward,

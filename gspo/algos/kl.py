@@ -37,3 +37,15 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind == "k2":
         return 0.5 * x.square()
     return torch.exp(x) - x - 1.0
+
+
+def reward_penalty(old_logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, beta: float,
+                   kind: str) -> torch.Tensor:
+    """(B, T) beta x KL_t(pi_old || ref) on each completion token (0 on padding): the KL in the reward.
+
+    Classic RLHF PPO (InstructGPT; verl's `use_kl_in_reward` with `kl_penalty`, `apply_kl_penalty`) subtracts
+    it from each token's reward; TRL's RLOOTrainer subtracts its sum over the completion from the
+    completion's reward (k1, `old_per_token_logps - ref_per_token_logps`). pi_old is the policy that
+    sampled (no gradient: the penalty is part of the reward, not of the loss).
+    """
+    return beta * kl_penalty(old_logp.detach(), ref_logp.detach(), kind) * mask

@@ -37,6 +37,7 @@ class Hyper:
     eps_low: float = 0.2  # ratio clipped below at 1 - eps_low (GMPO: log-ratio at -eps_low)
     eps_high: float = 0.2  # ratio clipped above at 1 + eps_high (GMPO: log-ratio at +eps_high)
     clip_ratio_c: Optional[float] = None  # dual clip for A < 0 (arXiv 1912.09729); None = off
+    delta: Optional[float] = None  # two-sided clip (INTELLECT-2, TRL's delta): unclipped ratio capped at delta; None: off
     agg: Optional[str] = None  # aggregation override; None = the loss's own
     max_tokens: Optional[int] = None  # seq_mean_token_sum_norm constant (Dr. GRPO: generation cap)
     tau_pos: float = 1.0  # SAPO gate temperature for A > 0
@@ -81,20 +82,23 @@ class LossSpec:
     fn: LossFn
     agg: str  # default aggregation (the paper's)
     seq_ratio: bool  # one ratio per sequence: token_mean would weight sequences by length
+    ppo_clip: bool  # PPO's min(r A, clip(r) A) (`_ppo_clip`): the losses the two-sided clip `delta` applies to
 
 
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, *, agg: str, seq_ratio: bool = False) -> Callable[[LossFn], LossFn]:
-    """Decorator: add a loss to the registry under `name` with its default aggregation."""
+def register_loss(name: str, *, agg: str, seq_ratio: bool = False,
+                  ppo_clip: bool = False) -> Callable[[LossFn], LossFn]:
+    """Decorator: add a loss to the registry under `name` with its default aggregation; `ppo_clip`: its objective
+    is PPO's clipped one (`_ppo_clip`), which the two-sided clip `delta` acts on."""
     if agg not in AGG_MODES:
         raise ValueError(f"loss {name!r}: unknown aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
 
     def decorator(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered (by {LOSSES[name].fn.__name__})")
-        LOSSES[name] = LossSpec(fn, agg, seq_ratio)
+        LOSSES[name] = LossSpec(fn, agg, seq_ratio, ppo_clip)
         return fn
 
     return decorator
@@ -103,6 +107,11 @@ def register_loss(name: str, *, agg: str, seq_ratio: bool = False) -> Callable[[
 def loss_names() -> list[str]:
     """Names of every registered loss, sorted."""
     return sorted(LOSSES)
+
+
+def clipped_losses() -> list[str]:
+    """The losses whose objective is PPO's clipped one (the ones `delta` applies to), sorted."""
+    return sorted(n for n, spec in LOSSES.items() if spec.ppo_clip)
 
 
 def get_loss(name: str) -> LossSpec:
@@ -167,15 +176,23 @@ def _ppo_clip(ratio: Tensor, adv: Tensor, h: Hyper) -> tuple[Tensor, Tensor, Ten
     J = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A); dual clip: J = max(J, c A) where A < 0.
     The clipped branch is a constant, so its tokens get no gradient: with A > 0 when r > 1 + eps_high,
     with A < 0 when r < 1 - eps_low (and, dual, when r > c).
+    Two-sided clip (INTELLECT-2, arXiv 2505.07291; TRL's `delta`): J = min(min(r, delta) A, clip(r) A), the
+    unclipped ratio capped at delta for every sign of A, as TRL computes it. With delta > 1 + eps_high
+    (TRL's advice) it changes only A < 0 tokens with r > delta, whose J becomes delta A: the dual clip at
+    c = delta. Its tokens are counted with the dual clip's.
     """
     clipped = ratio.clamp(1.0 - h.eps_low, 1.0 + h.eps_high)
-    objective = torch.minimum(ratio * adv, clipped * adv)
+    unclipped = ratio if h.delta is None else ratio.clamp(max=h.delta)
+    objective = torch.minimum(unclipped * adv, clipped * adv)
     r = ratio.detach()
     dual = None
     if h.clip_ratio_c is not None:
         # Unbounded r with A < 0 makes -rA arbitrarily large; cap the loss at -cA (Ye et al. 2019).
         objective = torch.where(adv < 0, torch.maximum(objective, h.clip_ratio_c * adv), objective)
         dual = (adv < 0) & (r > h.clip_ratio_c)
+    if h.delta is not None:
+        capped = (adv < 0) & (r > h.delta)
+        dual = capped if dual is None else dual | capped
     return objective, (adv < 0) & (r < 1.0 - h.eps_low), (adv > 0) & (r > 1.0 + h.eps_high), dual
 
 
@@ -186,7 +203,7 @@ def _no_clip(x: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- the losses
 
 
-@register_loss("grpo", agg="seq_mean_token_mean")
+@register_loss("grpo", agg="seq_mean_token_mean", ppo_clip=True)
 def grpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """GRPO, DeepSeekMath arXiv 2402.03300 §4.1: PPO clip on per-token ratios, per-sequence mean."""
     w = torch.exp(logp - old_logp)  # w_{i,t} = pi(y_t) / pi_old(y_t)
@@ -197,11 +214,11 @@ def grpo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
 # DAPO (arXiv 2503.14476) and Dr. GRPO (arXiv 2503.20783) keep GRPO's token ratio and PPO clip;
 # they differ in aggregation (token mean; tokens summed over the constant B * max_tokens) and
 # in their presets (clip-higher 0.2/0.28; mean-centred advantage), so they reuse its function.
-register_loss("dapo", agg="token_mean")(grpo)
-register_loss("dr_grpo", agg="seq_mean_token_sum_norm")(grpo)
+register_loss("dapo", agg="token_mean", ppo_clip=True)(grpo)
+register_loss("dr_grpo", agg="seq_mean_token_sum_norm", ppo_clip=True)(grpo)
 
 
-@register_loss("gspo", agg="seq_mean_token_mean", seq_ratio=True)
+@register_loss("gspo", agg="seq_mean_token_mean", seq_ratio=True, ppo_clip=True)
 def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """GSPO, arXiv 2507.18071: one length-normalised ratio per sequence, clipped per sequence."""
     # s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|) = exp(sum_t m_t d_t / |y_i|), broadcast (B,) -> (B, T)
@@ -210,7 +227,7 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
     return Terms(objective, s, low, high, dual)
 
 
-@register_loss("gspo_token", agg="seq_mean_token_mean", seq_ratio=True)
+@register_loss("gspo_token", agg="seq_mean_token_mean", seq_ratio=True, ppo_clip=True)
 def gspo_token(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """GSPO-token, arXiv 2507.18071 §4.3: GSPO's ratio value, per-token advantages allowed."""
     # s_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t)): equals s_i in value, d s_{i,t} = s_i d logp_t
@@ -218,6 +235,16 @@ def gspo_token(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyp
     s_t = torch.exp(log_s + logp - logp.detach())
     objective, low, high, dual = _ppo_clip(s_t, adv, h)
     return Terms(objective, s_t, low, high, dual)
+
+
+@register_loss("rloo", agg="seq_mean_token_mean", seq_ratio=True, ppo_clip=True)
+def rloo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """TRL's RLOOTrainer loss (trl 1.16 `RLOOTrainer._compute_loss`): PPO's clip on the ratio of the whole
+    completion's probability, w_i = pi(y_i) / pi_old(y_i) = exp(sum_t m_t d_t) (not length-normalised, unlike
+    GSPO's), one objective per completion; with `seq_mean_token_mean` the loss is their mean over completions."""
+    w = torch.exp(((logp - old_logp) * mask).sum(dim=1)).unsqueeze(1).expand_as(logp)
+    objective, low, high, dual = _ppo_clip(w, adv, h)  # min(w_i A_i, clip(w_i, 1-el, 1+eh) A_i)
+    return Terms(objective, w, low, high, dual)
 
 
 @register_loss("gmpo", agg="seq_mean_token_mean", seq_ratio=True)
@@ -258,7 +285,7 @@ def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
     return Terms(gate * adv, w, _no_clip(w), _no_clip(w))  # J = f(w_{i,t}) A
 
 
-@register_loss("rspo", agg="seq_mean_token_mean")
+@register_loss("rspo", agg="seq_mean_token_mean", ppo_clip=True)
 def rspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """RSPO, arXiv 2510.23027: GRPO's token ratio rescaled by the router-shift factor before clipping.
 
@@ -377,7 +404,7 @@ def _token_cov(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
     return (adv - (adv * mask).sum() / n) * (lp - (lp * mask).sum() / n)
 
 
-@register_loss("clip_cov", agg="token_mean")
+@register_loss("clip_cov", agg="token_mean", ppo_clip=True)
 def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """Clip-Cov, arXiv 2505.22617: GRPO's PPO clip, plus the gradient of a few high-covariance tokens cut.
 
@@ -442,6 +469,8 @@ def _parse_hyper(hyper: dict) -> Hyper:
         raise ConfigError(f"eps_low and eps_high must be >= 0, got {h.eps_low}, {h.eps_high}")
     if h.clip_ratio_c is not None and h.clip_ratio_c <= 1.0:
         raise ConfigError(f"clip_ratio_c (dual clip) must be > 1, got {h.clip_ratio_c}")
+    if h.delta is not None and h.delta <= 1.0:
+        raise ConfigError(f"delta (two-sided clip) must be > 1, got {h.delta}")
     if h.tau_pos <= 0 or h.tau_neg <= 0:
         raise ConfigError(f"SAPO temperatures must be > 0, got tau_pos={h.tau_pos}, tau_neg={h.tau_neg}")
     if h.beta < 0:
@@ -481,6 +510,9 @@ def policy_loss(
     """
     spec = get_loss(name)
     h = _parse_hyper(hyper)
+    if h.delta is not None and not spec.ppo_clip:
+        raise ConfigError(f"delta (the two-sided clip) caps the unclipped ratio of PPO's clipped objective; loss "
+                          f"{name!r} has none. Losses it applies to: {', '.join(clipped_losses())}")
     _check_shapes(logp, old_logp, advantages, mask, h)
     agg = h.agg if h.agg is not None else spec.agg
     if agg not in AGG_MODES:

@@ -23,6 +23,7 @@ CHOICES = {
     "rollout.mask": ("none", "token", "geometric"),
     "rollout.dtype": (None, "float32", "bfloat16", "float16"),
     "rollout.engine": ("hf", "fast", "auto", "vllm"),
+    "reward.device": (None, "cpu", "cuda", "auto"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
     "hardware.strategy": ("none", "ddp", "fsdp"),
@@ -83,6 +84,18 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "algo.eps_low": (*_at_least(0), ""),
     "algo.eps_high": (*_at_least(0), ""),
     "algo.clip_ratio_c": (*_above(1), "the dual-clip bound lies above the clip range"),
+    "algo.delta": (*_above(1), "the two-sided clip's cap on the ratio; TRL advises > 1 + eps_high"),
+    "algo.ref_model_mixup_alpha": (*_within(0, 1), "the policy's share in each reset of the reference"),
+    "algo.ref_model_sync_steps": (*_at_least(1), "optimizer updates between resets of the reference"),
+    "algo.top_entropy_quantile": (*_within(0, 1), "the share of tokens kept, by entropy; 1 = all"),
+    "algo.entropy_coef": (*_finite(), "0 = no entropy term"),
+    "algo.gamma": (*_within(0, 1), "the discount"),
+    "algo.lam": (*_within(0, 1), "GAE's lambda"),
+    "algo.critic.lr": (*_at_least(0), ""),
+    "algo.critic.lr_warmup_steps": (*_at_least(0), ""),
+    "algo.critic.weight_decay": (*_at_least(0), ""),
+    "algo.critic.value_clip": (*_above(0), "how far a value may move from the old one before its loss is clipped"),
+    "algo.critic.warmup": (*_at_least(0), "0 = the policy trains from the first step"),
     "algo.beta": (*_at_least(0), "0 = no KL term"),
     "algo.tau_pos": (*_above(0), ""),
     "algo.tau_neg": (*_above(0), ""),
@@ -109,6 +122,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.warm_start.lr": (*_above(0), ""),
     "model.warm_start.batch_size": (*_at_least(1), ""),
     "reward.timeout_s": (*_at_least(0), "0 = no limit"),
+    "reward.batch_size": (*_at_least(1), "completions per forward pass of the reward model"),
     "hardware.nproc": (*_at_least(1), ""),
     "hardware.threads": (*_at_least(0), "0 = torch's default"),
     "hardware.collective_timeout_s": (*_above(0), "how long a rank may wait for the others in a collective"),
@@ -187,6 +201,16 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if r.workers and cfg.hardware.strategy == "fsdp":
         return ("rollout.workers needs the full weights on each rank to push to its workers: not with "
                 "hardware.strategy=fsdp (sharded weights); use hardware.strategy=ddp or rollout.workers=0")
+    a = cfg.algo
+    if a.sync_ref_model and a.beta == 0:
+        return ("algo.sync_ref_model=true resets the KL reference, and there is none at algo.beta=0 (no reference "
+                "model is built): set algo.beta > 0 or algo.sync_ref_model=false")
+    if a.sync_ref_model and m.lora.r > 0:
+        return ("algo.sync_ref_model=true: under LoRA (model.lora.r > 0) the reference is the base with the adapters "
+                "off, not a copy, so there is nothing to reset (TRL refuses it too); train in full or leave it off")
+    if a.advantage == "gae" and a.critic.warmup >= cfg.train.steps:
+        return (f"algo.critic.warmup={a.critic.warmup}: must be below train.steps={cfg.train.steps} (the policy trains "
+                "only after the critic's warm-up steps)")
     if cfg.algo.advantage == "passk" and cfg.algo.passk_k > r.group_size:
         return f"algo.passk_k={cfg.algo.passk_k}: must be at most rollout.group_size={r.group_size} (k of the group's samples)"
     positions = _max_positions(cfg)
@@ -300,8 +324,11 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                     "long_addition and calculator have operand digits"),
     "task.num_operands": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),
     "task.max_operand": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),
-    "reward.weights": (lambda c: c.reward.name == "python", "only reward=python weighs functions"),
-    "reward.ill_formed": (lambda c: c.reward.name == "python", "only reward=python reads it"),
+    "reward.weights": (lambda c: c.reward.name in ("python", "model"), "only reward=python and model weigh parts"),
+    "reward.ill_formed": (lambda c: c.reward.name in ("python", "model"), "only reward=python and model read it"),
+    "reward.path": (lambda c: c.reward.name == "model", "only reward=model loads a reward model: add reward=model"),
+    "reward.device": (lambda c: c.reward.name == "model", "only reward=model runs a reward model"),
+    "reward.batch_size": (lambda c: c.reward.name == "model", "only reward=model runs a reward model"),
     "reward.format_score": (lambda c: c.reward.name == "tinyzero", "only reward=tinyzero has a format score"),
     **{f"logger.wandb_cfg.{k}": (lambda c: c.logger.wandb, "W&B is off: add logger=wandb")  # not samples_every:
        for k in ("project", "entity", "group", "tags", "name", "mode")},  # it also paces RUN_DIR/samples.jsonl
@@ -327,6 +354,11 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algo.filter_metric": (lambda c: c.algo.dynamic_sampling, "dynamic sampling is off (algo=dapo has it)"),
     "algo.overlong_penalty": (lambda c: c.algo.overlong_buffer > 0, "the overlong buffer is 0: set algo.overlong_buffer"),
     "algo.kl_estimator": (lambda c: c.algo.beta > 0, "there is no KL term at algo.beta=0"),
+    "algo.kl_in_reward": (lambda c: c.algo.beta > 0, "there is no KL term at algo.beta=0"),
+    "algo.ref_model_": (lambda c: c.algo.sync_ref_model, "reference resets are off: set algo.sync_ref_model=true"),
+    "algo.critic.": (lambda c: c.algo.advantage == "gae", "only the gae advantage (algo=ppo) has a critic"),
+    "algo.gamma": (lambda c: c.algo.advantage == "gae", "only the gae advantage (algo=ppo) discounts"),
+    "algo.lam": (lambda c: c.algo.advantage == "gae", "only the gae advantage (algo=ppo) has GAE's lambda"),
     "hardware.nproc": (lambda c: c.hardware.strategy != "none", "one process: pick hardware=cpu-ddp, gpu-ddp or gpu-fsdp"),
     "rollout.timeout_s": (lambda c: c.rollout.workers > 0 or c.rollout.engine == "vllm",
                           "sampling runs in the trainer's process (rollout.workers=0)"),

@@ -21,6 +21,16 @@ TINY_MAX_POSITIONS = 256  # positions of the models built from config (model.arc
 
 
 @dataclass
+class CriticConfig:
+    # PPO's value model (algo.advantage=gae): the policy's base with a scalar head, trained by its own optimizer
+    lr: float = 1e-3  # the critic's AdamW learning rate (verl: critic.optim.lr)
+    lr_warmup_steps: int = 0  # linear warm-up of that rate over this many RL steps (verl: critic.optim.lr_warmup_steps)
+    weight_decay: float = 0.01  # the critic's AdamW weight decay (verl's default)
+    value_clip: float = 0.5  # new values clipped to old +- value_clip in the value loss (verl: critic.cliprange_value)
+    warmup: int = 0  # the first N RL steps train the critic only, the policy not at all (verl: trainer.critic_warmup)
+
+
+@dataclass
 class AlgoConfig:
     name: str = MISSING  # preset name; `gspo compare` groups runs by it
     loss: str = "grpo"  # key in the gspo.algos.losses registry
@@ -29,8 +39,18 @@ class AlgoConfig:
     eps_low: float = 0.2  # ratio clipped to [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.2
     clip_ratio_c: Optional[float] = None  # dual-clip bound for A < 0 (e.g. 3.0); None = off
+    delta: Optional[float] = None  # two-sided clip (INTELLECT-2, TRL's delta): the unclipped ratio capped at delta > 1; None = off
     beta: float = 0.0  # KL-to-reference coefficient; 0 = no reference model is built
     kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_in_reward: bool = False  # beta x KL(old policy || reference) subtracted from the reward (PPO's, TRL RLOO's), not added to the loss
+    sync_ref_model: bool = False  # TR-DPO reference resets (TRL): ref = alpha policy + (1 - alpha) ref every ref_model_sync_steps updates
+    ref_model_mixup_alpha: float = 0.6  # that alpha (TRL's default)
+    ref_model_sync_steps: int = 512  # optimizer updates between resets (train.minibatches of them per RL step; TRL's default)
+    top_entropy_quantile: float = 1.0  # rho: the policy term trains on the top-rho highest-entropy tokens of each minibatch (TRL); 1 = all
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef x mean token entropy (TRL's entropy_coef, verl's entropy_coeff)
+    gamma: float = 1.0  # advantage gae: discount (verl: algorithm.gamma)
+    lam: float = 1.0  # advantage gae: GAE lambda (verl: algorithm.lam)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # advantage gae: the value model
     tau_pos: float = 1.0  # SAPO gate temperature for A > 0
     tau_neg: float = 1.05  # SAPO gate temperature for A < 0
     router_shift_floor: float = 0.0  # RSPO: lower bound of the router-shift factor
@@ -120,12 +140,16 @@ class TaskConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = MISSING  # tinyzero | binary | python
+    name: str = MISSING  # tinyzero | binary | python | model
     correct: float = 1.0  # reward of a correct answer
     format_score: float = 0.1  # reward of a well-formed but wrong answer (TinyZero: 0.1)
-    fn: Any = None  # python: FILE.py:NAME, or a list [A.py:f,B.py:g]; called by keyword as TRL does (docs/contracts.md)
-    weights: Optional[list[float]] = None  # python: one weight per function (None = all 1); reward = weighted sum
-    # python: null = the functions score every completion, as TRL; a number = the reward of a completion with a
+    fn: Any = None  # python (and model, beside it): FILE.py:NAME, or a list [A.py:f,B.py:g]; called by keyword as TRL does (docs/contracts.md)
+    # model: a reward model directory (AutoModelForSequenceClassification, num_labels 1, its own tokenizer), or a list
+    path: Any = None
+    device: Optional[str] = None  # model: where the reward model runs, cpu | cuda | auto; None = hardware.device
+    batch_size: int = 64  # model: completions scored per forward pass
+    weights: Optional[list[float]] = None  # python, model: one weight per model (first) and function (None = all 1); reward = weighted sum
+    # python, model: null = the functions score every completion, as TRL; a number = the reward of a completion with a
     # special token before its EOS, the functions not called on it (the built-in rewards score it 0 either way)
     ill_formed: Optional[float] = None
     timeout_s: float = 600.0  # scoring a batch (the task's verifier and the reward functions) may take this long (0 = no limit)

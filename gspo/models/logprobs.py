@@ -41,8 +41,8 @@ def _scaled_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor
 class _LinearLogProbs(torch.autograd.Function):
     """(hidden (M, H), weight (V, H), targets (M,)) -> log softmax(h W^T / temp)[target] (M,), entropy (M,).
 
-    The entropy is a no-grad diagnostic. Backward recomputes each chunk's logits:
-    d logp / d logits = (onehot(target) - softmax) / temp.
+    Backward recomputes each chunk's logits: d logp / d logits = (onehot(target) - p) / temp and, when the
+    entropy H = -sum p log p is in the loss (an entropy bonus), d H / d logits = -p (log p + H) / temp.
     """
 
     @staticmethod
@@ -73,23 +73,32 @@ class _LinearLogProbs(torch.autograd.Function):
             logp[s : s + chunk] = chosen - lse_c
             if more is not None:
                 extra_logp[s : s + chunk] = more - lse_c[:, None]
-        ctx.save_for_backward(hidden, weight, targets, lse)  # lse: backward's softmax is one exp, no reduction
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)  # lse: backward's softmax is one exp
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy, extra_logp)
+        ctx.mark_non_differentiable(extra_logp)
+        ctx.set_materialize_grads(False)  # an entropy no loss uses gets None in backward: no extra work
         return logp, entropy, extra_logp
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, _grad_entropy: Optional[Tensor], _grad_extra: Optional[Tensor] = None):
-        hidden, weight, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor],
+                 _grad_extra: Optional[Tensor] = None):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
         chunk = _chunk_rows(weight.shape[0])
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            g = _scaled_logits(h, weight, ctx.temperature).sub_(lse[s : s + chunk, None]).exp_()  # softmax
+            log_p = _scaled_logits(h, weight, ctx.temperature).sub_(lse[s : s + chunk, None])
+            g = log_p.exp()  # softmax
+            if grad_entropy is not None:  # the entropy bonus: dL/dH * dH/dz, dH/dz = -p (log p + H)
+                dh = g * log_p.add_(entropy[s : s + chunk, None])
             g.scatter_add_(-1, targets[s : s + chunk, None], -torch.ones_like(g[:, :1]))  # softmax - onehot
             g.mul_((grad_logp[s : s + chunk] / -ctx.temperature)[:, None])  # (onehot - softmax) * dL/dlogp / T
+            if grad_entropy is not None:
+                g.sub_(dh.mul_((grad_entropy[s : s + chunk] / ctx.temperature)[:, None]))
             g = g.to(weight.dtype)
             if need_h:
                 grad_h[s : s + chunk] = g @ weight
@@ -106,7 +115,7 @@ def selected_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatu
     """Log-probs (M,) of `targets` under softmax(hidden @ weight.T / temperature), chunked over rows.
 
     hidden (M, H) carries the gradient to the model, weight (V, H) is the LM head's; float32
-    results. With `with_entropy`, also the entropy (M,) of that distribution, without grad. With
+    results. With `with_entropy`, also the entropy (M,) of that distribution (with its gradient). With
     `extra` (M, k) token ids, a third result: their log-probs (M, k), without grad.
     """
     logp, entropy, extra_logp = _LinearLogProbs.apply(hidden, weight, targets, float(temperature), with_entropy,
@@ -205,10 +214,7 @@ def _plain_logprobs(model: nn.Module, select: Tensor, targets: Tensor, temperatu
     out = model(**forward_kwargs)
     logits = out.logits[select].float() / temperature  # (M, V)
     logp_all = torch.log_softmax(logits, dim=-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if extra is None:
         return logp, entropy, out

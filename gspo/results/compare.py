@@ -33,7 +33,8 @@ import numpy as np
 from gspo.results.groups import CompareResult, Group, Pairwise, Stat
 from gspo.results.report import print_report, write_markdown  # noqa: F401  (print_report: part of this module's API)
 from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of this module's API)
-    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, KL_OLD, LOSS, RATIO_MAX, REWARD, REWARD_STD, ROUTING, STEP_S, BrokenRun,
+    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, KL_OLD, LOSS, RATIO_MAX, REWARD, REWARD_STD, ROUTING,
+    STEP_S, VALUE_CLIP, VALUE_LOSS, VALUE_MEAN, BrokenRun,
     CompareError,
     Run, _flatten, _looks_like_run, load_runs, lookup,
 )
@@ -243,7 +244,9 @@ def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
 def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
     """One run's statistics, as the table shows them: base / final / best held-out accuracy (final and best
     after step 0), the first step at `target` accuracy, the reward over its last 10% of steps, and the means
-    (maxima) of the clip, KL, ratio, routing and time metrics over its training steps; None where not logged."""
+    (maxima) of the clip, KL, ratio, routing and time metrics over its training steps; a critic's (PPO) value
+    loss, value and value-clip fraction over its training steps and explained variance over its last 10% of
+    steps; None where not logged."""
     steps, acc = run.series(ACC)
     ok = np.isfinite(acc)
     steps, acc = steps[ok], acc[ok]
@@ -257,6 +260,11 @@ def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
         s, v = run.series(key)
         v = v[(s >= 1) & np.isfinite(v)]
         return float(v.max()) if len(v) else None
+
+    def tail_mean(key: str) -> float | None:  # over the last 10% of the steps that logged it
+        v = run.series(key)[1]
+        v = v[np.isfinite(v)]
+        return float(np.mean(v[-max(1, round(0.1 * len(v))):])) if len(v) else None
 
     _, rewards = run.series(REWARD)
     tail = rewards[-max(1, round(0.1 * len(rewards))):] if len(rewards) else rewards
@@ -275,6 +283,10 @@ def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
         "ratio_max": train_max(RATIO_MAX),
         "routing_volatility": train_mean(ROUTING),
         "step_s": train_mean(STEP_S),
+        "value_loss": train_mean(VALUE_LOSS),
+        "explained_variance": tail_mean(EXPLAINED_VAR),
+        "value_mean": train_mean(VALUE_MEAN),
+        "value_clip": train_mean(VALUE_CLIP),
     }
 
 

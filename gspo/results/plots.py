@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from gspo.results.runs import ACC, CLIP, CLIP_HIGH, CLIP_LOW, ENTROPY, KL_OLD, KL_REF, LENGTH, REWARD, ROUTING
+from gspo.results.runs import (ACC, CLIP, CLIP_HIGH, CLIP_LOW, ENTROPY, EXPLAINED_VAR, KL_OLD, KL_REF, LENGTH, REWARD,
+                               ROUTING)
 
 if TYPE_CHECKING:  # compare imports this module (for the figure), not the other way round
     from gspo.results.groups import Group
@@ -46,6 +47,8 @@ PANELS = [
     Panel("response/len_mean (tokens)", ((LENGTH, "-", "response/len_mean"),), valid=(0.0, None)),
     Panel("moe/routing_volatility (% of expert choices)", ((ROUTING, "-", "moe/routing_volatility"),),
           scale=100.0, valid=(0.0, 100.0)),
+    Panel("critic/explained_variance (PPO's value model)", ((EXPLAINED_VAR, "-", "critic/explained_variance"),),
+          valid=(None, 1.0)),
 ]
 
 

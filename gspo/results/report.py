@@ -79,6 +79,25 @@ def _diff(w: "Welch | None") -> str:
     return f"{w.diff:+.3f} [{w.low:+.3f}, {w.high:+.3f}] (df {w.df:.1f})"
 
 
+# PPO's critic: a table of its own, for the groups that have one (`algo=ppo`)
+CRITIC_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
+    ("group", lambda r: str(r["group"])),
+    ("value loss", lambda r: _fmt(r["value_loss"], "{:.3g}".format)),
+    ("explained var. (last 10%)", lambda r: _fmt(r["explained_variance"], "{:.3f}".format)),
+    ("value mean", lambda r: _fmt(r["value_mean"], "{:.3g}".format)),
+    ("value clip", lambda r: _fmt(r["value_clip"], _pct)),
+]
+
+CRITIC_LEGEND = ("Critic (PPO's value model): value loss (critic/value_loss, the clipped value loss), value mean "
+                 "(critic/value_mean) and value clip (critic/clip_frac, tokens whose clipped value loss was the "
+                 "larger) averaged over training steps; explained variance 1 − Var(R − V) / Var(R) of the returns by "
+                 "the values before each step's update (critic/explained_variance), over the last 10% of steps.")
+
+
+def _critic_rows(result: "CompareResult") -> list[list[str]]:
+    return [[cell(r) for _, cell in CRITIC_COLUMNS] for r in result.rows if r["value_loss"].mean is not None]
+
+
 PAIR_COLUMNS: list[tuple[str, Callable[[Any, dict], str]]] = [
     ("group", lambda p, n: p.group),
     ("seeds (group / baseline)", lambda p, n: f"{n[p.group]} / {n[p.baseline]}"),
@@ -101,6 +120,10 @@ def write_markdown(result: "CompareResult", path) -> None:
     lines += ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cells) + " |" for cells in format_rows(result.rows)]
     lines += ["", f"{LEGEND} {result.target_note} (k/n) = runs that reached it. See docs/compare.md.", ""]
+    if _critic_rows(result):
+        lines += ["## Critic", "", "| " + " | ".join(name for name, _ in CRITIC_COLUMNS) + " |",
+                  "|" + "---|" * len(CRITIC_COLUMNS)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in _critic_rows(result)] + ["", CRITIC_LEGEND, ""]
     if result.baseline is not None:
         lines += [f"## Against the baseline `{result.baseline}`", ""]
         lines += ["| " + " | ".join(name for name, _ in PAIR_COLUMNS) + " |", "|" + "---|" * len(PAIR_COLUMNS)]
@@ -141,6 +164,9 @@ def print_report(result: "CompareResult", console: Any = None) -> None:
     console.print(table(f"gspo compare — grouped by {result.by}", [n for n, _ in COLUMNS], format_rows(result.rows)))
     console.print(LEGEND, markup=False)
     console.print(result.target_note, markup=False)
+    if _critic_rows(result):
+        console.print(table("critic", [n for n, _ in CRITIC_COLUMNS], _critic_rows(result)))
+        console.print(CRITIC_LEGEND, markup=False)
     if result.baseline is not None:
         console.print(table(f"against the baseline {result.baseline}", [n for n, _ in PAIR_COLUMNS],
                             _pair_cells(result)))

@@ -477,7 +477,7 @@ def token_logprobs(
     Uses the sampling temperature, so the ratio compares the distributions the tokens
     were actually drawn from. The LM head is applied only at the completion tokens, chunk
     by chunk (gspo/models/logprobs.py): no (N, T, V) float32 logits, at any vocabulary size.
-    Padding positions hold 0. Returns (logp, entropy (N, T) without grad or None, the
+    Padding positions hold 0. Returns (logp, entropy (N, T) (with grad, for a bonus) or None, the
     model output, for aux losses); with `topk`, a fourth: the log-probs (N, T, k) of the rollout's
     kept top-k tokens (`Rollout.topk_ids`) under `model`, without grad.
     """

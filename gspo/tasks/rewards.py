@@ -29,6 +29,10 @@ Two kinds, picked by `reward=<name>`:
   values, NaN or a non-number stops the run with a one-line `RewardError` naming it and the sample; `probe`
   calls each function on one real sample before any work.
 
+`reward=model reward.path=DIR` (or a list of directories) scores with learned reward models
+(gspo/tasks/reward_model.py), each called as one more function (a model's metric is
+`reward/fn/<directory name>/mean`), first in `reward.weights`, then any `reward.fn` functions beside them.
+
 Every completion is also judged by the task, whatever the reward: `reward/correct/mean` and
 `reward/format/mean` are logged and held-out accuracy is the task's verdict (an ill-formed completion is
 neither correct nor well-formed there: the built-in tasks keep their own verdict).
@@ -50,11 +54,14 @@ from typing import Callable
 import torch
 
 from gspo.config.errors import ConfigError
+from gspo.tasks import reward_model
 from gspo.tasks.base import Problem, Task, Verdict, judge, judge_all
 
 RewardFn = Callable[[Verdict, object], float]
 REWARDS: dict[str, RewardFn] = {}
 PYTHON = "python"  # reward=python: the user's functions, not a registry entry
+MODEL = "model"  # reward=model: reward models (reward.path), and reward.fn functions beside them if any
+FUNCTIONS = (PYTHON, MODEL)  # the rewards made of called functions (weights, None, reward/fn/<name>)
 USER = "fn/"  # a user function's part (and metric reward/fn/<name>/mean): apart from gspo's own parts
 
 
@@ -149,15 +156,31 @@ def load_user_fn(spec: str) -> UserFn:
     return UserFn(spec, name, fn, frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)))
 
 
+def model_fn(path: str, cfg) -> UserFn:
+    """A reward model directory as a function (checked now, loaded on its first call: `probe` makes that call)."""
+    reward_model.check(path)
+
+    def score(prompts: list, completions: list, **kwargs) -> list[float]:
+        return reward_model.RewardModel.load(path, cfg.device, cfg.batch_size)(prompts, completions)
+
+    return UserFn(path, Path(path).resolve().name, score, None)
+
+
 def user_fns(cfg) -> tuple[list[UserFn], list[float]]:
-    """The configured functions and their weights (reward=python), checked."""
+    """The configured functions (reward=model: its models first) and their weights, checked."""
     specs = _specs(cfg.fn)
-    if not specs:
+    models = reward_model.paths(getattr(cfg, "path", None)) if cfg.name == MODEL else []
+    if cfg.name == MODEL and not models:
+        raise ConfigError("reward=model needs reward.path=DIR: a reward model (AutoModelForSequenceClassification, "
+                          "num_labels 1), or a list [DIR1,DIR2]")
+    if not specs and not models:
         raise ConfigError("reward=python needs reward.fn=FILE.py:NAME (or a list [A.py:f,B.py:g])")
-    fns = [load_user_fn(s) for s in specs]
+    fns = [model_fn(p, cfg) for p in models] + [load_user_fn(s) for s in specs]
     weights = [1.0] * len(fns) if cfg.weights is None else [float(w) for w in cfg.weights]
     if len(weights) != len(fns):
-        raise ConfigError(f"reward.weights has {len(weights)} values for {len(fns)} reward.fn function(s); give one each")
+        parts = (f"{len(models)} reward model(s) and " if models else "") + f"{len(specs)} reward.fn function(s)"
+        raise ConfigError(f"reward.weights has {len(weights)} values for {parts}; give one each"
+                          + (", the models first" if models else ""))
     if not all(math.isfinite(w) for w in weights):
         raise ConfigError(f"reward.weights={list(weights)}: every weight must be a finite number")
     names = [f.name for f in fns]
@@ -169,11 +192,12 @@ def user_fns(cfg) -> tuple[list[UserFn], list[float]]:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.train.checks.check`): reward=python's files import and its functions exist."""
-    if cfg.reward.name == PYTHON:
+    """Before any work (`gspo.train.checks.check`): reward=python's files import and its functions exist;
+    reward=model's directories hold one-output reward models."""
+    if cfg.reward.name in FUNCTIONS:
         user_fns(cfg.reward)
     elif cfg.reward.name not in REWARDS:
-        raise ConfigError(f"reward={cfg.reward.name}: no such reward. Valid: {', '.join(sorted([*REWARDS, PYTHON]))}")
+        raise ConfigError(f"reward={cfg.reward.name}: no such reward. Valid: {', '.join(sorted([*REWARDS, *FUNCTIONS]))}")
     elif cfg.reward.fn is not None:
         raise ConfigError(f"reward.fn is set but reward={cfg.reward.name}; use reward=python to score with your functions")
 
@@ -336,7 +360,7 @@ def probe(task: Task, cfg, encode: Callable[[str], list[int]]) -> None:
     The completion is the sample's reference answer (the only text at hand before the model has written any).
     A failure is a one-line RewardError naming the function, the sample and the error.
     """
-    if cfg.reward.name != PYTHON:
+    if cfg.reward.name not in FUNCTIONS:
         return
     import random
 
@@ -367,8 +391,8 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed
     with `conversation_parts` adds its own parts (the calculator's `correct_call`).
     """
     flags = [False] * len(texts) if ill_formed is None else [bool(x) for x in ill_formed]
-    if cfg.name != PYTHON and cfg.name not in REWARDS:
-        raise ConfigError(f"reward={cfg.name}: no such reward. Valid: {', '.join(sorted([*REWARDS, PYTHON]))}")
+    if cfg.name not in FUNCTIONS and cfg.name not in REWARDS:
+        raise ConfigError(f"reward={cfg.name}: no such reward. Valid: {', '.join(sorted([*REWARDS, *FUNCTIONS]))}")
     batched = hasattr(task, "verify_batch")  # the data task: math-verify in a process it can kill
     verdicts = judge_all(task, texts, problems, flags) if batched else []
     for text, problem, bad in ([] if batched else zip(texts, problems, flags)):
@@ -385,7 +409,7 @@ def score(task: Task, cfg, texts: list[str], problems: list[Problem], ill_formed
         parts["verify_timeout"] = torch.tensor([float(v.timed_out) for v in verdicts])
     if conversations is not None and hasattr(task, "conversation_parts"):
         parts |= task.conversation_parts(conversations, problems)
-    if cfg.name == PYTHON:
+    if cfg.name in FUNCTIONS:
         ids, state = (x() if callable(x) else x for x in (completion_ids, state))
         rewards, user_parts = _user_rewards(cfg, clean_texts if clean_texts is not None else texts, problems,
                                             flags, ids, state, conversations)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
@@ -29,12 +30,13 @@ class CheckpointError(ConfigError):
 
 def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep: int = 1,
          model_state: Optional[dict] = None, optimizer_state: Optional[dict] = None,
-         extra: Optional[dict] = None) -> Path:
+         extra: Optional[dict] = None, files: Optional[dict] = None) -> Path:
     """Save step `step`; keep the newest `keep` checkpoints.
 
     `model_state` / `optimizer_state`: full state dicts gathered by the caller (FSDP);
     None = the model's and optimizer's own. `extra`: more of the trainer's state (plain containers and
     tensors, loadable with weights_only), e.g. the batches sampled ahead under rollout.staleness.
+    `files`: more modules' weights, {file name: state dict}, each written as safetensors (PPO's critic).
     """
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:06d}", None
@@ -46,6 +48,8 @@ def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep:
         else:
             unwrap(model).save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(tmp)
+        for name, tensors in (files or {}).items():
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / name))
         optim = optimizer.state_dict() if optimizer_state is None else optimizer_state
         state = {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), **(extra or {})}
         torch.save(state, tmp / "trainer_state.pt")
@@ -108,6 +112,17 @@ def load_weights(model, ckpt: Path, dtype: torch.dtype = torch.float32) -> None:
     from gspo.models.build import load_pretrained
 
     unwrap(model).load_state_dict(load_pretrained(ckpt, dtype)[0].state_dict())
+
+
+def load_module(module: torch.nn.Module, path: Path) -> None:
+    """Load weights a checkpoint holds as `path` (a safetensors file of `save(files=...)`) into `module`; a tied
+    alias left out of the file (saved once, as transformers saves tied weights) loads through its twin."""
+    state = load_file(str(path), device=str(next(module.parameters()).device))
+    missing, unexpected = unwrap(module).load_state_dict(state, strict=False)
+    tied = {n for n, p in unwrap(module).named_parameters(remove_duplicate=False)} - {n for n, _ in unwrap(module).named_parameters()}
+    if unexpected or set(missing) - tied:
+        raise CheckpointError(f"{path}: does not match the model (missing {sorted(set(missing) - tied)[:3]}, "
+                              f"unexpected {sorted(unexpected)[:3]})")
 
 
 def load_model(ckpt: Path, dtype: torch.dtype = torch.float32, attn: str = "auto", base_dir=None):

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from gspo.algos.advantages import ADVANTAGES
-from gspo.algos.losses import LOSSES
+from gspo.algos.losses import LOSSES, clipped_losses
+from gspo.algos.value import GAE
 from gspo.config.checks import check_values
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
@@ -32,10 +33,13 @@ def check(cfg: Any) -> None:
     from omegaconf import OmegaConf
 
     check_values(cfg)
-    for key, registry in (("algo.loss", LOSSES), ("algo.advantage", ADVANTAGES), ("task.name", TASKS),
-                          ("reward.name", [*rewards.REWARDS, rewards.PYTHON])):
+    for key, registry in (("algo.loss", LOSSES), ("algo.advantage", [*ADVANTAGES, GAE]), ("task.name", TASKS),
+                          ("reward.name", [*rewards.REWARDS, *rewards.FUNCTIONS])):
         if OmegaConf.select(cfg, key) not in registry:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be one of {', '.join(sorted(registry))}")
+    if cfg.algo.delta is not None and not LOSSES[cfg.algo.loss].ppo_clip:
+        raise ConfigError(f"algo.delta={cfg.algo.delta} caps the unclipped ratio of PPO's clipped objective, which "
+                          f"algo.loss={cfg.algo.loss} does not have; it applies to {', '.join(clipped_losses())}")
     adapters.check(cfg)  # model.lora.*
     data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
     rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
@@ -57,7 +61,7 @@ def check(cfg: Any) -> None:
                               "old policy's log-probs are recomputed: set rollout.old_logprobs=recompute")
     if cfg.algo.dynamic_sampling:
         signals = ["reward", "correct", "format"]
-        if cfg.reward.name == rewards.PYTHON:
+        if cfg.reward.name in rewards.FUNCTIONS:
             signals += [rewards.USER + f.name for f in rewards.user_fns(cfg.reward)[0]]
         if cfg.algo.filter_metric not in signals:
             raise ConfigError(f"algo.filter_metric={cfg.algo.filter_metric}: must be one of {', '.join(signals)} "

@@ -559,36 +559,48 @@ class Dist:
         return {k: (x[i] / x[-1].clamp(min=1)).item() for i, k in enumerate(keys)}
 
     # -- checkpoints -----------------------------------------------------------
+    def full_state(self, model, opt=None) -> tuple[dict, Optional[dict]]:
+        """The full state dicts of `model` (without tied aliases: each tensor once) and `opt` (None: none), for a
+        checkpoint: under FSDP gathered from every rank onto rank 0's CPU (a collective: every rank calls it;
+        the others get empty dicts), else the module's and optimizer's own."""
+        if self.strategy != "fsdp":
+            tied = _tied_aliases(checkpoint.unwrap(model))
+            return ({k: v for k, v in checkpoint.unwrap(model).state_dict().items() if k not in tied},
+                    None if opt is None else opt.state_dict())
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0 only
+        model_state = get_model_state_dict(model, options=opts)
+        optim_state = None if opt is None else get_optimizer_state_dict(model, opt, options=opts)
+        tied = _tied_aliases(model)  # e.g. lm_head.weight = embed_tokens.weight: saved once, as HF does
+        return {k: v for k, v in model_state.items() if k not in tied}, optim_state
+
     def save_checkpoint(self, run_dir: Path, step: int, model, tokenizer, opt, sched, keep: int = 1,
-                        pending: Optional[dict] = None) -> None:
+                        pending: Optional[dict] = None, files: Optional[dict] = None,
+                        extra: Optional[dict] = None) -> None:
         """Rank 0 writes the checkpoint (FSDP: full tensors gathered from every rank first).
 
         `pending`: this rank's batches sampled ahead by older weights (rollout.staleness), gathered from
-        every rank into the trainer state, which a resume needs to compute what the uninterrupted run does."""
-        extra = {}
+        every rank into the trainer state, which a resume needs to compute what the uninterrupted run does.
+        `files`, `extra`: other components' weights ({file: state dict}) and trainer state (`full_state`)."""
+        extra = dict(extra or {})
         if pending:
             everyone = [None] * self.world
             if self.world > 1:
                 tdist.gather_object(pending, everyone if self.is_main else None, dst=0)
             else:
                 everyone = [pending]
-            extra = {"pending": dict(enumerate(everyone)) if self.is_main else {}, "pending_world": self.world}
+            extra |= {"pending": dict(enumerate(everyone)) if self.is_main else {}, "pending_world": self.world}
         model_state = optim_state = None
         if self.strategy == "fsdp":
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # on rank 0 only
-            model_state = get_model_state_dict(model, options=opts)
-            optim_state = get_optimizer_state_dict(model, opt, options=opts)
-            tied = _tied_aliases(model)  # e.g. lm_head.weight = embed_tokens.weight: saved once, as HF does
-            model_state = {k: v for k, v in model_state.items() if k not in tied}
+            model_state, optim_state = self.full_state(model, opt)
         if self.is_main:
             checkpoint.save(run_dir, step, model, tokenizer, opt, sched, keep=keep, model_state=model_state,
-                            optimizer_state=optim_state, extra=extra)
+                            optimizer_state=optim_state, extra=extra, files=files)
         self.barrier(long=True)  # writing a large checkpoint may outlast the collective time limit
 
     def load_optimizer_state(self, model, opt, state: dict) -> None:

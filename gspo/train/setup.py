@@ -32,10 +32,12 @@ from gspo.rollout.workers import WorkerPool
 from gspo.tasks import Task, build_task
 from gspo.tasks.rewards import probe
 from gspo.train import checkpoint, distributed
+from gspo.train.critic import Critic
 from gspo.train.heldout import evaluate, heldout_problems
 from gspo.train.logging import MetricsLogger
 from gspo.train.moe_step import MoEStep
 from gspo.train.preemption import Stopped, resume_command
+from gspo.train.reference import RefSync
 from gspo.train.warm_start import base_model
 
 
@@ -54,6 +56,8 @@ class Setup:
     tokenizer: Any = None
     policy: Any = None  # what the update trains through: DDP(model), fully_shard(model), or model
     ref: Any = None  # the KL reference, or None (beta 0)
+    ref_sync: Optional[RefSync] = None  # its resets (algo.sync_ref_model), or None
+    critic: Optional[Critic] = None  # where advantages come from: the group's rewards, or PPO's value model
     opt: Optional[torch.optim.Optimizer] = None
     sched: Any = None
     recompute: bool = False  # the old policy's log-probs are recomputed by the trainer
@@ -83,7 +87,7 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     if dist.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     task = build_task(cfg.task)
-    if cfg.reward.name == "python":  # each function on one real sample, before any work
+    if cfg.reward.name in ("python", "model"):  # each function (reward model) on one real sample, before any work
         probe(task, cfg, tokenizer_encode(cfg, task))
     eval_problems = heldout_problems(task, cfg.task)  # warns when the held-out split is short
     stopped = None  # rank 0 builds the warm-started base (minutes, preemptible), the others then load it
@@ -111,6 +115,7 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     ref = _frozen_copy(model) if cfg.algo.beta > 0 and not adapters.is_adapted(model) else None
     if resume_ckpt is not None:  # every rank loads the same checkpoint, before wrapping
         checkpoint.load_weights(model, resume_ckpt, dist.storage_dtype(dtype))  # LoRA: the adapter only
+    ref_sync = RefSync.for_run(cfg, ref, dist, resume_ckpt)  # algo.sync_ref_model (a resumed run's reset reference)
     policy = dist.wrap(model, dtype)  # what the update trains through: DDP(model), fully_shard(model), or model
     ref = dist.wrap(ref, dtype, frozen=True) if ref is not None else None
     if cfg.algo.beta > 0 and adapters.is_adapted(model):  # LoRA: reference = same weights, adapters disabled
@@ -132,6 +137,7 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
             raise ConfigError(f"{resume_ckpt} holds batches sampled ahead (rollout.staleness={cfg.rollout.staleness}) "
                               f"by {state['pending_world']} ranks' shares of the prompts; resume with "
                               f"hardware.nproc={state['pending_world']}")
+    critic = Critic.for_run(cfg, base_dir, dist, dtype, resume_ckpt)  # PPO's value model (algo.advantage=gae)
     recompute = old_logprobs_mode(cfg) == "recompute"
     moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
     # where batches come from: sampled in this process (the trainer's model, or a copy in rollout.dtype), or by
@@ -150,7 +156,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
         key=(cfg.seed, step), engine=cfg.rollout.engine, tools=ToolUse.of(cfg)), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
-                 policy=policy, ref=ref, opt=opt, sched=sched, recompute=recompute, moe_step=moe_step,
+                 policy=policy, ref=ref, ref_sync=ref_sync, critic=critic, opt=opt, sched=sched, recompute=recompute,
+                 moe_step=moe_step,
                  sampler=sampler, source=source, pending=pending, logger=logger, evaluate=ev)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gspo.algos.advantages import compute_advantages
+from gspo.algos.entropy import entropy_bonus, high_entropy_mask
 from gspo.algos.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
@@ -26,8 +26,7 @@ from gspo.models import adapters
 from gspo.rollout.batch import Batch
 from gspo.rollout.generate import NonFiniteLogits, token_logprobs
 from gspo.train import checkpoint, distributed, failures, preemption
-from gspo.train.moe_step import MoEStep
-from gspo.train.setup import setup
+from gspo.train.setup import Setup, setup
 
 
 def train(cfg: DictConfig, run_dir: Path | str) -> dict:
@@ -49,7 +48,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         stop.close()
         return s.summary.data
     dist, summary, start, logger, source = s.dist, s.summary, s.start, s.logger, s.source
-    model, policy, opt, sched = s.model, s.policy, s.opt, s.sched
+    model = s.model
     progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
     status = "failed"
     saved = start  # the step of the newest checkpoint
@@ -66,8 +65,7 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         for step in range(start + 1, cfg.train.steps + 1):
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 if step - 1 > saved:
-                    dist.save_checkpoint(run_dir, step - 1, policy, s.tokenizer, opt, sched, cfg.train.keep_checkpoints,
-                                         pending=source.pending())
+                    _save(cfg, s, run_dir, step - 1)
                     summary.write(steps=step - 1)
                 if dist.is_main:
                     kept = "checkpoint saved" if step > 1 else "no step finished yet"
@@ -81,10 +79,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             # the step's batch: sampled now, or ahead by the policy rollout.staleness steps older, exactly
             batch, metrics = _sampled(lambda: source.batch(step, model), step)
             batch, metrics = _trimmed(cfg, batch, metrics, dist)
-            metrics["train/lr"] = sched.get_last_lr()[0]  # the rate this step's updates use
             t_update = time.time()
-            metrics |= _update(cfg, policy, s.ref, opt, batch, step, s.moe_step, dist, s.recompute)
-            sched.step()
+            metrics |= _update(cfg, s, batch, step)
             metrics["time/update_s"] = time.time() - t_update
             for k, v in _sampled(lambda: source.updated(step, model), step).items():  # push the weights, sample ahead
                 metrics[k] = metrics.get(k, 0.0) + v
@@ -99,15 +95,15 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             if logger.should_log_samples(step):
                 logger.log_samples(step, _samples(batch))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:  # rank 0 writes
-                dist.save_checkpoint(run_dir, step, policy, s.tokenizer, opt, sched, cfg.train.keep_checkpoints,
-                                     pending=source.pending())
+                _save(cfg, s, run_dir, step)
                 saved = step
                 summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
                 if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
                     adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(s.dtype))
             progress.update(step, metrics)
-            if not math.isfinite(metrics["train/loss"]):
-                raise RunFailed(f"step {step}: loss is {metrics['train/loss']}; stopping (metrics up to here are saved)")
+            for key in ("train/loss", "critic/value_loss"):  # (train/loss: absent while only a critic warms up)
+                if not math.isfinite(metrics.get(key, 0.0)):
+                    raise RunFailed(f"step {step}: {key} is {metrics[key]}; stopping (metrics up to here are saved)")
         status = stop.status or "finished"
     except KeyboardInterrupt:
         status = "stopped"
@@ -149,57 +145,74 @@ def _trimmed(cfg, batch: Batch, metrics: dict, dist) -> tuple[Batch, dict]:
 # --------------------------------------------------------------------------- update
 
 
-def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, dist, recompute: bool) -> dict:
-    """Advantages, then `train.minibatches` off-policy gradient steps on the batch.
+def _update(cfg, s: Setup, batch: Batch, step: int) -> dict:
+    """Advantages (the critic component's: the group's rewards, or PPO's value model), then `train.minibatches`
+    off-policy gradient steps of the policy on the batch, then the critic's own.
 
-    `model` is what gradients flow through (DDP / FSDP under several ranks); the no-grad
+    `s.policy` is what gradients flow through (DDP / FSDP under several ranks); the no-grad
     passes use the bare module, so they never wait on the other ranks.
     """
-    ro, algo, temp = batch.rollout, cfg.algo, cfg.rollout.temperature
+    model, ro, algo, temp = s.policy, batch.rollout, cfg.algo, cfg.rollout.temperature
     bare = checkpoint.unwrap(model)
     mask = ro.completion_mask.clone()
     if algo.overlong_filter:
         mask[ro.truncated] = 0.0  # DAPO: truncated completions carry no signal about the answer
-    # over the whole batch (every rank's rewards): batch-level estimators normalise over all of it
-    both, lo = dist.all_gather_rows(torch.stack([batch.rewards.float(), ro.lengths.float().cpu()], 1))
-    adv = compute_advantages(algo.advantage, both[:, 0], cfg.rollout.group_size, passk_k=algo.passk_k,
-                             std_eps=algo.std_eps, whiten=algo.whiten, lengths=both[:, 1])
-    adv = adv[lo : lo + len(batch.rewards)]
     metrics: dict[str, float] = {}
     # the rollout policy's log-probs as sampled (None: an engine that gave none in gspo's convention, recomputed) ...
     old_logp = behaviour = ro.sampler_logp
     every = cfg.rollout.mismatch_every
     model.eval()  # no dropout in these models, but keep the no-grad passes deterministic anyway
     with torch.no_grad():
-        if recompute or (every and step % every == 0):
-            with moe_step.old_pass(bare, ro, record=recompute):  # MoE: also the sampler/trainer routing mismatch
+        if s.recompute or (every and step % every == 0):
+            with s.moe_step.old_pass(bare, ro, record=s.recompute):  # MoE: also the sampler/trainer routing mismatch
                 trainer_logp = token_logprobs(bare, ro, temp)[0]
             if behaviour is not None:
                 metrics |= mismatch_metrics(trainer_logp, behaviour, ro.completion_mask, ro.kept_mass)
-            if recompute:
+            if s.recompute:
                 old_logp = trainer_logp  # ... or as the trainer's forward computes them
                 behaviour = trainer_logp if behaviour is None else behaviour
-        ref_logp = token_logprobs(ref, ro, temp)[0] if ref is not None else None
+        ref_logp = token_logprobs(s.ref, ro, temp)[0] if s.ref is not None else None
+    adv, stats = s.critic.advantages(batch, mask, old_logp, ref_logp)  # (N,) or, from a value model, (N, T)
+    metrics |= stats
+    # rows shuffled within their group, dealt by global slot: one process's minibatch = the union of the ranks'
+    lo = s.dist.all_gather_rows(batch.rewards)[1]  # this rank's first row in the one-process batch
+    parts = distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches, cfg.seed, step,
+                                    offset=lo)
+    if s.critic.trains_policy(step):  # (not during a critic's warm-up)
+        metrics |= _policy_updates(cfg, s, ro, mask, adv, old_logp, behaviour, ref_logp, parts, step)
+    metrics |= s.critic.update(ro, mask, parts, step)
+    return metrics | s.moe_step.end_step(bare, ro, step)
+
+
+def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp, parts: list, step: int) -> dict:
+    """One gradient step of the policy loss per minibatch `parts[i]` (rows of this rank's batch); `behaviour`: the
+    sampler's log-probs, which the mismatch corrections weigh against `old_logp`."""
+    model, opt, dist, algo, temp = s.policy, s.opt, s.dist, cfg.algo, cfg.rollout.temperature
     corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
     agg = algo.agg or get_loss(algo.loss).agg
-    hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, agg=algo.agg,
-                 max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg, beta=algo.beta,
+    hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, delta=algo.delta,
+                 agg=algo.agg, max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg,
+                 beta=0.0 if algo.kl_in_reward else algo.beta,  # the KL is in the loss, or already in the reward
                  kl_estimator=algo.kl_estimator, router_shift_floor=algo.router_shift_floor,
                  **{k: algo[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef",
                                          "topk_divergence")})
-
+    gather = lambda x: dist.all_gather_rows(x)[0]  # noqa: E731  (every rank's tokens: the one-process minibatch's)
     model.train()
     topk = algo.loss == "dppo_topk"
-    per_mb: dict[str, list[float]] = {}
-    # rows shuffled within their group, dealt by global slot: one process's minibatch = the union of the ranks'
-    for i, rows in enumerate(distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches,
-                                                     cfg.seed, step, offset=lo)):
+    per_mb: dict[str, list[float]] = {"train/lr": [s.sched.get_last_lr()[0]]}  # the rate this step's updates use
+    for i, rows in enumerate(parts):
         sub, m = ro.select(rows), mask[rows]
-        with moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
+        with s.moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
             # DPPO-TopK also reads the policy's log-probs of the sampler's top-k tokens (rollout.keep_topk)
             logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk)
             is_weight, corr = correction_weights(corrections, MismatchBatch(
                 old_logp[rows], behaviour[rows], m, adv[rows], logp.detach()), cfg.rollout)
+            kept = m
+            if algo.top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL)
+                keep = high_entropy_mask(entropy, m, algo.top_entropy_quantile, gather)
+                is_weight = keep.to(m.dtype) if is_weight is None else is_weight * keep
+                kept = m * keep
+                corr["policy/entropy_kept_frac"] = float(kept.sum() / m.sum().clamp(min=1))
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
                 ref_logp=None if ref_logp is None else ref_logp[rows],
@@ -208,11 +221,16 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
             loss = loss * dist.loss_scale(denominator) + mb.aux_loss(sub)
+            if algo.entropy_coef:  # TRL's bonus: coef x the mean entropy of the tokens the policy term trains on
+                total, n = entropy_bonus(entropy, kept)
+                loss = loss - algo.entropy_coef * total / n.clamp(min=1) * dist.loss_scale(n)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             stats |= mb.stats() | corr
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
+        if s.ref_sync is not None:  # TRL's reference resets count optimizer updates
+            s.ref_sync.after_update(model, (step - 1) * cfg.train.minibatches + i + 1)
         stats |= {
             "train/loss": loss.item(),
             "train/grad_norm": distributed.scalar(grad_norm),
@@ -220,10 +238,22 @@ def _update(cfg, model, ref, opt, batch: Batch, step: int, moe_step: MoEStep, di
         }
         for k, v in stats.items():
             per_mb.setdefault(k, []).append(float(v))
+    s.sched.step()  # the schedule counts the steps the policy trained (not a critic's warm-up: verl's too)
     # extremes stay extremes; everything else is the mean over minibatches
-    metrics |= {k: min(v) if k.endswith("_min") else max(v) if k.endswith("_max") else sum(v) / len(v)
-                for k, v in per_mb.items()}
-    return metrics | moe_step.end_step(bare, ro, step)
+    return {k: min(v) if k.endswith("_min") else max(v) if k.endswith("_max") else sum(v) / len(v)
+            for k, v in per_mb.items()}
+
+
+def _save(cfg, s: Setup, run_dir: Path, step: int) -> None:
+    """The step's checkpoint (rank 0 writes it): the policy, its optimizer, batches sampled ahead, the critic and
+    a reset reference model."""
+    files, extra = {}, {}
+    for part in (s.critic, s.ref_sync):
+        if part is not None:
+            f, e = part.checkpoint()
+            files, extra = files | f, extra | e
+    s.dist.save_checkpoint(run_dir, step, s.policy, s.tokenizer, s.opt, s.sched, cfg.train.keep_checkpoints,
+                           pending=s.source.pending(), files=files, extra=extra)
 
 
 # --------------------------------------------------------------------------- helpers
