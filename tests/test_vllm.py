@@ -257,3 +257,19 @@ def test_sigterm_stops_the_run_and_its_engine_and_the_run_resumes_exactly(tmp_pa
     assert res.returncode == 0, res.stderr[-2000:]
     assert_same_run(tmp_path / "whole", run)
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+
+
+def test_the_engine_samples_tool_trajectories_the_trainer_scores_as_it_does(tmp_path, cache_dir):
+    """+experiment=tools sampled by the float32 engine (rollout.engine=vllm, Engine.continue_sequences): at the
+    model's tokens the engine's log-probs are the trainer's, the tools' tokens (not the engine's) do not shift them,
+    the engine's routing (recorded per turn, prefix-cached positions kept from the turn that first fed them) is the
+    trainer's, and R3 replays it through the whole trajectory: the update routes as recorded."""
+    from test_multiturn import opts as tool_opts
+
+    train(compose(tool_opts(cache_dir, **ENGINE, **{"train.steps": 2, "algo": "grpo", "moe.routing_replay": "R3",
+                                                     "rollout.old_logprobs": "recompute", "eval.every": 0})), tmp_path)
+    m = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(row["rollout/tool_calls_mean"] > 0 and row["rollout/env_token_frac"] > 0 for row in m)
+    assert max(row["rollout/logprob_abs_diff_max"] for row in m) < 1e-3
+    assert max(row["rollout/routing_mismatch"] for row in m) < 0.01
+    assert all(row["moe/update_mismatch"] == 0.0 for row in m)
