@@ -79,7 +79,10 @@ class VllmEngine:
         from vllm.platforms import current_platform
 
         self.cpu = current_platform.is_cpu()
-        self.stop_ids, self.logprobs_mode = list(stop_ids), logprobs_mode
+        config = AutoConfig.from_pretrained(base_dir)
+        # vLLM refuses a stop id outside the vocabulary (a model whose EOS it can never sample: it runs to its budget)
+        self.stop_ids = [t for t in stop_ids if t < config.get_text_config().vocab_size]
+        self.logprobs_mode = logprobs_mode
         memory = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}
         self.llm = LLM(model=base_dir, dtype=dtype, seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True,
                        max_num_seqs=max_num_seqs, logprobs_mode=logprobs_mode or PROCESSED,
@@ -88,7 +91,6 @@ class VllmEngine:
                        max_model_len=max_model_len, use_tqdm_on_load=False, **memory)
         self.worker = self.llm.collective_rpc(_itself)[0]  # in process: the worker object itself
         # a model on the meta device: the names transformers saves a checkpoint under (the engine loads those)
-        config = AutoConfig.from_pretrained(base_dir)
         with torch.device("meta"):
             self.meta = AutoModelForCausalLM.from_config(config)
         self.routing = _Routing(self.worker.model_runner) if routing else None
