@@ -26,6 +26,7 @@ import torch
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.rollout.child import Child
+from gspo.rollout.continuation import Continuation
 from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
 from gspo.rollout.sampler import Sampler, sampler_dtype
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
@@ -177,15 +178,12 @@ class Engine:
         return finish(tokenizer, ids, mask, out, self.eos, group_size, routing=routing, sampler_logp=logp,
                       topk_ids=top_ids, topk_logp=top_lp)
 
-
     def continue_sequences(self, sequences: list[list[int]], max_new_tokens: list[int], generators, *,
                            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
                            capture_routing: bool = False, keep_topk: int = 0) -> list:
         """gspo/rollout/continuation.py's primitive (multi-turn rollouts): each sequence continued by at most its own
         budget, one request each, seeded by its generator; routing from each sequence's first token (positions
         the engine served from its prefix cache: -1, as they were recorded when first computed)."""
-        from gspo.rollout.continuation import Continuation
-
         seeds = None if greedy or generators is None else [g.initial_seed() for g in generators]
         got = self.backend.sample_ids(prompts=sequences, n=1, max_new_tokens=list(max_new_tokens),
                                       temperature=temperature, top_p=top_p, greedy=greedy, seeds=seeds,

@@ -37,8 +37,8 @@ from gspo.models import adapters
 from gspo.rollout.batch import Batch
 from gspo.rollout.child import Child
 from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove_stale_slots, shm_dir
-from gspo.rollout.vllm_engine import environment
 from gspo.rollout.source import Collected
+from gspo.rollout.vllm_engine import environment
 
 STARTUP_S = 300.0  # the least a worker is given to start (import torch, build its model) before it counts as hung
 
