@@ -57,7 +57,7 @@ IGNORED_KEYS = (
     "model.name", "model.attn_implementation", "model.experts_implementation", "model.gradient_checkpointing",
     "rollout.engine", "rollout.mismatch_every", "rollout.workers", "rollout.worker_threads", "rollout.timeout_s",
     "moe.stats_every", "moe.stats_rows_per_group", "train.checkpoint_every", "train.keep_checkpoints",
-    "reward.timeout_s",
+    "reward.timeout_s", "rollout.tool_timeout_s", "rollout.vllm.",
 )
 
 
