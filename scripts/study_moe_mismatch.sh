@@ -25,6 +25,8 @@
 # JOBS single-thread runs at a time (default 2). Each run has a fixed directory OUT/<cell>/seed<k>; a
 # rerun skips finished runs, resumes the others from their last checkpoint (or restarts them), so the
 # study can be done in several sittings (Ctrl-C, then the same command again). CELLS picks a subset.
+# EXPERIMENT=engine_mismatch runs the same cells (and grpo_copy) sampled by the vLLM engine instead of the
+# bf16 copy: scripts/study_engine_mismatch.sh, which says so.
 #
 #   bash scripts/study_moe_mismatch.sh                                    # the study
 #   CELLS="grpo gspo" SEEDS=1 OUT=outputs/mm_pilot EXTRA="train.steps=3 eval.every=0 task.eval_size=20" \
@@ -34,7 +36,8 @@
 #   OUT=outputs/mm_edge CELLS="grpo grpo_fp32 grpo_R3 gspo grpo_R2 gspo_sampler grpo_fp16 grpo_icepop grpo_tis gspo_wide grpo_sampler" \
 #       EXTRA="train.lr=5e-4 rollout.prompts_per_step=16 train.steps=40 eval.every=10" bash scripts/study_moe_mismatch.sh
 set -euo pipefail
-OUT=${OUT:-outputs/study_moe_mismatch}
+EXPERIMENT=${EXPERIMENT:-moe_mismatch}  # or engine_mismatch (scripts/study_engine_mismatch.sh)
+OUT=${OUT:-outputs/study_$EXPERIMENT}
 SEEDS=${SEEDS:-5}
 JOBS=${JOBS:-2}
 EXTRA=${EXTRA:-}  # more overrides for every run (e.g. train.steps=3)
@@ -54,8 +57,19 @@ declare -A OVERRIDES=(
   [grpo_fp16]="algo=grpo rollout.dtype=float16"
   [gspo_fp16]="algo=gspo rollout.dtype=float16"
   [grpo_fp32]="algo=grpo rollout.dtype=float32"
+  [grpo_copy]="algo=grpo rollout.engine=auto"  # engine_mismatch: gspo's bf16 copy samples instead of the engine
 )
-CELLS=${CELLS:-"grpo grpo_fp32 grpo_R2 grpo_R3 grpo_tis grpo_icepop grpo_sampler gspo gspo_sampler gspo_wide grpo_fp16 gspo_fp16"}
+RUN_EXTRA=""  # what every run of this experiment adds
+if [[ $EXPERIMENT == engine_mismatch ]]; then
+  CELLS=${CELLS:-"grpo grpo_fp32 grpo_R2 grpo_R3 grpo_tis grpo_icepop gspo gspo_sampler grpo_copy"}
+  RUN_EXTRA="rollout.worker_threads=1"  # the engine's process takes turns with its trainer on one thread
+  PROBES=("engine_bf16 rollout.dtype=bfloat16" "engine_fp32 rollout.dtype=float32"
+          "copy_bf16 rollout.engine=auto rollout.dtype=bfloat16")
+else
+  CELLS=${CELLS:-"grpo grpo_fp32 grpo_R2 grpo_R3 grpo_tis grpo_icepop grpo_sampler gspo gspo_sampler gspo_wide grpo_fp16 gspo_fp16"}
+  PROBES=("bfloat16 rollout.dtype=bfloat16" "float16 rollout.dtype=float16")
+fi
+export EXPERIMENT RUN_EXTRA
 for cell in $CELLS; do
   [[ -n "${OVERRIDES[$cell]+x}" ]] || { echo "unknown cell '$cell'; cells: ${!OVERRIDES[*]}" >&2; exit 2; }
 done
@@ -65,23 +79,25 @@ source "$(dirname "$0")/study_lib.sh"
 cell() {  # cell CELL SEED OVERRIDES...
   local name=$1 seed=$2
   shift 2
-  run_one "$name seed $seed" "$OUT/$name/seed$seed" +experiment=moe_mismatch "$@" "name=$name" "seed=$seed" algo.beta=0
+  # shellcheck disable=SC2086  # RUN_EXTRA is a word list
+  run_one "$name seed $seed" "$OUT/$name/seed$seed" "+experiment=$EXPERIMENT" "$@" "name=$name" "seed=$seed" \
+    algo.beta=0 $RUN_EXTRA
 }
 export -f cell
 
 mkdir -p "$OUT/logs"
 start=$(date +%s)
-# The warm-started base first, then the mismatch of the starting policy, before any update, for each
-# sampler precision.
-build_base +experiment=moe_mismatch
-for dtype in bfloat16 float16; do
+# The warm-started base first, then the mismatch of the starting policy, before any update, for each sampler.
+build_base "+experiment=$EXPERIMENT"
+for probe in "${PROBES[@]}"; do
   ((PROBE_BATCHES > 0)) || break
-  if [[ ! -s "$OUT/probe_$dtype.json" ]]; then
+  read -r name overrides <<<"$probe"
+  if [[ ! -s "$OUT/probe_$name.json" ]]; then
     # shellcheck disable=SC2086
-    python "$(dirname "$0")/probe_mismatch.py" +experiment=moe_mismatch "rollout.dtype=$dtype" hardware.threads=1 $EXTRA \
-      --batches "$PROBE_BATCHES" >"$OUT/probe_$dtype.json"
+    python "$(dirname "$0")/probe_mismatch.py" "+experiment=$EXPERIMENT" $overrides hardware.threads=1 $EXTRA \
+      --batches "$PROBE_BATCHES" >"$OUT/probe_$name.json"
   fi
-  echo "mismatch before any update ($dtype sampler): $(cat "$OUT/probe_$dtype.json")"
+  echo "mismatch before any update ($name sampler): $(cat "$OUT/probe_$name.json")"
 done
 for cell in $CELLS; do
   for ((seed = 0; seed < SEEDS; seed++)); do

@@ -58,6 +58,20 @@ def gspo(*args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def sigterm_after_steps(overrides: list[str], run: Path, cwd: Path, steps: int = 4,
+                        timeout: int = 120) -> tuple[int, str]:
+    """`gspo train` in a subprocess into `run`, sent SIGTERM once it has logged more than `steps` steps: its exit
+    code and output."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", *overrides, f"hydra.run.dir={run}"], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not ((run / "metrics.jsonl").is_file() and len(steady(run)) > steps):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
 def no_worker_left(run_dir: Path) -> bool:
     found = subprocess.run(["pgrep", "-f", "gspo.rollout.worker"], capture_output=True, text=True).stdout.split()
     return not [pid for pid in found if int(pid) != os.getpid()]
@@ -204,16 +218,9 @@ def test_sigterm_stops_trainer_and_workers_and_the_run_resumes_exactly(tmp_path,
     never stopped."""
     extra = {"rollout.staleness": 2, "rollout.workers": 1, "train.steps": 40}
     train(compose(opts(cache_dir, **extra)), tmp_path / "whole")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", *opts(cache_dir, **extra),
-                             f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    while not ((run / "metrics.jsonl").is_file() and len(steady(run)) > 4):
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 75, out
+    code, out = sigterm_after_steps(opts(cache_dir, **extra), run, tmp_path)
+    assert code == 75, out
     assert no_worker_left(tmp_path)
     res = gspo("train", f"resume={run}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]

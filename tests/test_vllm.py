@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -25,7 +22,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.engine
 
 from conftest import tiny  # noqa: E402
-from test_async import assert_same_run, gspo, steady  # noqa: E402
+from test_async import assert_same_run, gspo, sigterm_after_steps, steady  # noqa: E402
 
 from gspo.algos.mismatch import routing_mismatch  # noqa: E402
 from gspo.config.loading import compose  # noqa: E402
@@ -242,16 +239,9 @@ def test_sigterm_stops_the_run_and_its_engine_and_the_run_resumes_exactly(tmp_pa
     never stopped."""
     extra = {"rollout.staleness": 1, "train.steps": 12, "model": "qwen3-tiny"}
     train(compose(opts(cache_dir, **extra)), tmp_path / "whole")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", *opts(cache_dir, **extra),
-                             f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    while not ((run / "metrics.jsonl").is_file() and len(steady(run)) > 4):
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 75, out
+    code, out = sigterm_after_steps(opts(cache_dir, **extra), run, tmp_path, timeout=300)
+    assert code == 75, out
     assert no_engine_left()
     res = gspo("train", f"resume={run}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]

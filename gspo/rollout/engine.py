@@ -9,13 +9,14 @@ worker hosts an engine in its own process instead (gspo/rollout/worker.py). Eith
 engine's token ids into the `Rollout` gspo's own engines return, with the same fields and conventions.
 
 The weights travel as rollout workers' do: one copy into a file in /dev/shm that the engine's process maps
-(`gspo.rollout.workers.map_slot`), then the engine loads them (`time/weight_sync_s` counts both).
+(gspo/rollout/slots.py), then the engine loads them (`time/weight_sync_s` counts both).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from gspo.rollout.child import Child
 from gspo.rollout.continuation import Continuation
 from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
 from gspo.rollout.sampler import Sampler, sampler_dtype
+from gspo.rollout.slots import PREFIX, layout_of, map_slot, shm_dir
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
 
 # the README's engine line without its venv: the CPU build pins gspo's torch; the torchvision it pulls in is built for
@@ -45,7 +47,7 @@ def installed() -> bool:
 
 
 def check(cfg, on_cpu: bool) -> None:
-    """Refuse, in one line, a run the engine cannot serve (called by gspo/rollout/sampler.py's `check`)."""
+    """Refuse, in one line, a run the engine cannot serve (called by gspo/train/checks.py)."""
     r = cfg.rollout
     if not installed():
         raise ConfigError(f"rollout.engine=vllm: vLLM is not installed in this environment; on a CPU: {INSTALL_CPU} "
@@ -72,15 +74,18 @@ def head_dim(cfg) -> Optional[int]:
     """The model's attention head size: model.head_dim for the tiny models, the checkpoint's config otherwise."""
     if cfg.model.arch != "hf":
         return int(cfg.model.head_dim)
-    import json
-
     try:
-        c = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        c = _text_config(cfg.model.path)
     except (OSError, ValueError, TypeError):
         return None  # the model checks say what is wrong with the path
-    c = c.get("text_config", c)
     heads = c.get("num_attention_heads")
     return c.get("head_dim") or (c["hidden_size"] // heads if heads and c.get("hidden_size") else None)
+
+
+def _text_config(model_dir) -> dict:
+    """A checkpoint's config.json as a dict, its text model's part for a multimodal one."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    return c.get("text_config", c)
 
 
 def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bool, on_cpu: bool = True) -> dict:
@@ -90,7 +95,8 @@ def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bo
     kv = int(v.kv_cache_gib * 2**30) if v.kv_cache_gib else kv_cache_bytes(base_dir, sampler_dtype(cfg), rows,
                                                                          r.max_new_tokens, v.max_model_len)
     return dict(base_dir=str(base_dir), dtype=sampler_dtype(cfg), seed=int(cfg.seed), threads=threads,
-                stop_ids=stop.tolist(), max_num_seqs=max(1, rows), logprobs_mode=behaviour_logprobs(r.top_p, r.temperature),
+                stop_ids=stop.tolist(), max_num_seqs=max(1, rows),
+                logprobs_mode=behaviour_logprobs(r.top_p, r.temperature),
                 max_logprobs=int(r.keep_topk), kv_cache_bytes=kv if on_cpu else None,
                 gpu_memory_utilization=float(v.gpu_memory_utilization), enforce_eager=v.enforce_eager,
                 routing=routing, max_model_len=v.max_model_len)
@@ -101,10 +107,7 @@ def kv_cache_bytes(base_dir, dtype: str, rows: int, max_new_tokens: int, max_mod
     1024 prompt tokens (the model's positions at most), and room for one sequence of the longest the engine
     serves. vLLM's own default on a CPU would take a share of the machine's memory per engine; a smaller cache
     only makes it run fewer sequences at once."""
-    import json
-
-    c = json.loads((Path(base_dir) / "config.json").read_text())
-    c = c.get("text_config", c)
+    c = _text_config(base_dir)
     head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head \
         * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
@@ -116,8 +119,6 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
           on_cpu: bool) -> "EngineSampler":
     """The vLLM engine as the sampler of `model` (the trainer's, whose weights it will be sent), its process
     started: serving `base_dir` with this run's settings (`spec`)."""
-    from gspo.rollout.slots import layout_of
-
     stop = stop_ids(model, tokenizer)
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
                             cfg.rollout.timeout_s)
@@ -210,8 +211,6 @@ class EngineProcess:
     `timeout_s`) while loading weights or sampling step N; it dies with the trainer."""
 
     def __init__(self, engine: dict, layout: list, timeout_s: float):
-        from gspo.rollout.slots import PREFIX, map_slot, shm_dir
-
         self.timeout_s, self.layout, self.step = timeout_s, layout, None
         self.dtype = getattr(torch, engine["dtype"])
         self.path = os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-engine-{id(self):x}.bin")

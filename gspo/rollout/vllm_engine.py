@@ -33,6 +33,10 @@ from typing import Optional
 
 import torch
 
+from gspo.config.errors import ConfigError, tidy_warnings
+from gspo.rollout.child import serve
+from gspo.rollout.slots import map_slot
+
 # log-prob modes: which vLLM mode gives gspo's convention at (top_p < 1, temperature == 1)
 PROCESSED, RAW = "processed_logprobs", "raw_logprobs"
 
@@ -57,8 +61,6 @@ def environment(threads: int) -> dict[str, str]:
 
 def configure(threads: int) -> None:
     """This process's settings for an in-process engine with `threads` threads, before vllm is imported."""
-    from gspo.config.errors import tidy_warnings
-
     os.environ.update(environment(threads))
     tidy_warnings()  # the libraries' FutureWarnings about their own calls are nothing a user can act on
     if os.environ["VLLM_LOGGING_LEVEL"] == "ERROR":  # what vLLM logs while importing, before it reads that variable
@@ -184,7 +186,7 @@ def _first_load_processing(model: torch.nn.Module) -> None:
     addresses); on the CPU that step is the experts' prepack (and the expert width's padding to a multiple of
     32), so reloaded experts would be read unpacked (~10 nats off). With the layer's kernel cleared, the reload
     prepacks them into the existing storage, as the first load did. Measured: the reloaded engine's float32
-    log-probs equal the trainer's to ~5e-7 (tests/engine/test_vllm.py)."""
+    log-probs equal the trainer's to ~5e-7 (tests/test_vllm.py)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if getattr(method, "moe_kernel", None) is not None:
@@ -210,8 +212,6 @@ class _Routing:
         self.runner, self.enabled = runner, False
         layers = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
         if not layers or any(getattr(m, "gate", None) is None for m in layers):
-            from gspo.config.errors import ConfigError
-
             raise ConfigError("this model's MoE layers take router logits computed outside them: the vLLM engine "
                               "cannot record its routing for it (use moe.routing_replay=none or R2 with "
                               "rollout.old_logprobs=recompute)")
@@ -285,8 +285,6 @@ def _row(request_id: str, parents: dict[str, int], n: int) -> int:
 
 def start(spec: dict):
     """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py)."""
-    from gspo.rollout.slots import map_slot
-
     engine = VllmEngine(**spec["engine"])
     dtype = getattr(torch, spec["dtype"])
     slots: dict[str, dict] = {}
@@ -306,8 +304,6 @@ def start(spec: dict):
 
 
 def main(fd: int) -> int:
-    from gspo.rollout.child import serve
-
     return serve(fd, start)
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from gspo.algos.advantages import ADVANTAGES
 from gspo.algos.losses import LOSSES, clipped_losses
 from gspo.algos.value import GAE
@@ -23,6 +21,7 @@ from gspo.rollout.engine import check as check_engine
 from gspo.rollout.sampler import check as check_sampler
 from gspo.rollout.sampler import old_logprobs_mode
 from gspo.tasks import TASKS, data, rewards, tools  # gspo.tasks registers every task on import
+from gspo.train import distributed
 
 
 def check(cfg: Any) -> None:
@@ -52,8 +51,7 @@ def check(cfg: Any) -> None:
         check_template(AutoTokenizer.from_pretrained(cfg.model.path))
     check_sampler(cfg)  # rollout.dtype
     if cfg.rollout.engine == "vllm":
-        check_engine(cfg, on_cpu=cfg.hardware.device == "cpu" or (cfg.hardware.device == "auto"
-                                                                 and not torch.cuda.is_available()))
+        check_engine(cfg, on_cpu=distributed.device_of(cfg.hardware).type == "cpu")
     r = cfg.rollout
     for key, value in (("rollout.tis", r.tis), ("rollout.mask", r.mask)):
         if value != "none" and old_logprobs_mode(cfg) != "recompute":
