@@ -522,6 +522,32 @@ def test_the_staleness_figure_reads_each_cell_at_each_k(tmp_path, capsys):
     assert (tmp_path / "f.png").stat().st_size > 0
 
 
+def test_the_cell_figure_reads_final_accuracy_and_mean_curves(tmp_path, capsys):
+    """scripts/plot_cells.py: runs grouped by `name`, unfinished ones left out; final acc per cell with its t
+    interval; an --over metric's curve is the mean over the cell's seeds at the steps every seed logged (step 0
+    left out), and a cell where some seed never logged it has no curve."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from plot_cells import finished_cells, main, mean_curve
+
+    for seed, (scale, final) in enumerate([(0.1, 0.5), (0.3, 0.7)]):
+        make_run(tmp_path / "a" / f"seed{seed}", seed=seed, steps=4, rewards=[scale * t for t in range(1, 5)],
+                 acc={0: 0.3, 4: final}, cfg={"name": "a"}, extra={"rollout/mismatch_kl": 1e-4 * (seed + 1)})
+    make_run(tmp_path / "b" / "seed0", seed=0, steps=4, acc={0: 0.3, 4: 0.6}, cfg={"name": "b"})
+    make_run(tmp_path / "b" / "seed1", seed=1, steps=4, acc={0: 0.3, 4: 0.0}, cfg={"name": "b"}, finished=False)
+    cells = finished_cells(str(tmp_path))
+    assert sorted(cells) == ["a", "b"] and len(cells["b"]) == 1
+    steps, values = mean_curve(cells["a"], "reward/mean")
+    assert steps.tolist() == [1, 2, 3, 4] and np.allclose(values, [0.2, 0.4, 0.6, 0.8])
+    assert mean_curve(cells["b"], "rollout/mismatch_kl") is None
+    main(str(tmp_path), str(tmp_path / "f.png"), ["rollout/mismatch_kl", "reward/mean"], None, smooth=2)
+    out = capsys.readouterr().out
+    # t_{0.975, 1} = 12.706 x s / sqrt(2), s = 0.1414: half-width 1.271
+    assert "| a | 2 | 0.600 [-0.671, 1.871] |" in out and "| b | 1 | — |" in out
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
 def test_the_critic_of_a_ppo_group_is_tabulated(tmp_path):
     """A ppo / grpo sweep: the critic's metrics get a table of their own, for the group that logs them
     (value loss and value clip: means over the steps; explained variance: the last 10% of steps)."""
