@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine's mismatch (issue 40; docs/results.md, "The engine study"): GRPO, Routing Replay on the engine's routing,
+# The engine's mismatch (issue 40; docs/results.md, "The engine's mismatch"): GRPO, Routing Replay on the engine's routing,
 # the mismatch corrections and GSPO, when the vLLM inference engine samples in bf16 and the trainer keeps float32
 # (+experiment=engine_mismatch: the wide MoE on `chain`). Runs in the engine's environment (the README's engine line).
 #
@@ -23,5 +23,10 @@
 # The machinery is scripts/study_moe_mismatch.sh's (EXPERIMENT=engine_mismatch): the same cells, other samplers.
 #
 #   CELLS="grpo grpo_fp32" SEEDS=2 OUT=outputs/em_lr5e-4 EXTRA="train.lr=5e-4 ..." bash scripts/study_engine_mismatch.sh
+#   # the sitting in docs/results.md: the same wide MoE on 2-digit addition (on `chain` no step size was found
+#   # where the float32 control learns in 100 steps), lr 3e-4, 100 steps, then each run continued to 200
+#   OUT=outputs/em_grid_lr3e-4 EXTRA="task=addition rollout.max_new_tokens=5 train.steps=100 eval.every=20 train.lr=3e-4" \
+#       bash scripts/study_engine_mismatch.sh
+#   ls -d outputs/em_grid_lr3e-4/*/seed* | xargs -P 2 -I{} gspo train resume={} train.steps=200
 set -euo pipefail
 EXPERIMENT=engine_mismatch exec bash "$(dirname "$0")/study_moe_mismatch.sh"
