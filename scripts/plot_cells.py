@@ -9,7 +9,8 @@ finished runs count. A cell's final accuracy is the mean over seeds of each run'
 step 0 (`gspo compare`'s per-run statistic, gspo.results.compare.run_stats) with its Student-t 95% interval
 (gspo.results.stats.mean_ci); every seed is a faint dot, the base (step 0) the dashed line. Each `--over`
 metric gets a panel: per cell, the mean over its seeds at each logged step (steps every run of the cell
-logged), as a moving average over --smooth steps, on a log axis when every value is positive. Prints the accuracy panel's numbers as a markdown table.
+logged), as a moving average over --smooth steps, on a log axis when every value is positive. Prints the
+accuracy panel's numbers as a markdown table.
 """
 
 from __future__ import annotations
@@ -35,18 +36,15 @@ def finished_cells(root: str) -> dict[str, list[Run]]:
 
 def mean_curve(runs: list[Run], key: str) -> tuple[np.ndarray, np.ndarray] | None:
     """The metric's mean over runs at the training steps (> 0) that every run logged it at; None if none."""
-    series = [run.series(key) for run in runs]
-    series = [(s[~np.isnan(v)], v[~np.isnan(v)]) for s, v in series if len(s)]  # NaN left out
-    if len(series) != len(runs):
+    by_step = []  # per run: step -> value, NaN left out
+    for run in runs:
+        steps, values = run.series(key)
+        keep = ~np.isnan(values)
+        by_step.append(dict(zip(steps[keep].tolist(), values[keep].tolist())))
+    common = sorted(t for t in set.intersection(*(set(d) for d in by_step)) if t > 0) if by_step else []
+    if not common:
         return None
-    common = set(series[0][0].tolist())
-    for steps, _ in series[1:]:
-        common &= set(steps.tolist())
-    steps = np.array(sorted(s for s in common if s > 0))
-    if not len(steps):
-        return None
-    values = [np.array([dict(zip(s.tolist(), v.tolist()))[t] for t in steps]) for s, v in series]
-    return steps, np.mean(values, axis=0)
+    return np.array(common), np.mean([[d[t] for t in common] for d in by_step], axis=0)
 
 
 def main(root: str, png: str, over: list[str], chosen: list[str] | None, smooth: int = 1) -> None:
