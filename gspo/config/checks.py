@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gspo.config import model_path
 from gspo.config.errors import ConfigError
 
 CHOICES = {
@@ -81,6 +82,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "task.digits": (*_at_least(1), ""),
     "task.num_operands": (*_at_least(2), ""),
     "task.max_operand": (*_at_least(1), ""),
+    "task.max_steps": (lambda v: v in (1, 2, 3), "1, 2 or 3", "arithmetic steps per problem"),
     "algo.eps_low": (*_at_least(0), ""),
     "algo.eps_high": (*_at_least(0), ""),
     "algo.clip_ratio_c": (*_above(1), "the dual-clip bound lies above the clip range"),
@@ -153,8 +155,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def model_dir_problem(path: str | Path) -> Optional[str]:
-    """What keeps `path` from loading as a Hugging Face model directory, or None."""
-    p = Path(path)
+    """What keeps `path` from loading as a Hugging Face model directory or a GGUF file
+    (gspo/config/model_path.py), or None."""
+    p = model_path.resolve(path)
+    if p.is_file() or model_path.gguf_file(p) is not None or (p.is_dir() and not (p / "config.json").is_file()
+                                                             and any(p.glob("*.gguf"))):
+        return model_path.gguf_problem(p)
     if not p.is_dir():
         return "no such directory"
     if not (p / "config.json").is_file():
@@ -173,13 +179,11 @@ def _max_positions(cfg: Any) -> Optional[int]:
         from gspo.config.schema import TINY_MAX_POSITIONS
 
         return TINY_MAX_POSITIONS
-    import json
-
     try:
-        conf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        conf = model_path.text_config(cfg.model.path)
     except (OSError, ValueError):
         return None
-    return conf.get("max_position_embeddings") or (conf.get("text_config") or {}).get("max_position_embeddings")
+    return conf.get("max_position_embeddings")
 
 
 def _cross_checks(cfg: Any) -> Optional[str]:
@@ -319,7 +323,9 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "task.path": (lambda c: c.task.name in _DATA, "only task=data reads a file: task=data task.path=FILE"),
     "task.prompt_column": (lambda c: c.task.name in _DATA, "only task=data reads a file's columns: add task=data"),
     "task.answer_column": (lambda c: c.task.name in _DATA, "only task=data reads a file's columns: add task=data"),
-    "task.system_prompt": (lambda c: c.task.name in _DATA, "only task=data adds a system prompt: add task=data"),
+    "task.system_prompt": (lambda c: c.task.name in (*_DATA, "word_problems"),
+                           "only task=data and word_problems add a system prompt"),
+    "task.max_steps": (lambda c: c.task.name == "word_problems", "only task=word_problems has it"),
     "task.digits": (lambda c: c.task.name in ("addition", "long_addition", "calculator"), "only task=addition, "
                     "long_addition and calculator have operand digits"),
     "task.num_operands": (lambda c: c.task.name in ("countdown", "chain"), "only task=countdown and chain have it"),

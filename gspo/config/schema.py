@@ -104,7 +104,9 @@ class LoraConfig:
 class ModelConfig:
     name: str = MISSING  # preset name
     arch: str = "qwen3_moe"  # qwen3 | qwen3_moe | hf
-    path: Optional[str] = None  # with arch=hf: a local Hugging Face checkpoint directory
+    # with arch=hf: a local Hugging Face checkpoint directory, a GGUF file (dequantized once into cache_dir), or
+    # pkg:DIST/FILE, a file shipped in an installed Python package (gspo/config/model_path.py)
+    path: Optional[str] = None
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -126,14 +128,15 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = MISSING  # addition | countdown | long_addition | chain | calculator | data (jsonl: the same)
+    name: str = MISSING  # addition | countdown | long_addition | chain | calculator | word_problems | data (jsonl: the same)
     digits: int = 2  # addition, long_addition, calculator: operand digits
     num_operands: int = 3  # countdown, chain: numbers to combine
     max_operand: int = 9  # countdown, chain: largest number
     path: Optional[str] = None  # data: a .jsonl or .parquet file, one problem per row (gspo/tasks/data.py)
     prompt_column: str = "prompt"  # data: the prompt, a string or chat messages [{"role": ..., "content": ...}]
     answer_column: str = "answer"  # data: the reference answer (GSM8K "... #### 42" or free text, checked with math-verify)
-    system_prompt: Optional[str] = None  # data: a system message put before every prompt (needs a chat template)
+    system_prompt: Optional[str] = None  # data, word_problems: a system message put before every prompt (needs a chat template)
+    max_steps: int = 3  # word_problems: arithmetic steps per problem at most (1-3)
     eval_fraction: float = 0.1  # share of the problem space held out, by canonical form (never sampled in training)
     eval_size: int = 200  # held-out prompts scored by eval/accuracy
 

@@ -196,9 +196,9 @@ def load_tokenizer(path: str | Path):
 def tokenizer_encode(cfg, task):
     """Text -> token ids with the tokenizer training will use, without building or loading the model."""
     if cfg.model.arch == "hf":
-        from transformers import AutoTokenizer
+        from gspo.models.gguf import checkpoint_dir
 
-        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        tok = load_tokenizer(checkpoint_dir(cfg.model.path, cfg.cache_dir))
     else:
         tok = char_tokenizer(task.alphabet, chat=cfg.rollout.tools is not None)
     return lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

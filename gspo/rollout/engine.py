@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from gspo.config import model_path
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.rollout.child import Child
@@ -75,17 +75,11 @@ def head_dim(cfg) -> Optional[int]:
     if cfg.model.arch != "hf":
         return int(cfg.model.head_dim)
     try:
-        c = _text_config(cfg.model.path)
+        c = model_path.text_config(cfg.model.path)
     except (OSError, ValueError, TypeError):
         return None  # the model checks say what is wrong with the path
     heads = c.get("num_attention_heads")
     return c.get("head_dim") or (c["hidden_size"] // heads if heads and c.get("hidden_size") else None)
-
-
-def _text_config(model_dir) -> dict:
-    """A checkpoint's config.json as a dict, its text model's part for a multimodal one."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    return c.get("text_config", c)
 
 
 def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bool, on_cpu: bool = True) -> dict:
@@ -107,7 +101,7 @@ def kv_cache_bytes(base_dir, dtype: str, rows: int, max_new_tokens: int, max_mod
     1024 prompt tokens (the model's positions at most), and room for one sequence of the longest the engine
     serves. vLLM's own default on a CPU would take a share of the machine's memory per engine; a smaller cache
     only makes it run fewer sequences at once."""
-    c = _text_config(base_dir)
+    c = model_path.text_config(base_dir)
     head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head \
         * torch.tensor([], dtype=getattr(torch, dtype)).element_size()

@@ -22,6 +22,7 @@ import torch
 
 from gspo.config.errors import ConfigError
 from gspo.models.build import build_model, char_tokenizer
+from gspo.models.gguf import checkpoint_dir, file_sha256
 from gspo.models.moe import is_moe
 from gspo.rollout.chat import render_reference
 from gspo.rollout.generate import encode_prompts
@@ -41,14 +42,6 @@ def _input_files(cfg) -> dict[str, str]:
     return {"task.path": str(cfg.task.path)} if cfg.task.get("path") else {}
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _base_key(cfg) -> str:
     from omegaconf import OmegaConf
 
@@ -57,7 +50,7 @@ def _base_key(cfg) -> str:
         m.pop(k, None)  # do not change the weights the warm start produces (LoRA and full runs share a base)
     t = OmegaConf.to_container(cfg.task, resolve=True)
     t.pop("eval_size", None)
-    files = {k: _sha256(path) for k, path in _input_files(cfg).items() if Path(path).is_file()}  # content, not name
+    files = {k: file_sha256(path) for k, path in _input_files(cfg).items() if Path(path).is_file()}  # content, not name
     key = {"v": CACHE_VERSION, "model": m, "task": t, "T": cfg.rollout.max_new_tokens}
     if cfg.rollout.tools is not None:  # the tools' names are in every prompt and their calls in the references
         key["tools"] = {"specs": list(specs_of(cfg.rollout.tools)), "max_turns": cfg.rollout.max_turns}
@@ -77,7 +70,7 @@ def base_model(cfg, task, log=print, stop=None) -> Path:
     if cfg.model.arch == "hf":
         if not cfg.model.path:
             raise ConfigError("model=hf needs model.path=DIR (a local Hugging Face checkpoint directory)")
-        return Path(cfg.model.path)
+        return checkpoint_dir(cfg.model.path, cfg.cache_dir, log)  # a GGUF file: its dequantized copy
     target = Path(cfg.cache_dir) / f"base-{cfg.model.name}-{cfg.task.name}-{_base_key(cfg)}"
     if (target / "config.json").is_file():
         if int(os.environ.get("RANK", "0")) == 0:
@@ -94,7 +87,7 @@ def base_model(cfg, task, log=print, stop=None) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    inputs = {k: {"path": path, "sha256": _sha256(path)} for k, path in _input_files(cfg).items()}
+    inputs = {k: {"path": path, "sha256": file_sha256(path)} for k, path in _input_files(cfg).items()}
     (tmp / "warm_start.json").write_text(json.dumps({"seconds": time.time() - t0, **record, "inputs": inputs}))
     try:
         os.rename(tmp, target)

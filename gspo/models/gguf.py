@@ -1,0 +1,131 @@
+"""A GGUF file as an ordinary checkpoint: dequantized once by transformers, cached by its content.
+
+transformers reads a GGUF file (`from_pretrained(dir, gguf_file=NAME)`, with the `gguf` package) into an
+ordinary float32 model, but that model says it is quantized (`save_pretrained` refuses it) and has no
+`architectures`. gspo dequantizes it once into `cache_dir/gguf-<name>-<content hash>/`: safetensors weights,
+a config with `architectures` set, the tokenizer and its chat template, as `save_pretrained` writes them. Every
+later run, evaluation, rollout worker and the vLLM engine load that directory like any checkpoint; a changed
+file (another content hash) makes a new one. Written to a temporary directory and renamed, so parallel jobs of
+a sweep never see half of one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from gspo.config import model_path
+
+CACHE_VERSION = 1  # bump when what is written changes
+
+
+def checkpoint_dir(path: str | Path, cache_dir: str | Path, log: Optional[Callable[[str], None]] = print) -> Path:
+    """The checkpoint directory `model.path` names: the directory itself, or for a GGUF file (`pkg:` included:
+    gspo/config/model_path.py) its dequantized copy in `cache_dir`, made on first use. `log` gets one line
+    saying the model comes from a quantized file (None: silent)."""
+    source = model_path.gguf_file(path)
+    if source is None:
+        return model_path.resolve(path)
+    key = file_sha256(source)
+    target = Path(cache_dir) / f"gguf-{source.stem}-{key[:16]}"
+    if (target / "config.json").is_file():
+        if log is not None and int(os.environ.get("RANK", "0")) == 0:
+            log(f"gspo: model.path={path}: a GGUF file ({_kind(target)}), dequantized to float32 once: "
+                f"reusing {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-gguf-"))
+    try:
+        kind = dequantize(source, tmp)
+        (tmp / "gguf.json").write_text(json.dumps({"source": str(source), "sha256": key, "file_type": kind,
+                                                   "version": CACHE_VERSION, "seconds": round(time.time() - t0, 1)}))
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another job of the sweep finished first: use its copy
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if log is not None:
+        log(f"gspo: model.path={path}: a GGUF file ({kind}), dequantized to float32 by transformers in "
+            f"{time.time() - t0:.0f} s into {target} (every later run reuses it)")
+    return target
+
+
+def tokenizer_of(path: str | Path):
+    """The tokenizer of the model `model.path` names, read from the GGUF file itself when it is one (no
+    dequantization: the config checks call it)."""
+    from transformers import AutoTokenizer
+
+    source = model_path.gguf_file(path)
+    if source is None:
+        return AutoTokenizer.from_pretrained(model_path.resolve(path))
+    return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+
+
+def dequantize(source: Path, out: Path) -> str:
+    """Write the GGUF file `source` to `out` as a plain Hugging Face checkpoint (float32 safetensors, config with
+    `architectures`, tokenizer with its chat template); the quantization it was stored in, as a name."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo.config.errors import ConfigError
+
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    transformers.utils.logging.disable_progress_bar()
+    bar = reader.tqdm
+    reader.tqdm = functools.partial(bar, disable=True)  # its own per-tensor progress bar, between our lines
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    except (ValueError, KeyError, RuntimeError) as e:  # an architecture or tensor type transformers cannot read
+        raise ConfigError(f"model.path={source}: transformers cannot read this GGUF file "
+                          f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    finally:
+        reader.tqdm = bar
+    # what marks it as quantized: transformers' GGUF loader dequantizes every tensor to the dtype asked for, so the
+    # weights are ordinary float32 ones; without these marks save_pretrained writes them as such
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return _file_type(source)
+
+
+def _file_type(source: Path) -> str:
+    """The GGUF's quantization as llama.cpp names it (`general.file_type`), e.g. Q4_1."""
+    code = model_path.gguf_header(source).get("general.file_type")
+    try:
+        from gguf import LlamaFileType
+
+        return LlamaFileType(code).name.removeprefix("MOSTLY_").removeprefix("ALL_") if code is not None else "file type unknown"
+    except (ImportError, ValueError):
+        return f"file type {code}"
+
+
+def _kind(target: Path) -> str:
+    try:
+        return json.loads((target / "gguf.json").read_text())["file_type"]
+    except (OSError, ValueError, KeyError):
+        return "quantized"
+
+
+def file_sha256(path: str | Path) -> str:
+    """A file's content hash (what caches built from it are keyed by)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

