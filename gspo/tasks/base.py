@@ -39,6 +39,9 @@ class Task(Protocol):
 
     name: str
     alphabet: str  # every character prompts and answers may contain
+    # optional: "characters" (the default: short arithmetic for gspo's tiny models, bare answers), "chat" (natural
+    # language for a pretrained chat model: refused on the tiny ones), "any" (a user's data)
+    prompts: str
 
     def sample_train(self, rng: random.Random, n: int) -> list[Problem]: ...
     def eval_set(self, n: int) -> list[Problem]: ...

@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from gspo.config import model_path
 from gspo.config.errors import ConfigError
 from gspo.tasks.answers import check_answer, final_answer  # noqa: F401  (check_answer, final_answer: this task's API)
 from gspo.tasks.base import Problem, Verdict, is_heldout, register_task
@@ -172,6 +173,8 @@ def _checker():
 class DataTask:
     """Problems from a file; held-out split by a hash of the normalised prompt."""
 
+    prompts = "any"  # a user's data: plain text for any model, or chat messages for one with a template
+
     def __init__(self, cfg) -> None:
         self.name = cfg.name
         self.eval_fraction = float(cfg.eval_fraction)
@@ -223,8 +226,12 @@ class DataTask:
 # --------------------------------------------------------------------------- config check
 
 
-def _has_chat_template(model_dir: str) -> bool:
-    d = Path(model_dir)
+def _has_chat_template(path: str) -> bool:
+    """Whether the model `model.path` names has a chat template (a GGUF file: in its header)."""
+    source = model_path.gguf_file(path)
+    if source is not None:
+        return bool(model_path.gguf_header(source).get("tokenizer.chat_template"))
+    d = model_path.resolve(path)
     if (d / "chat_template.jinja").is_file() or (d / "chat_template.json").is_file():
         return True
     tc = d / "tokenizer_config.json"
@@ -242,5 +249,5 @@ def check(cfg) -> None:
     if cfg.model.arch != "hf":
         raise ConfigError(f"{why}, which need a tokenizer with a chat template; model={cfg.model.name} has a "
                           "character tokenizer without one: use model=hf model.path=DIR")
-    if cfg.model.path and Path(cfg.model.path).is_dir() and not _has_chat_template(cfg.model.path):
+    if cfg.model.path and not _has_chat_template(cfg.model.path):
         raise ConfigError(f"{why}, which need a chat template, and the tokenizer in model.path={cfg.model.path} has none")

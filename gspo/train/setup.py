@@ -32,6 +32,7 @@ from gspo.rollout.workers import WorkerPool
 from gspo.tasks import Task, build_task
 from gspo.tasks.rewards import probe
 from gspo.train import checkpoint, distributed
+from gspo.train.checks import warn_task_on_chat_model
 from gspo.train.critic import Critic
 from gspo.train.heldout import evaluate, heldout_problems
 from gspo.train.logging import MetricsLogger
@@ -108,6 +109,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation,
                                        device=device, log=print if dist.is_main else None)
     model.to(device)
+    if dist.is_main:
+        warn_task_on_chat_model(task, tokenizer, cfg)
     if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model = adapters.apply(model, cfg.model.lora, base_dir, cfg.seed)  # LoRA: model.lora.r > 0 -> PeftModel, base frozen

@@ -1,0 +1,95 @@
+"""task=word_problems: answers read from free text as the numbers they are, a held-out split with no twin in
+training under other names or wording, and the task refused on models that cannot read it."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+from omegaconf import OmegaConf
+
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.config.schema import CONF_DIR
+from gspo.tasks import Verdict, build_task, is_heldout
+from gspo.tasks.word_problems import KINDS, STEP_WEIGHTS, read_answer
+from gspo.train.checks import check
+
+
+@pytest.mark.parametrize("text, value, explicit", [
+    ("Tom has 3 + 4 = 7 apples.", 7, False),  # the last number
+    ("The answer is 12.", 12, True),
+    ("So the total is \\boxed{12}.", 12, True),
+    ("He spends $1,200 in all.", 1200, False),
+    ("12.0", 12, False),
+    ("The answer is 54 + 27 = 81.", 81, True),  # the marker's sentence, its last number
+    ("The answer is 12. I hope 3 helps!", 12, True),  # an explicit answer wins over a later number
+    ("#### 2\nThe answer is: 3", 3, True),  # the last marker
+    ("Each friend gets 1/2 of a cake", Fraction(1, 2), False),
+    ("It costs $12.50 in total.", Fraction(25, 2), False),
+    ("It went down to -5 degrees", -5, False),
+    ("48 - 32 = 16", 16, False),  # a minus between numbers is not a sign
+    ("\\boxed{3, 4}", 4, True),
+    ("no number here", None, False),
+])
+def test_answers_are_read_as_the_numbers_they_say(text, value, explicit):
+    assert read_answer(text) == ((Fraction(value) if value is not None else None), explicit)
+
+
+def _task(**over):
+    cfg = OmegaConf.merge(OmegaConf.load(CONF_DIR / "task" / "word_problems.yaml"), over)
+    return build_task(cfg)
+
+
+def test_the_verdict():
+    task = _task()
+    problem = next(p for p in task.sample_train(random.Random(0), 100) if p.answer == "12")
+    assert task.verify("The answer is 12.", problem) == Verdict(True, True)
+    assert task.verify("I think 12", problem) == Verdict(True, False)  # right, but not stated as the answer
+    assert task.verify("The answer is 120.", problem) == Verdict(False, True)
+    assert task.verify("1 2", problem) == Verdict(False, False)  # the last number is 2
+    assert task.verify("I do not know", problem) == Verdict(False, False)
+
+
+def test_prompts_are_chat_messages_with_the_system_prompt():
+    p = _task().sample_train(random.Random(1), 1)[0]
+    assert [m["role"] for m in p.prompt] == ["system", "user"] and "The answer is 7." in p.prompt[0]["content"]
+    assert [m["role"] for m in _task(system_prompt=None).sample_train(random.Random(1), 1)[0].prompt] == ["user"]
+
+
+def test_no_held_out_problem_has_a_twin_in_training():
+    """The split is by operation and numbers: every wording (names, objects, phrasing) of a held-out problem is
+    held out, so training never sees one in disguise."""
+    task = _task()
+    heldout = {task.canonical(p) for p in task.eval_set(200)}
+    train = task.sample_train(random.Random(0), 5000)
+    assert len(heldout) == 200 and not heldout & {task.canonical(p) for p in train}
+    assert all(is_heldout(k, task.eval_fraction) for k in heldout)
+    # many wordings of one problem, one key
+    first = train[0]
+    twins = [p for p in train if p.meta["op"] == first.meta["op"] and p.meta["numbers"] == first.meta["numbers"]]
+    assert len({p.prompt[-1]["content"] for p in twins}) > 1 and len({task.canonical(p) for p in twins}) == 1
+    assert task.eval_set(200) == task.eval_set(200)  # the same for every run
+
+
+def test_held_out_and_training_draw_the_kinds_alike():
+    """The held-out set is drawn per kind as often as training draws it (within a few problems): the steps' mix
+    is the one training sees, not skewed to the kinds with many distinct problems."""
+    task = _task()
+    steps = Counter(p.meta["steps"] for p in task.eval_set(200))
+    for s, w in STEP_WEIGHTS.items():
+        assert abs(steps[s] - 200 * w) <= 12, (steps, STEP_WEIGHTS)
+    assert {p.meta["steps"] for p in _task(max_steps=1).eval_set(50)} == {1}
+    for kind in KINDS:  # every answer a whole number, at least 0
+        for _ in range(50):
+            numbers = kind.draw(random.Random(_))
+            assert kind.answer(*numbers) >= 0
+
+
+def test_refused_on_the_tiny_models():
+    with pytest.raises(ConfigError, match="task=word_problems asks questions in natural language .* model=smollm2"):
+        check(compose(["task=word_problems"]))
+    with pytest.raises(ConfigError, match="task.max_steps=4: must be 1, 2 or 3"):
+        compose(["task=word_problems", "task.max_steps=4"])
