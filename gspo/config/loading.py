@@ -37,6 +37,12 @@ def _every(steps: int, points: int) -> int:
     return max(1, round(int(steps) / int(points)))
 
 
+def _share(total: int, fraction: float) -> int:
+    """`fraction` of `total`, rounded down, at least 1: a length that scales with another (conf/algo/dapo.yaml's
+    overlong buffer, 20% of rollout.max_new_tokens as in the DAPO paper)."""
+    return max(1, int(int(total) * float(fraction)))
+
+
 def _register_resolvers() -> None:
     from omegaconf import OmegaConf
 
@@ -44,6 +50,8 @@ def _register_resolvers() -> None:
         OmegaConf.register_new_resolver("gspo.suffix", _suffix)
     if not OmegaConf.has_resolver("gspo.every"):
         OmegaConf.register_new_resolver("gspo.every", _every)
+    if not OmegaConf.has_resolver("gspo.share"):
+        OmegaConf.register_new_resolver("gspo.share", _share)
 
 
 def quote_tool_lists(overrides: list[str]) -> list[str]:
