@@ -110,7 +110,8 @@ def test_fast_engine_samples_what_hf_samples(arch, extra, dtype):
     ("llama", SMOL, torch.bfloat16, 1, 2.0),  # ... as a bf16 sampler copy (rollout.dtype)
     # 9 heads over 3, every bias Llama can have, an untied head, Llama 3's scaled RoPE, eager attention
     ("llama", {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3, "attention_bias": True,
-               "mlp_bias": True, "rope_parameters": LLAMA3_ROPE, "attn_implementation": "eager"}, torch.float32, 2, 8.0),
+               "mlp_bias": True, "rope_parameters": LLAMA3_ROPE, "attn_implementation": "eager"},
+     torch.float32, 2, 8.0),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,  # cos/sin scaled
                                    "original_max_position_embeddings": 64}}, torch.float32, 2, 3.0),
     ("qwen2", {}, torch.float32, 4, 1.5),  # q/k/v biases, no q/k norms

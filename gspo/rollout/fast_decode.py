@@ -1,4 +1,4 @@
-"""The `fast` decode engine (`rollout.engine`): the decode steps of the Llama-shaped families without the generic forward.
+"""The `fast` decode engine (`rollout.engine`): decode steps of the Llama-shaped families without the generic forward.
 
 One engine for Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5 and Mistral: the same decoder layer (RMSNorm,
 q/k/v projections, RoPE, GQA attention, gated MLP or sparse MoE), the families differing only in what
