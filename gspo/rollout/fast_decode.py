@@ -1,4 +1,12 @@
-"""The `fast` decode engine (`rollout.engine`): the decode steps of Qwen3 and Qwen3-MoE without the generic forward.
+"""The `fast` decode engine (`rollout.engine`): decode steps of the Llama-shaped families without the generic forward.
+
+One engine for Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5 and Mistral: the same decoder layer (RMSNorm,
+q/k/v projections, RoPE, GQA attention, gated MLP or sparse MoE), the families differing only in what
+each module holds, read off it: q/k norms (Qwen3), projection biases (Qwen2's q/k/v; Llama's
+`attention_bias`, `mlp_bias`), the MoE block (Qwen3-MoE), the RoPE variant (Llama 3's `rope_scaling`,
+any `rope_type`: the model's own rotary module computes cos/sin), tied embeddings (the head is the
+`lm_head` module's weight, whichever tensor that is). Llama's `pretraining_tp` changes nothing: the
+model's forward no longer reads it.
 
 At the sizes gspo's sweeps run, a Hugging Face decode step carries per-operator overhead around
 the arithmetic (docs/benchmarks.md): building the attention mask, growing the `DynamicCache` by
@@ -21,7 +29,9 @@ arithmetic without them:
 It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
 identical tokens, log-probs within 1e-5, identical captured routing). Anything else falls
 back to `hf`, a warning saying why (once per reason): another family, a peft/LoRA model, FSDP
-sharding, any other wrapper, `hardware.compile`, sliding-window attention, an attention
+sharding, any other wrapper, `hardware.compile`, a sliding window that can bind (Mistral's
+`sliding_window`, Qwen2/Qwen3's `use_sliding_window`: one shorter than the model's
+`max_position_embeddings`; the engine attends over every cached slot), an attention
 implementation other than sdpa/eager, forward hooks on modules other than the routers.
 """
 
@@ -41,9 +51,19 @@ _LOGGED: set[str] = set()
 
 
 def _families() -> tuple[type, ...]:
-    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    from transformers import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                              Qwen3MoeForCausalLM)
 
-    return Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    return Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM
+
+
+def _sliding_window(cfg) -> Optional[int]:
+    """The window of the model's sliding-window layers, or None where none has one. Mistral applies
+    `sliding_window` on every layer when set; Qwen2/Qwen3 only on the layers `layer_types` names (their
+    config clears `sliding_window` unless `use_sliding_window`); Llama has none."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    return window if window is not None and (types is None or "sliding_attention" in types) else None
 
 
 def unsupported(model: torch.nn.Module, compile: bool = False) -> Optional[str]:
@@ -55,13 +75,17 @@ def unsupported(model: torch.nn.Module, compile: bool = False) -> Optional[str]:
         return "FSDP-sharded weights (hardware.strategy=fsdp)"
     if hasattr(model, "peft_config"):
         return "a peft (LoRA) model: its adapters sit outside the base modules' weights"
-    if type(model) not in _families():  # exact classes: any other wrapper or subclass is refused
-        return f"{name} is not a supported family (Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
+    families = _families()
+    if type(model) not in families:  # exact classes: any other wrapper or subclass is refused
+        return f"{name} is not a supported family ({', '.join(f.__name__ for f in families)})"
     cfg = model.config
     if cfg._attn_implementation not in ("sdpa", "eager"):
         return f"attention implementation {cfg._attn_implementation!r} (supported: sdpa, eager)"
-    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-        return "sliding-window attention"
+    window = _sliding_window(cfg)
+    # a window at least as long as the model's positions hides no key within them: there hf's mask is the engine's
+    if window is not None and window < cfg.max_position_embeddings:
+        return (f"sliding-window attention (a window of {window} positions, shorter than the model's "
+                f"{cfg.max_position_embeddings}: the engine attends over every cached position)")
     if getattr(cfg, "final_logit_softcapping", None):
         return "final logit soft-capping"
     routers = {id(r) for r in moe.find_routers(model)}  # called as modules: their hooks (capture, replay) run
@@ -76,8 +100,8 @@ def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
     """`hf` or `fast` for this model: `fast`/`auto` fall back to `hf` where unsupported (`fast`: a warning, once per reason).
 
     `auto` (the default) picks `fast` wherever it is supported: its equality tests against `hf` pass
-    for both families (tests/test_fast_decode.py), and it was faster on every CPU benchmark
-    (docs/benchmarks.md).
+    for every family it serves (tests/test_fast_decode.py), and it was faster on every CPU benchmark
+    (docs/benchmarks.md, measured on Qwen3 and Qwen3-MoE).
     """
     if engine == "vllm":  # the trainer's own model decodes (evaluation): gspo's engines, as `auto` picks them
         engine = "auto"
@@ -134,26 +158,33 @@ class FastDecoder:
         a = layer.self_attn
         n = h.shape[0]
         x = _rms(layer.input_layernorm, h)
-        q = _rms(a.q_norm, F.linear(x, a.q_proj.weight, a.q_proj.bias).view(n, 1, -1, a.head_dim)).transpose(1, 2)
-        k = _rms(a.k_norm, F.linear(x, a.k_proj.weight, a.k_proj.bias).view(n, 1, -1, a.head_dim)).transpose(1, 2)
-        v = F.linear(x, a.v_proj.weight, a.v_proj.bias).view(n, 1, -1, a.head_dim).transpose(1, 2)
+        q, k, v = (_linear(proj, x).view(n, 1, -1, a.head_dim) for proj in (a.q_proj, a.k_proj, a.v_proj))
+        if hasattr(a, "q_norm"):  # Qwen3's per-head q/k norms; Llama, Qwen2, Mistral have none
+            q, k = _rms(a.q_norm, q), _rms(a.k_norm, k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
         kc[:, :, slot : slot + 1].copy_(k)
         vc[:, :, slot : slot + 1].copy_(v)
-        o, _ = self.attend(a, q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], mask, dropout=0.0, scaling=a.scaling,
-                           sliding_window=a.sliding_window)
-        h = h + F.linear(o.reshape(n, 1, -1), a.o_proj.weight, a.o_proj.bias)
+        # no sliding window: unsupported() admits only windows that never bind
+        o, _ = self.attend(a, q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], mask, dropout=0.0, scaling=a.scaling)
+        h = h + _linear(a.o_proj, o.reshape(n, 1, -1))
         x = _rms(layer.post_attention_layernorm, h)
         return h + _mlp(layer.mlp, x)
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
-    """Qwen3's RMSNorm with the module's weight and epsilon, in its order of operations."""
+    """The families' RMSNorm (one formula in Qwen3, Llama, Qwen2, Mistral) with the module's weight and epsilon,
+    in its order of operations."""
     dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * x.to(dtype)
+
+
+def _linear(proj: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The projection on its weight and bias (None where the family has none), as read now: no copy."""
+    return F.linear(x, proj.weight, proj.bias)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -162,10 +193,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-    """The dense MLP, or the sparse MoE block: the model's router module, then every (token, slot) at once."""
+    """The dense MLP (biases where Llama's `mlp_bias` gives them), or the sparse MoE block: the model's router
+    module, then every (token, slot) at once."""
     if not hasattr(mlp, "experts"):
-        return F.linear(mlp.act_fn(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
-                        mlp.down_proj.weight)
+        return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
     n, t, dim = x.shape
     flat = x.view(-1, dim)
     _, weights, idx = mlp.gate(flat)  # a module call: routing capture/replay hooks apply as under hf
