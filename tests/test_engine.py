@@ -86,6 +86,41 @@ def test_the_engine_front_assembles_the_rollout_gspos_sampler_returns(greedy, ke
         assert torch.equal(r.topk_ids, want.topk_ids) and torch.equal(r.topk_logp, want.topk_logp)
 
 
+class Capped:
+    """A backend answering as vLLM does for a row it ended at its length cap (max_tokens, or max_model_len before
+    it): no stop token at its end. Sample 0 of each prompt stops after 3 tokens, sample 1 is cut after 2; log-probs
+    only where `logprobs` (vLLM gives none at top_p < 1 with a temperature other than 1)."""
+
+    def __init__(self, eos: int, logprobs: bool = True):
+        self.eos, self.logprobs = eos, logprobs
+
+    def sample_ids(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seeds, keep_topk, routing):
+        digit = TOK.convert_tokens_to_ids("7")
+        rows = [[digit, digit, digit, self.eos], [digit, digit]] * len(prompts)
+        return {"tokens": rows, "logprobs": [[-0.5] * len(t) if self.logprobs else None for t in rows],
+                "topk": [None] * len(rows)}
+
+
+def test_a_row_the_engine_cut_at_its_cap_is_truncated_with_the_tokens_it_sampled():
+    """A checkpoint whose pad token is an end token (Qwen2.5, Qwen3: <|endoftext|>): the padding after a row the
+    engine cut (no stop token) is no token of it. The row is truncated, its completion exactly the tokens sampled,
+    no made-up end token with a log-prob of 0 in its mask."""
+    tok = char_tokenizer("0123456789+=")
+    tok.pad_token = tok.eos_token
+    r = Engine(Capped(tok.eos_token_id), [tok.eos_token_id]).sample_rollout(tok, ["1+2=", "3+4="], 2, 4, 1.0, 1.0,
+                                                                             False, None, False, False, 0)
+    assert r.truncated.tolist() == [False, True] * 2
+    assert r.completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]] * 2
+    assert r.sampler_logp.tolist() == [[-0.5] * 4, [-0.5, -0.5, 0, 0]] * 2
+    assert r.texts == ["777", "77"] * 2 and not r.ill_formed.any()
+
+
+def test_an_engine_that_gives_no_log_probs_gives_a_rollout_without_them():
+    r = Engine(Capped(TOK.eos_token_id, logprobs=False), [TOK.eos_token_id]).sample_rollout(
+        TOK, ["1+2="], 2, 4, 0.7, 0.9, False, None, False, False, 0)
+    assert r.sampler_logp is None and r.kept_mass is None and r.topk_logp is None
+
+
 def test_each_prompt_groups_seed_is_its_keyed_generators_seed():
     """The engine is asked for one request per prompt, seeded with the seed of the group's keyed generator."""
     seen = {}
@@ -152,6 +187,18 @@ def test_what_the_engine_cannot_serve_is_refused_in_one_line(monkeypatch):
         check(compose(["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7",
                        "rollout.old_logprobs=sampler"]))
     check(compose(["rollout.engine=vllm", "rollout.top_p=0.9"]))  # temperature 1: the raw log-probs serve
+    # with no log-probs from the engine, nothing that reads them: OPSM's mu, DPPO-TopK's top-k
+    no_logprobs = ["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7"]
+    check(compose(no_logprobs))
+    with pytest.raises(ConfigError, match="rollout.offpolicy_mask_delta=0.5 needs the engine's log-probs"):
+        check(compose([*no_logprobs, "rollout.offpolicy_mask_delta=0.5"]))
+    with pytest.raises(ConfigError, match="rollout.keep_topk=4 needs the engine's log-probs"):
+        check(compose([*no_logprobs, "algo=dppo_topk", "rollout.keep_topk=4"]))
+    # every prompt needs room beside the completion under the engine's max_model_len
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=64: must be below rollout.vllm.max_model_len=64"):
+        check(compose(["rollout.engine=vllm", "rollout.max_new_tokens=64", "rollout.vllm.max_model_len=64"]))
+    with pytest.raises(ConfigError, match="kv_cache_gib=2.0 sizes the engine's cache on a CPU"):
+        check(compose(["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=2", "hardware=gpu"]))
 
 
 def test_without_vllm_the_engine_is_refused_naming_the_install_line(monkeypatch):

@@ -306,8 +306,10 @@ def finish(tokenizer, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, 
     ids, mask (N, P): the left-padded prompts, rows group-contiguous; out (N, T): the sampled tokens, padding
     after a row's stop token (the stop token itself is the row's last completion token); the per-token tensors
     (N, T) or (N, T, k) aligned with `out`; routing: (expert ids (N, W, L, k), router log-probs (N, W, L, E)) over
-    the prompt and completion positions, W <= P + T (positions never routed: -1 / 0); limit (N,): each row's token
-    budget, when rows have their own (`generate(limits=)`).
+    the prompt and completion positions, W <= P + T (positions never routed: -1 / 0); limit (N,): the most tokens
+    each row holds, when rows have their own (`generate(limits=)`'s budgets, the tokens an engine returned): a row
+    that reaches it without a stop token is truncated, and nothing after it is the row's, whatever it reads (the
+    padding may be a stop id: Qwen's pad token is its EOS).
     """
     # completion tokens: everything up to and including the first stop token
     is_eos = torch.isin(out, eos)
