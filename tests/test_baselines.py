@@ -184,6 +184,33 @@ def test_a_reward_model_trains_beside_a_function_with_weights(tmp_path, cache_di
     assert 0.0 <= short <= 1.0 and rm != 0.0
 
 
+def test_a_reward_model_scores_a_tool_conversation_after_a_string_prompt(cache_dir, reward_dir):
+    """reward=model with rollout.tools on a task of string prompts: each completion is the conversation after the
+    prompt (tool calls, the tools' replies, the answer), scored as TRL scores a conversational sample: the prompt,
+    as the one user message the policy was shown, and the conversation through the reward model's chat template.
+    The start-up probe makes that call on a real sample, as training does."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from gspo.models.build import tokenizer_encode
+    from gspo.tasks import build_task
+    from gspo.tasks.reward_model import RewardModel
+    from gspo.tasks.rewards import probe
+
+    conversation = [{"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "calc", "arguments": {"expression": "1+2"}}}]},
+                    {"role": "tool", "name": "calc", "content": "3"}, {"role": "assistant", "content": "3"}]
+    ours = RewardModel.load(str(reward_dir), "cpu", batch_size=2)(["1+2=", "1+2="], [conversation, conversation[-1:]])
+    tok = AutoTokenizer.from_pretrained(reward_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1).eval()
+    text = tok.apply_chat_template([{"role": "user", "content": "1+2="}, *conversation], tokenize=False)
+    with torch.no_grad():
+        theirs = model(**tok([text], return_tensors="pt", add_special_tokens=False)).logits[0, 0]
+    assert ours[0] == pytest.approx(float(theirs), abs=1e-5) and ours[0] != ours[1]
+    cfg = compose(["+experiment=tools", *tiny(cache_dir, reward="model", **{"reward.path": str(reward_dir)})])
+    task = build_task(cfg.task)
+    probe(task, cfg, tokenizer_encode(cfg, task))
+
+
 def test_reward_models_are_checked_before_any_work(tmp_path, cache_dir, reward_dir):
     with pytest.raises(ConfigError, match="reward=model needs reward.path=DIR"):
         check(compose(["reward=model"]))
