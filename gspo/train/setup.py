@@ -26,7 +26,7 @@ from gspo.rollout import engine
 from gspo.rollout.batch import Share, collect
 from gspo.rollout.generate import stop_ids
 from gspo.rollout.multiturn import ToolUse
-from gspo.rollout.sampler import Sampler, old_logprobs_mode, sampler_dtype
+from gspo.rollout.sampler import Sampler, old_logprobs_mode, sampler_dtype, separate
 from gspo.rollout.source import Inline, describe, pending_of
 from gspo.rollout.workers import WorkerPool
 from gspo.tasks import Task, build_task
@@ -114,6 +114,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model = adapters.apply(model, cfg.model.lora, base_dir, cfg.seed)  # LoRA: model.lora.r > 0 -> PeftModel, base frozen
+    if separate(cfg) or cfg.rollout.workers or cfg.model.lora.save_merged:  # merged weights are served or saved
+        adapters.check_mergeable(model)  # (not an adapter on a tied LM head)
     # beta 0: no reference model in memory; LoRA: the reference is the base, i.e. adapters off (no copy)
     ref = _frozen_copy(model) if cfg.algo.beta > 0 and not adapters.is_adapted(model) else None
     if resume_ckpt is not None:  # every rank loads the same checkpoint, before wrapping
