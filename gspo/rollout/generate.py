@@ -125,8 +125,14 @@ def stop_ids(model, tokenizer) -> torch.Tensor:
     the ids it was started with."""
     if hasattr(model, "sample_rollout"):
         return model.eos
+    return end_ids(tokenizer, getattr(model, "generation_config", None))
+
+
+def end_ids(tokenizer, generation_config=None) -> torch.Tensor:
+    """The tokenizer's EOS and every id `generation_config` (a transformers GenerationConfig, or None) lists as
+    an end token: `stop_ids` of a model with that generation config, known before the model is loaded."""
     ids = {tokenizer.eos_token_id}
-    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = getattr(generation_config, "eos_token_id", None)
     ids |= set(listed) if isinstance(listed, (list, tuple)) else {listed}
     return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
 

@@ -117,8 +117,8 @@ def rollout(model, tokenizer, prompts: list, group_size: int, max_new_tokens: in
     the tools' schemas. The other arguments are `generate`'s.
     """
     box = tools.box
-    chat.check_template(tokenizer)
     stops = set(stop_ids(model, tokenizer).tolist())
+    chat.check_template(tokenizer, stops)
     special = set(tokenizer.all_special_ids) - stops
     k = 0 if greedy else keep_topk
     rows = [_Trajectory(p) for p in encode_prompts(tokenizer, prompts, True, box.schemas) for _ in range(group_size)]
