@@ -164,6 +164,20 @@ def test_reference_resets_move_the_reference_and_resume_exactly(tmp_path, cache_
     assert max(float((ref[k] - base[k]).abs().max()) for k in ref) > 1e-4
 
 
+def test_reference_resets_count_the_policys_updates_not_a_critics_warm_up(tmp_path, cache_dir, monkeypatch):
+    """PPO with a critic warm-up of 1 step, 2 minibatches a step, steps 2 and 3 update the policy: those are its
+    optimizer updates 1 to 4 (TRL's global_step), which algo.ref_model_sync_steps counts; the warm-up step moved
+    no policy weight and counts none."""
+    from gspo.train.reference import RefSync
+
+    seen = []
+    monkeypatch.setattr(RefSync, "after_update", lambda self, policy, update: seen.append(update))
+    train(compose(tiny(cache_dir, algo="ppo", **{"algo.critic.warmup": 1, "train.steps": 3, "algo.beta": 0.04,
+                                                 "algo.sync_ref_model": True, "algo.ref_model_sync_steps": 3})),
+          tmp_path)
+    assert seen == [1, 2, 3, 4]
+
+
 # --------------------------------------------------------------------------- reward models
 
 
