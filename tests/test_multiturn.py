@@ -287,6 +287,11 @@ def test_tool_keys_are_checked_before_any_work(cache_dir):
     from gspo.train.checks import check
 
     assert "there are no tools" in ignored_override([compose(["rollout.max_turns=2"])], "rollout.max_turns=2")
+    # with tools every prompt is rendered with the chat template: a user's `false` is refused, not dropped in silence
+    off = "model.use_chat_template=false"
+    assert "rendered with the chat template" in ignored_override([compose(opts(cache_dir) + [off])], off)
+    assert ignored_override([compose(opts(cache_dir) + [off[:-5] + "true"])], off[:-5] + "true") is None
+    assert ignored_override([compose([off])], off) is None  # without tools it is read
     with pytest.raises(ConfigError, match="rollout.max_turns=0: must be >= 1"):
         compose(opts(cache_dir, **{"rollout.max_turns": 0}))
     with pytest.raises(ConfigError, match="rollout.tools=nowhere.py:f: no such file nowhere.py"):

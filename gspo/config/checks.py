@@ -370,6 +370,9 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                           "sampling runs in the trainer's process (rollout.workers=0)"),
     "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
     "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
+    "model.use_chat_template": (lambda c: c.rollout.tools is None or c.model.use_chat_template,
+                                "with rollout.tools every prompt is rendered with the chat template, which holds the "
+                                "tools and their turns"),
     "rollout.tool_timeout_s": (lambda c: c.rollout.tools is not None, "no tools: set rollout.tools=FILE.py:fn"),
 }
 
