@@ -225,6 +225,35 @@ def test_a_reward_model_scores_a_tool_conversation_after_a_string_prompt(cache_d
     probe(task, cfg, tokenizer_encode(cfg, task))
 
 
+def test_a_reward_model_on_cuda_runs_on_this_processs_gpu(monkeypatch):
+    """reward.device=cuda or auto (the default follows hardware.device): the GPU of the process that scores, by
+    index (a DDP rank's, its rollout worker's), never a bare "cuda" that names GPU 0 in a worker."""
+    from gspo.tasks.reward_model import device_of
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert [device_of(d) for d in ("auto", None, "cuda", "cuda:1", "cpu")] == [
+        torch.device("cuda", 3), torch.device("cuda", 3), torch.device("cuda", 3), torch.device("cuda", 1),
+        torch.device("cpu")]
+    # a rollout worker makes its rank's GPU current before it builds anything (a torchrun rank is made so by gspo's
+    # process-group set-up): its reward model's "cuda" is that GPU
+    from gspo.rollout import worker
+
+    class Current(Exception):
+        pass
+
+    def set_device(device):
+        raise Current(str(device))
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(Current, match="cuda:1"):
+            worker.start({"threads": threads, "config": {}, "dtype": "float32", "device": "cuda:1"})
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_reward_models_are_checked_before_any_work(tmp_path, cache_dir, reward_dir):
     with pytest.raises(ConfigError, match="reward=model needs reward.path=DIR"):
         check(compose(["reward=model"]))

@@ -121,6 +121,52 @@ def test_an_engine_that_gives_no_log_probs_gives_a_rollout_without_them():
     assert r.sampler_logp is None and r.kept_mass is None and r.topk_logp is None
 
 
+def test_a_weight_update_whose_prefix_cache_cannot_be_reset_is_an_error():
+    """vLLM's reset_prefix_cache() returns False (and resets nothing) while KV blocks are in use: the engine would
+    serve cached prompts from the old policy's keys and values. That is the engine's failure, not a warning."""
+    from types import SimpleNamespace
+
+    from gspo.rollout.vllm_engine import VllmEngine
+
+    model = moe()
+    engine = VllmEngine.__new__(VllmEngine)  # its weight path alone, on stand-ins for vLLM's objects
+    with torch.device("meta"):
+        engine.meta = type(model)(model.config)
+    engine.cpu, engine.worker = False, SimpleNamespace(reload_weights=lambda **kw: None)
+    for reset in (True, False):
+        engine.llm = SimpleNamespace(reset_prefix_cache=lambda: reset)
+        if reset:
+            engine.load(dict(model.named_parameters()))
+            continue
+        with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+            engine.load(dict(model.named_parameters()))
+
+
+def test_setup_stops_the_engine_it_started_when_it_fails_after(tmp_path, cache_dir, monkeypatch):
+    """train() called in-process: a failure in setup after the engine's process started (here the metrics logger)
+    stops that process (nothing else would: the caller's process goes on)."""
+    from gspo.rollout.sampler import Sampler
+    from gspo.train import setup
+    from gspo.train.trainer import train
+
+    class Started(Sampler):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    started = Started()
+    monkeypatch.setattr(engine, "start", lambda *a, **kw: started)
+
+    def fail(*a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(setup, "MetricsLogger", fail)
+    with pytest.raises(OSError, match="disk full"):
+        train(compose(tiny(cache_dir, **{"rollout.engine": "vllm"})), tmp_path)
+    assert started.closed
+
+
 def test_each_prompt_groups_seed_is_its_keyed_generators_seed():
     """The engine is asked for one request per prompt, seeded with the seed of the group's keyed generator."""
     seen = {}

@@ -63,9 +63,12 @@ def check(path: str) -> None:
 
 
 def device_of(name) -> torch.device:
-    """`reward.device` (cpu | cuda | auto) as a torch device; auto: CUDA where one is visible."""
+    """`reward.device` (cpu | cuda | auto) as a torch device; auto: CUDA where one is visible. CUDA is this
+    process's current GPU, by index: a DDP rank's (or its rollout worker's), never GPU 0 for every process."""
     name = name or "auto"
-    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
+    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
 
 
 @dataclass

@@ -149,12 +149,17 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     # rollout.workers processes; rollout.staleness steps behind either way (gspo/rollout/source.py)
     sampler = None if cfg.rollout.workers else Sampler.for_run(
         model, cfg, engine=lambda: _engine(cfg, dist, model, tokenizer, base_dir, moe_step))
-    source = _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir)
-    if dist.is_main and describe(cfg.rollout.staleness, cfg.rollout.workers):
-        print(f"gspo: {describe(cfg.rollout.staleness, cfg.rollout.workers)}", flush=True)
-    # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
-    kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
-    logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
+    try:
+        source = _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir)
+        if dist.is_main and describe(cfg.rollout.staleness, cfg.rollout.workers):
+            print(f"gspo: {describe(cfg.rollout.staleness, cfg.rollout.workers)}", flush=True)
+        # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
+        kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
+        logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
+    except BaseException:  # the engine started above stops here (train() called in-process: no exit to end it)
+        if sampler is not None:
+            sampler.close()
+        raise
     ev = lambda step: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
         cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p,
