@@ -353,6 +353,29 @@ def test_the_rollout_metrics(tok, tools):
     assert json.dumps(r.conversations)  # plain JSON: samples.jsonl and checkpoints hold it
 
 
+def test_dapos_overlong_penalty_counts_every_token_the_budget_counts(tok, tool_file):
+    """rollout.max_new_tokens budgets everything after the prompt, the tools' replies included: DAPO's soft overlong
+    punishment measures a trajectory in the same unit (verl counts the whole response, its attention mask), so one
+    that used its whole budget is punished in full however much of it the tools wrote (by the model's tokens alone
+    it would look 3 tokens shorter: -0.25 here)."""
+    import contextlib
+
+    from gspo.config.loading import compose
+    from gspo.rollout.batch import Share, collect
+    from gspo.tasks import build_task
+
+    reply, answer = len(ids(tok, "<|tool|>5<|assistant|>")), len(ids(tok, "5<eos>"))
+    budget = len(ids(tok, CALL)) + reply + answer  # the call, the reply and the answer fill it exactly
+    cfg = compose(["algo=grpo", f"rollout.tools={tool_file}:add", f"rollout.max_new_tokens={budget}",
+                   "algo.overlong_buffer=4", "rollout.prompts_per_step=1", "rollout.group_size=2",
+                   "train.minibatches=1"])
+    engine = Scripted(tok, [CALL, "5<eos>"])
+    batch, _ = collect(cfg, 1, lambda: contextlib.nullcontext(engine), tok, build_task(cfg.task), Share(0, 1), {})
+    assert (batch.rollout.attention_mask[:, batch.rollout.prompt_len:].sum(-1) == budget).all()
+    assert batch.rollout.lengths.tolist() == [budget - reply] * 2 and not batch.rollout.truncated.any()
+    assert batch.parts["overlong"].tolist() == [-1.0, -1.0]
+
+
 def test_prompts_are_rendered_with_the_tools_names(tok, tools):
     engine = Scripted(tok, ["7<eos>"])
     rollout(engine, tok, [[{"role": "user", "content": "3+4"}]], 2, 8, tools, keys=[(0,)])

@@ -62,7 +62,14 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
+        """(N,) the model's tokens of each row (with tools, not the tools' replies)."""
         return self.completion_mask.sum(-1)
+
+    @property
+    def tail_lengths(self) -> torch.Tensor:
+        """(N,) every token after each row's prompt, the tools' replies included: what rollout.max_new_tokens
+        budgets (`lengths` without tools)."""
+        return self.attention_mask[:, self.prompt_len :].sum(-1)
 
     def select(self, rows: torch.Tensor) -> "Rollout":
         """The sub-batch of the given rows (a LongTensor of row indices)."""
