@@ -116,9 +116,15 @@ def test_a_row_the_engine_cut_at_its_cap_is_truncated_with_the_tokens_it_sampled
 
 
 def test_an_engine_that_gives_no_log_probs_gives_a_rollout_without_them():
-    r = Engine(Capped(TOK.eos_token_id, logprobs=False), [TOK.eos_token_id]).sample_rollout(
+    """None, never zeros; and a batch joined from parts (DAPO's refills) has them only where every part has."""
+    from gspo.rollout.generate import cat_rollouts
+
+    sample = lambda logprobs: Engine(Capped(TOK.eos_token_id, logprobs), [TOK.eos_token_id]).sample_rollout(  # noqa: E731
         TOK, ["1+2="], 2, 4, 0.7, 0.9, False, None, False, False, 0)
+    r = sample(False)
     assert r.sampler_logp is None and r.kept_mass is None and r.topk_logp is None
+    assert cat_rollouts([sample(True), r]).sampler_logp is None
+    assert cat_rollouts([sample(True), sample(True)]).sampler_logp.shape == (4, 4)
 
 
 def test_a_weight_update_whose_prefix_cache_cannot_be_reset_is_an_error():

@@ -86,9 +86,11 @@ class Rollout:
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
-    """Concatenate rollouts along rows, re-padding prompts (left) and completions (right)."""
+    """Concatenate rollouts along rows, re-padding prompts (left) and completions (right). What the sampler
+    recorded (its log-probs, kept mass, top-k) is the whole batch's only where every part has it."""
     P = max(r.prompt_len for r in parts)
     T = max(r.completion_mask.shape[1] for r in parts)
+    missing = lambda name: any(getattr(r, name) is None for r in parts)  # noqa: E731
 
     def pad(r: Rollout, x: torch.Tensor, value) -> torch.Tensor:
         extra = (0, 0) * (x.dim() - 2)  # trailing dims (routing: L, k) are not padded
@@ -107,13 +109,13 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         router_logp=None if parts[0].router_logp is None else torch.cat([pad(r, r.router_logp, 0.0) for r in parts]),
         ill_formed=None if parts[0].ill_formed is None else torch.cat([r.ill_formed for r in parts]),
         clean_texts=None if parts[0].clean_texts is None else [t for r in parts for t in r.clean_texts],
-        sampler_logp=None if parts[0].sampler_logp is None else torch.cat(
+        sampler_logp=None if missing("sampler_logp") else torch.cat(
             [F.pad(r.sampler_logp, (0, T - r.completion_mask.shape[1])) for r in parts]),
-        kept_mass=None if parts[0].kept_mass is None else torch.cat(
+        kept_mass=None if missing("kept_mass") else torch.cat(
             [F.pad(r.kept_mass, (0, T - r.completion_mask.shape[1]), value=1.0) for r in parts]),
-        topk_ids=None if parts[0].topk_ids is None else torch.cat(
+        topk_ids=None if missing("topk_ids") else torch.cat(
             [F.pad(r.topk_ids, (0, 0, 0, T - r.completion_mask.shape[1])) for r in parts]),
-        topk_logp=None if parts[0].topk_logp is None else torch.cat(
+        topk_logp=None if missing("topk_logp") else torch.cat(
             [F.pad(r.topk_logp, (0, 0, 0, T - r.completion_mask.shape[1])) for r in parts]),
         conversations=None if parts[0].conversations is None else [c for r in parts for c in r.conversations],
         **{k: None if getattr(parts[0], k) is None else torch.cat([getattr(r, k) for r in parts])
