@@ -20,6 +20,7 @@ from gspo.rollout.generate import generate, token_logprobs
 from gspo.tasks import build_task
 from gspo.train import checkpoint
 from gspo.train.checks import check
+from gspo.train.trainer import train
 
 # the tiny shapes of conftest.tiny: hidden 32, 2 heads x 16 (q: 32 wide), 1 kv head x 16, 2 layers
 H, Q, KV, LAYERS, E, I_MOE, I_DENSE = 32, 32, 16, 2, 8, 32, 64
@@ -117,6 +118,25 @@ def test_targets_that_name_nothing_list_the_modules(tmp_path):
     model, _ = model_of("qwen3")
     with pytest.raises(ConfigError, match=r"name nothing in this model; its Linear modules: .*q_proj"):
         adapters.apply(model, lora(r=4, target_modules=["c_attn"], target_parameters=[]), tmp_path)
+
+
+def test_an_adapter_on_a_tied_lm_head_is_never_served_merged(tmp_path, cache_dir):
+    """The tiny models tie their LM head to the input embeddings, and named_parameters lists a tied weight once:
+    the merged weights a separate sampler takes held no delta of an adapted head (the rollout.dtype copy's logits
+    were off by ~20 here), and merging it into the one tensor would change the embeddings too. Refused in one line,
+    before any sampling; the trainer's own model samples it as it trains it."""
+    model, _ = model_of("qwen3")
+    peft_model = adapters.apply(model, lora(r=4, target_modules=["lm_head", "q_proj"]), tmp_path)
+    assert adapters.tied_adapted(peft_model) == [("lm_head.weight", "model.embed_tokens.weight")]
+    with pytest.raises(ConfigError, match="adapts lm_head.weight, which this model ties to model.embed_tokens"):
+        list(adapters.merged_parameters(peft_model))
+    assert adapters.tied_adapted(adapters.apply(model_of("qwen3")[0], lora(r=4), tmp_path)) == []  # q k v o, MLP
+    o = tiny(cache_dir, model="qwen3-tiny", **{"model.lora.r": 4, "model.lora.target_modules": "[lm_head,q_proj]",
+                                               "train.steps": 1})
+    with pytest.raises(ConfigError, match="merged weights"):
+        train(compose([*o, "rollout.dtype=bfloat16"]), tmp_path / "copy")
+    assert not (tmp_path / "copy" / "metrics.jsonl").exists()
+    train(compose(o), tmp_path / "own")  # the trainer's model samples: nothing merged
 
 
 def test_lora_and_full_runs_share_the_warm_started_base(cache_dir):

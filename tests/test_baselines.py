@@ -164,6 +164,20 @@ def test_reference_resets_move_the_reference_and_resume_exactly(tmp_path, cache_
     assert max(float((ref[k] - base[k]).abs().max()) for k in ref) > 1e-4
 
 
+def test_reference_resets_count_the_policys_updates_not_a_critics_warm_up(tmp_path, cache_dir, monkeypatch):
+    """PPO with a critic warm-up of 1 step, 2 minibatches a step, steps 2 and 3 update the policy: those are its
+    optimizer updates 1 to 4 (TRL's global_step), which algo.ref_model_sync_steps counts; the warm-up step moved
+    no policy weight and counts none."""
+    from gspo.train.reference import RefSync
+
+    seen = []
+    monkeypatch.setattr(RefSync, "after_update", lambda self, policy, update: seen.append(update))
+    train(compose(tiny(cache_dir, algo="ppo", **{"algo.critic.warmup": 1, "train.steps": 3, "algo.beta": 0.04,
+                                                 "algo.sync_ref_model": True, "algo.ref_model_sync_steps": 3})),
+          tmp_path)
+    assert seen == [1, 2, 3, 4]
+
+
 # --------------------------------------------------------------------------- reward models
 
 
@@ -182,6 +196,62 @@ def test_a_reward_model_trains_beside_a_function_with_weights(tmp_path, cache_di
     rm, short = row["reward/fn/tiny_rm/mean"], row["reward/fn/short/mean"]
     assert row["reward/mean"] == pytest.approx(0.5 * rm + 2.0 * short, abs=1e-5)
     assert 0.0 <= short <= 1.0 and rm != 0.0
+
+
+def test_a_reward_model_scores_a_tool_conversation_after_a_string_prompt(cache_dir, reward_dir):
+    """reward=model with rollout.tools on a task of string prompts: each completion is the conversation after the
+    prompt (tool calls, the tools' replies, the answer), scored as TRL scores a conversational sample: the prompt,
+    as the one user message the policy was shown, and the conversation through the reward model's chat template.
+    The start-up probe makes that call on a real sample, as training does."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from gspo.models.build import tokenizer_encode
+    from gspo.tasks import build_task
+    from gspo.tasks.reward_model import RewardModel
+    from gspo.tasks.rewards import probe
+
+    conversation = [{"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "calc", "arguments": {"expression": "1+2"}}}]},
+                    {"role": "tool", "name": "calc", "content": "3"}, {"role": "assistant", "content": "3"}]
+    ours = RewardModel.load(str(reward_dir), "cpu", batch_size=2)(["1+2=", "1+2="], [conversation, conversation[-1:]])
+    tok = AutoTokenizer.from_pretrained(reward_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1).eval()
+    text = tok.apply_chat_template([{"role": "user", "content": "1+2="}, *conversation], tokenize=False)
+    with torch.no_grad():
+        theirs = model(**tok([text], return_tensors="pt", add_special_tokens=False)).logits[0, 0]
+    assert ours[0] == pytest.approx(float(theirs), abs=1e-5) and ours[0] != ours[1]
+    cfg = compose(["+experiment=tools", *tiny(cache_dir, reward="model", **{"reward.path": str(reward_dir)})])
+    task = build_task(cfg.task)
+    probe(task, cfg, tokenizer_encode(cfg, task))
+
+
+def test_a_reward_model_on_cuda_runs_on_this_processs_gpu(monkeypatch):
+    """reward.device=cuda or auto (the default follows hardware.device): the GPU of the process that scores, by
+    index (a DDP rank's, its rollout worker's), never a bare "cuda" that names GPU 0 in a worker."""
+    from gspo.tasks.reward_model import device_of
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert [device_of(d) for d in ("auto", None, "cuda", "cuda:1", "cpu")] == [
+        torch.device("cuda", 3), torch.device("cuda", 3), torch.device("cuda", 3), torch.device("cuda", 1),
+        torch.device("cpu")]
+    # a rollout worker makes its rank's GPU current before it builds anything (a torchrun rank is made so by gspo's
+    # process-group set-up): its reward model's "cuda" is that GPU
+    from gspo.rollout import worker
+
+    class Current(Exception):
+        pass
+
+    def set_device(device):
+        raise Current(str(device))
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(Current, match="cuda:1"):
+            worker.start({"threads": threads, "config": {}, "dtype": "float32", "device": "cuda:1"})
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_reward_models_are_checked_before_any_work(tmp_path, cache_dir, reward_dir):

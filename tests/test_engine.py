@@ -86,6 +86,93 @@ def test_the_engine_front_assembles_the_rollout_gspos_sampler_returns(greedy, ke
         assert torch.equal(r.topk_ids, want.topk_ids) and torch.equal(r.topk_logp, want.topk_logp)
 
 
+class Capped:
+    """A backend answering as vLLM does for a row it ended at its length cap (max_tokens, or max_model_len before
+    it): no stop token at its end. Sample 0 of each prompt stops after 3 tokens, sample 1 is cut after 2; log-probs
+    only where `logprobs` (vLLM gives none at top_p < 1 with a temperature other than 1)."""
+
+    def __init__(self, eos: int, logprobs: bool = True):
+        self.eos, self.logprobs = eos, logprobs
+
+    def sample_ids(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seeds, keep_topk, routing):
+        digit = TOK.convert_tokens_to_ids("7")
+        rows = [[digit, digit, digit, self.eos], [digit, digit]] * len(prompts)
+        return {"tokens": rows, "logprobs": [[-0.5] * len(t) if self.logprobs else None for t in rows],
+                "topk": [None] * len(rows)}
+
+
+def test_a_row_the_engine_cut_at_its_cap_is_truncated_with_the_tokens_it_sampled():
+    """A checkpoint whose pad token is an end token (Qwen2.5, Qwen3: <|endoftext|>): the padding after a row the
+    engine cut (no stop token) is no token of it. The row is truncated, its completion exactly the tokens sampled,
+    no made-up end token with a log-prob of 0 in its mask."""
+    tok = char_tokenizer("0123456789+=")
+    tok.pad_token = tok.eos_token
+    r = Engine(Capped(tok.eos_token_id), [tok.eos_token_id]).sample_rollout(tok, ["1+2=", "3+4="], 2, 4, 1.0, 1.0,
+                                                                             False, None, False, False, 0)
+    assert r.truncated.tolist() == [False, True] * 2
+    assert r.completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]] * 2
+    assert r.sampler_logp.tolist() == [[-0.5] * 4, [-0.5, -0.5, 0, 0]] * 2
+    assert r.texts == ["777", "77"] * 2 and not r.ill_formed.any()
+
+
+def test_an_engine_that_gives_no_log_probs_gives_a_rollout_without_them():
+    """None, never zeros; and a batch joined from parts (DAPO's refills) has them only where every part has."""
+    from gspo.rollout.generate import cat_rollouts
+
+    sample = lambda logprobs: Engine(Capped(TOK.eos_token_id, logprobs), [TOK.eos_token_id]).sample_rollout(  # noqa: E731
+        TOK, ["1+2="], 2, 4, 0.7, 0.9, False, None, False, False, 0)
+    r = sample(False)
+    assert r.sampler_logp is None and r.kept_mass is None and r.topk_logp is None
+    assert cat_rollouts([sample(True), r]).sampler_logp is None
+    assert cat_rollouts([sample(True), sample(True)]).sampler_logp.shape == (4, 4)
+
+
+def test_a_weight_update_whose_prefix_cache_cannot_be_reset_is_an_error():
+    """vLLM's reset_prefix_cache() returns False (and resets nothing) while KV blocks are in use: the engine would
+    serve cached prompts from the old policy's keys and values. That is the engine's failure, not a warning."""
+    from types import SimpleNamespace
+
+    from gspo.rollout.vllm_engine import VllmEngine
+
+    model = moe()
+    engine = VllmEngine.__new__(VllmEngine)  # its weight path alone, on stand-ins for vLLM's objects
+    with torch.device("meta"):
+        engine.meta = type(model)(model.config)
+    engine.cpu, engine.worker = False, SimpleNamespace(reload_weights=lambda **kw: None)
+    for reset in (True, False):
+        engine.llm = SimpleNamespace(reset_prefix_cache=lambda: reset)
+        if reset:
+            engine.load(dict(model.named_parameters()))
+            continue
+        with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+            engine.load(dict(model.named_parameters()))
+
+
+def test_setup_stops_the_engine_it_started_when_it_fails_after(tmp_path, cache_dir, monkeypatch):
+    """train() called in-process: a failure in setup after the engine's process started (here the metrics logger)
+    stops that process (nothing else would: the caller's process goes on)."""
+    from gspo.rollout.sampler import Sampler
+    from gspo.train import setup
+    from gspo.train.trainer import train
+
+    class Started(Sampler):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    started = Started()
+    monkeypatch.setattr(engine, "start", lambda *a, **kw: started)
+
+    def fail(*a, **kw):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(setup, "MetricsLogger", fail)
+    with pytest.raises(OSError, match="disk full"):
+        train(compose(tiny(cache_dir, **{"rollout.engine": "vllm"})), tmp_path)
+    assert started.closed
+
+
 def test_each_prompt_groups_seed_is_its_keyed_generators_seed():
     """The engine is asked for one request per prompt, seeded with the seed of the group's keyed generator."""
     seen = {}
@@ -152,6 +239,18 @@ def test_what_the_engine_cannot_serve_is_refused_in_one_line(monkeypatch):
         check(compose(["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7",
                        "rollout.old_logprobs=sampler"]))
     check(compose(["rollout.engine=vllm", "rollout.top_p=0.9"]))  # temperature 1: the raw log-probs serve
+    # with no log-probs from the engine, nothing that reads them: OPSM's mu, DPPO-TopK's top-k
+    no_logprobs = ["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7"]
+    check(compose(no_logprobs))
+    with pytest.raises(ConfigError, match="rollout.offpolicy_mask_delta=0.5 needs the engine's log-probs"):
+        check(compose([*no_logprobs, "rollout.offpolicy_mask_delta=0.5"]))
+    with pytest.raises(ConfigError, match="rollout.keep_topk=4 needs the engine's log-probs"):
+        check(compose([*no_logprobs, "algo=dppo_topk", "rollout.keep_topk=4"]))
+    # every prompt needs room beside the completion under the engine's max_model_len
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens=64: must be below rollout.vllm.max_model_len=64"):
+        check(compose(["rollout.engine=vllm", "rollout.max_new_tokens=64", "rollout.vllm.max_model_len=64"]))
+    with pytest.raises(ConfigError, match="kv_cache_gib=2.0 sizes the engine's cache on a CPU"):
+        check(compose(["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=2", "hardware=gpu"]))
 
 
 def test_without_vllm_the_engine_is_refused_naming_the_install_line(monkeypatch):

@@ -15,6 +15,7 @@ from gspo.algos.losses import LOSSES, policy_loss
 from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
 from gspo.config.loading import compose
 from gspo.models.build import load_pretrained
+from gspo.rollout.continuation import continue_sequences
 from gspo.rollout.generate import token_logprobs
 from gspo.rollout.multiturn import ToolUse, rollout
 from gspo.tasks import build_task
@@ -118,12 +119,12 @@ def base(cache_dir):
     return cfg, task, model.eval(), tok
 
 
-def sample(base, n_prompts=8, G=4, first=0, **kw):
-    cfg, task, model, tok = base
+def sample(base, n_prompts=8, G=4, first=0, model=None, **kw):
+    cfg, task, policy, tok = base
     import random
 
     problems = task.sample_train(random.Random(0), first + n_prompts)[first:]
-    return rollout(model, tok, [p.prompt for p in problems], G, 80, ToolUse.of(cfg),
+    return rollout(model or policy, tok, [p.prompt for p in problems], G, 80, ToolUse.of(cfg),
                    keys=[(0, 1, 0, first + i) for i in range(n_prompts)], **kw)
 
 
@@ -176,6 +177,35 @@ def test_top_p_and_the_kept_top_k_cover_the_models_tokens_only(base):
     assert (r.kept_mass[env] == 1).all() and (r.kept_mass[mine] <= 1).all() and (r.kept_mass[mine] < 1).any()
     assert torch.count_nonzero(r.topk_logp[env]) == 0
     assert (r.topk_ids[mine] == r.completion_ids[mine][:, None]).any(-1).all()
+
+
+class EngineWithoutLogprobs:
+    """A stand-in for the vLLM engine where it records no log-probs (top_p < 1 with a temperature other than 1):
+    what `VllmEngine.sample_ids` returns then, the tokens drawn here by gspo's own sampler."""
+
+    def __init__(self, model, tok):
+        self.model, self.tok = model, tok
+
+    def sample_ids(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seeds, keep_topk, routing):
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        out = continue_sequences(self.model, self.tok, prompts, max_new_tokens, gens, temperature=temperature,
+                                 top_p=top_p)
+        return {"tokens": [c.tokens for c in out], "logprobs": [None] * len(out), "topk": [None] * len(out)}
+
+
+@pytest.mark.parametrize("keep_topk", [0, 3])
+def test_trajectories_from_an_engine_without_log_probs_have_none(base, keep_topk):
+    """Every turn sampled by an engine that recorded no log-probs: the rollout has no behaviour log-probs, kept
+    mass or top-k (None, as a single-turn rollout's), not zeros and ones that the mismatch metrics, OPSM and
+    rollout/top_p_kept_mass would read as real."""
+    from gspo.rollout.engine import Engine
+    from gspo.rollout.generate import stop_ids
+
+    model, tok = base[2], base[3]
+    engine = Engine(EngineWithoutLogprobs(model, tok), stop_ids(model, tok).tolist())
+    r = sample(base, model=engine, temperature=0.7, top_p=0.9, keep_topk=keep_topk)
+    assert env_mask(r).any() and r.tool_calls.sum() > 0  # trajectories with tool replies in them
+    assert r.sampler_logp is None and r.kept_mass is None and r.topk_ids is None and r.topk_logp is None
 
 
 def test_the_fast_engine_samples_the_trajectories_hf_samples(base):
@@ -257,6 +287,11 @@ def test_tool_keys_are_checked_before_any_work(cache_dir):
     from gspo.train.checks import check
 
     assert "there are no tools" in ignored_override([compose(["rollout.max_turns=2"])], "rollout.max_turns=2")
+    # with tools every prompt is rendered with the chat template: a user's `false` is refused, not dropped in silence
+    off = "model.use_chat_template=false"
+    assert "rendered with the chat template" in ignored_override([compose(opts(cache_dir) + [off])], off)
+    assert ignored_override([compose(opts(cache_dir) + [off[:-5] + "true"])], off[:-5] + "true") is None
+    assert ignored_override([compose([off])], off) is None  # without tools it is read
     with pytest.raises(ConfigError, match="rollout.max_turns=0: must be >= 1"):
         compose(opts(cache_dir, **{"rollout.max_turns": 0}))
     with pytest.raises(ConfigError, match="rollout.tools=nowhere.py:f: no such file nowhere.py"):

@@ -232,7 +232,7 @@ def test_qwen3s_template_gives_its_tool_turn_without_re_rendering_the_model_turn
     tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
     tok.eos_token = "<|im_end|>"
     tok.chat_template = Path(jinja).read_text()
-    chat.check_template(tok)
+    chat.check_template(tok, {tok.eos_token_id})
     suffix = tok.decode(chat.tool_suffix(tok, [{"role": "tool", "name": "add", "content": "3"}], {tok.eos_token_id}))
     assert suffix == "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
@@ -243,7 +243,29 @@ def test_a_template_without_tools_is_refused_in_one_line(tok):
     t = copy.deepcopy(tok)
     t.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     with pytest.raises(ConfigError, match="drops tool calls or tool messages"):
-        chat.check_template(t)
+        chat.check_template(t, {t.eos_token_id})
+
+
+def test_a_template_that_cannot_close_a_tool_turn_is_refused_before_any_work(tmp_path):
+    """A checkpoint whose template renders tool calls and replies but ends the assistant's turn with no stop id
+    (here ';'): the tools' turn cannot be placed after what the model samples. `gspo train`'s checks refuse it in
+    one line, before any work (it failed at the first tool call a run answered)."""
+    from gspo.config.loading import compose
+    from gspo.models.build import CHAT_TEMPLATE, EOS, build_model
+    from gspo.train.checks import check
+
+    t = char_tokenizer("0123456789*+-= abcdefghijklmnopqrstuvwxyz{}[]\":,'._;", chat=True)
+    t.chat_template = CHAT_TEMPLATE.replace("{%- endfor -%}" + EOS, "{%- endfor -%};")
+    assert t.chat_template != CHAT_TEMPLATE
+    cfg = compose(["model=qwen3-tiny", "model.head_dim=16"])
+    build_model(cfg.model, len(t), t, seed=0).save_pretrained(tmp_path)
+    t.save_pretrained(tmp_path)
+    tools = f"rollout.tools={REPO / 'examples/tools.py'}:add"
+    with pytest.raises(ConfigError, match="rollout.tools: the chat template ends no assistant turn with a stop token"):
+        check(compose(["model=hf", f"model.path={tmp_path}", tools]))
+    t.chat_template = CHAT_TEMPLATE  # the same checkpoint, its turns ended by EOS: accepted
+    t.save_pretrained(tmp_path)
+    check(compose(["model=hf", f"model.path={tmp_path}", tools]))
 
 
 # --------------------------------------------------------------------------- the driver, on a scripted engine
@@ -329,6 +351,29 @@ def test_the_rollout_metrics(tok, tools):
     assert m["rollout/turns_mean"] == 2.0 and m["rollout/tool_calls_mean"] == 1.0 and m["rollout/tool_errors_frac"] == 0
     assert m["rollout/env_token_frac"] == pytest.approx(env / (len(ids(tok, CALL)) + env + 2))
     assert json.dumps(r.conversations)  # plain JSON: samples.jsonl and checkpoints hold it
+
+
+def test_dapos_overlong_penalty_counts_every_token_the_budget_counts(tok, tool_file):
+    """rollout.max_new_tokens budgets everything after the prompt, the tools' replies included: DAPO's soft overlong
+    punishment measures a trajectory in the same unit (verl counts the whole response, its attention mask), so one
+    that used its whole budget is punished in full however much of it the tools wrote (by the model's tokens alone
+    it would look 3 tokens shorter: -0.25 here)."""
+    import contextlib
+
+    from gspo.config.loading import compose
+    from gspo.rollout.batch import Share, collect
+    from gspo.tasks import build_task
+
+    reply, answer = len(ids(tok, "<|tool|>5<|assistant|>")), len(ids(tok, "5<eos>"))
+    budget = len(ids(tok, CALL)) + reply + answer  # the call, the reply and the answer fill it exactly
+    cfg = compose(["algo=grpo", f"rollout.tools={tool_file}:add", f"rollout.max_new_tokens={budget}",
+                   "algo.overlong_buffer=4", "rollout.prompts_per_step=1", "rollout.group_size=2",
+                   "train.minibatches=1"])
+    engine = Scripted(tok, [CALL, "5<eos>"])
+    batch, _ = collect(cfg, 1, lambda: contextlib.nullcontext(engine), tok, build_task(cfg.task), Share(0, 1), {})
+    assert (batch.rollout.attention_mask[:, batch.rollout.prompt_len:].sum(-1) == budget).all()
+    assert batch.rollout.lengths.tolist() == [budget - reply] * 2 and not batch.rollout.truncated.any()
+    assert batch.parts["overlong"].tolist() == [-1.0, -1.0]
 
 
 def test_prompts_are_rendered_with_the_tools_names(tok, tools):

@@ -36,6 +36,17 @@ def test_gae_by_hand():
     torch.testing.assert_close(ret1[0], torch.ones(3))
 
 
+def test_the_outcome_reward_sits_on_each_rows_last_model_token_whatever_the_gaps():
+    """Rows with tool replies inside (mask 0 between the model's tokens), as multi-turn rollouts give: the score
+    sits on the row's LAST model token (verl's convention), never on a masked tool token, whose reward GAE would
+    never carry back. At gamma = lambda = 1 and values 0 every model token's advantage is then the score."""
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 0], [1, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    rewards = outcome_rewards(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask)
+    assert rewards.tolist() == [[0, 0, 0, 0, 1, 0], [0, 0, 0, 2, 0, 0], [0, 0, 0, 0, 0, 3], [0, 0, 0, 0, 0, 0]]
+    adv, _ = gae(rewards, torch.zeros(4, 6), mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv[:3] * mask[:3], torch.tensor([1.0, 2.0, 3.0])[:, None] * mask[:3])
+
+
 def test_gae_equals_the_recursion_per_row_over_its_own_tokens():
     g = torch.Generator().manual_seed(0)
     lengths = [5, 1, 3, 4]

@@ -117,6 +117,29 @@ def test_at_top_p_below_1_the_engine_gives_the_log_probs_before_the_cut(tmp_path
         process.close()
 
 
+def test_a_row_the_engine_cut_at_max_model_len_is_truncated_with_the_tokens_it_sampled(tmp_path):
+    """rollout.vllm.max_model_len=10 leaves 4-token prompts room for 6 of their 8 tokens, 6-token ones for 4: a row
+    that did not stop by then ends there, no stop token in it, shorter than the longest rows. With a tokenizer whose
+    pad token is its EOS (as Qwen's), such a row is truncated, holds exactly the tokens the engine sampled and the
+    engine's log-prob of each (the trainer's): the padding after it is no end token of it."""
+    tok = char_tokenizer("0123456789+=")
+    tok.pad_token = tok.eos_token
+    model, process, front, _ = served(tmp_path, {"rollout.vllm.max_model_len": 10, "model": "qwen3-tiny"})
+    try:
+        process.load(model)
+        gens = [torch.Generator().manual_seed(i) for i in range(4)]
+        r = front.sample_rollout(tok, ["1+2=", "12+34=", "9+9=", "70+80="], 8, 8, 0.8, 1.0, False, gens, False,
+                                 False, 0)
+    finally:
+        process.close()
+    m, cut, room = r.completion_mask.bool(), r.truncated, 10 - r.attention_mask[:, : r.prompt_len].sum(-1)
+    assert (cut & (room == 4)).any() and (room == 6).any() and (~cut).any()  # cut rows shorter than others
+    assert (r.lengths[cut] == room[cut]).all() and (r.lengths[~cut] <= room[~cut]).all()
+    assert not torch.isin(r.completion_ids[m & cut[:, None]], front.eos).any()
+    logp = token_logprobs(model, r, 0.8)[0]
+    assert (logp - r.sampler_logp)[m].abs().max() < 1e-4 and (r.sampler_logp[m] < 0).all()
+
+
 def test_the_engine_draws_the_same_tokens_whatever_the_batch(tmp_path):
     """Each prompt group's draws are keyed by its own seed: sampled alone or beside other prompts, a prompt gets the
     same completions (vLLM: a seeded request's generator is its own)."""
@@ -263,3 +286,19 @@ def test_the_engine_samples_tool_trajectories_the_trainer_scores_as_it_does(tmp_
     assert max(row["rollout/logprob_abs_diff_max"] for row in m) < 1e-3
     assert max(row["rollout/routing_mismatch"] for row in m) < 0.01
     assert all(row["moe/update_mismatch"] == 0.0 for row in m)
+
+
+def test_a_tool_run_without_the_engines_log_probs_trains_on_recomputed_ones(tmp_path, cache_dir):
+    """+experiment=tools at top_p 0.9 and temperature 0.7, where vLLM records no log-probs in gspo's convention:
+    the trajectories carry none (no mismatch metric against made-up zeros, no made-up kept mass of 1); the old
+    policy's log-probs are the trainer's own, and the run trains."""
+    from test_multiturn import opts as tool_opts
+
+    train(compose(tool_opts(cache_dir, **ENGINE, **{"train.steps": 2, "rollout.top_p": 0.9,
+                                                     "rollout.temperature": 0.7, "rollout.mismatch_every": 1,
+                                                     "eval.every": 0})), tmp_path)
+    m = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    assert any(row["rollout/env_token_frac"] > 0 for row in m)  # trajectories with tool replies in them
+    assert not any(k.startswith(("rollout/logprob_abs_diff", "rollout/top_p_kept_mass", "rollout/mismatch_kl"))
+                   for row in m for k in row)
+    assert all(torch.isfinite(torch.tensor(row["train/loss"])) for row in m)

@@ -25,10 +25,14 @@ def _identity(x: Tensor) -> Tensor:
 
 
 def outcome_rewards(scores: Tensor, mask: Tensor) -> Tensor:
-    """(B,) scores -> (B, T) token rewards: each completion's score on its last token, 0 elsewhere (verl's layout)."""
+    """(B,) scores -> (B, T) token rewards: each completion's score on its last token, 0 elsewhere (verl's layout).
+
+    The last token is the row's last position with mask 1, wherever its gaps are (a multi-turn rollout's tool
+    replies sit between the model's tokens, mask 0): never a masked position, whose reward GAE does not carry."""
     out = torch.zeros_like(mask, dtype=scores.dtype)
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)
-    has = mask.sum(dim=1) > 0
+    on = mask > 0
+    last = torch.where(on, torch.arange(mask.shape[1], device=mask.device), -1).amax(dim=1)
+    has = last >= 0
     out[has, last[has]] = scores[has]
     return out
 

@@ -135,7 +135,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "rollout.workers": (*_at_least(0), "0 = sample in the trainer's process"),
     "rollout.worker_threads": (*_at_least(0), "0 = split the cores"),
     "rollout.timeout_s": (*_above(0), "how long a rollout worker or the engine may go without answering"),
-    "rollout.vllm.kv_cache_gib": (*_above(0), "None = vLLM's default"),
+    "rollout.vllm.kv_cache_gib": (*_above(0), "the CPU engine's KV cache; None = gspo sizes it to the run"),
     "rollout.vllm.gpu_memory_utilization": (*_within(0, 1, lo_open=True), "a share of the GPU's memory"),
     "rollout.vllm.max_model_len": (*_at_least(2), ""),
     "rollout.max_turns": (*_at_least(1), "the model's turns in a trajectory with tools"),
@@ -370,6 +370,9 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                           "sampling runs in the trainer's process (rollout.workers=0)"),
     "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
     "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
+    "model.use_chat_template": (lambda c: c.rollout.tools is None or c.model.use_chat_template,
+                                "with rollout.tools every prompt is rendered with the chat template, which holds the "
+                                "tools and their turns"),
     "rollout.tool_timeout_s": (lambda c: c.rollout.tools is not None, "no tools: set rollout.tools=FILE.py:fn"),
 }
 

@@ -121,7 +121,7 @@ class ModelConfig:
     attn_implementation: str = "auto"  # auto (fastest the class supports) | sdpa | eager | flash_attention_2 | ...
     experts_implementation: Optional[str] = None  # MoE experts kernel: eager | grouped_mm | batched_mm; None = transformers' default
     gradient_checkpointing: bool = False
-    use_chat_template: bool = False  # wrap prompts in the tokenizer's chat template (real checkpoints)
+    use_chat_template: bool = False  # wrap prompts in the tokenizer's chat template (real checkpoints; always with tools)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0); the base stays frozen
 

@@ -118,6 +118,44 @@ def apply(model: torch.nn.Module, lora, base_dir: str | Path, seed: int = 0) -> 
     return peft_model
 
 
+def tied_adapted(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(adapted weight, the parameter it is tied to) for each weight LoRA adapts that the model shares with another
+    of its parameters: an LM head tied to the input embeddings (tie_word_embeddings: the tiny models, Qwen3-0.6B,
+    SmolLM2). None of a plain model."""
+    if not is_adapted(model):
+        return []
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    names: dict[int, list[str]] = {}
+    for name, p in base.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
+        names.setdefault(id(p), []).append(name.replace(".base_layer", ""))
+    out = []
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters:
+            param = getattr(module, "parameter_name", None) or "weight"
+            shared = names.get(id(getattr(module.get_base_layer(), param, None)), [])
+            own = f"{name.replace('.base_layer', '')}.{param}"
+            others = [other for other in shared if other != own]
+            if others:
+                out.append((own, others[0]))
+    return out
+
+
+def check_mergeable(model: torch.nn.Module) -> None:
+    """Refuse (ConfigError, one line) an adapter that no merged checkpoint can hold: one on a tied weight. Merged,
+    its delta would reach every parameter the weight is tied to (the LM head's reaching the input embeddings), so
+    a sampler serving merged weights (rollout.dtype, rollout.engine=vllm, rollout.workers) would compute another
+    model than the trainer's, as would model.lora.save_merged's checkpoint."""
+    tied = tied_adapted(model)
+    if tied:
+        own, other = tied[0]
+        raise ConfigError(f"model.lora adapts {own}, which this model ties to {other}: merged weights (a sampler in "
+                          "rollout.dtype, rollout.engine=vllm, rollout.workers, model.lora.save_merged) cannot hold "
+                          f"that adapter without changing {other} too; leave it out of model.lora.target_modules, or "
+                          "sample with the trainer's model")
+
+
 def merged_parameters(model: torch.nn.Module):
     """(name, value, adapted) for every parameter of the plain model `merge_and_unload()` would give, without
     building it: W0 + ΔW (peft's own `get_delta_weight`, scaling included) where LoRA adapts the weight, the
@@ -125,12 +163,14 @@ def merged_parameters(model: torch.nn.Module):
 
     This is what a separate sampler (and a rollout worker) takes at every weight sync of a LoRA run: the
     adapted weights only, computed from the rank-r factors, instead of a deep copy of the model merged.
-    A plain (not adapted) model: its own parameters, all `adapted` (they all train).
+    A plain (not adapted) model: its own parameters, all `adapted` (they all train). An adapter on a tied weight
+    is refused (`check_mergeable`): one name per tensor would carry its delta to the other name, or drop it.
     """
     if not is_adapted(model):
         for name, p in model.named_parameters():
             yield name, p.detach(), True
         return
+    check_mergeable(model)
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()

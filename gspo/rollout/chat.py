@@ -91,8 +91,9 @@ def tool_suffix(tokenizer, tool_messages: list[dict], stops: set[int]) -> list[i
     n = sum(t in stops for t in before)  # end tokens up to the assistant's (Qwen3 writes "\n" after it: the suffix's)
     ends = [i for i, t in enumerate(after) if t in stops]
     if not n or len(ends) < n:
-        raise ConfigError("the chat template ends no assistant turn with a stop token (the tokenizer's EOS or the "
-                          "generation config's): the tools' turns cannot be placed after what the model sampled")
+        raise ConfigError("rollout.tools: the chat template ends no assistant turn with a stop token (the tokenizer's "
+                          "EOS or the generation config's): the tools' turns cannot be placed after what the model "
+                          "sampled")
     return after[ends[n - 1] + 1 :]
 
 
@@ -100,14 +101,16 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-_CHECKED: dict[int, None] = {}
+_CHECKED: dict[tuple[int, frozenset], None] = {}
 
 
-def check_template(tokenizer) -> None:
+def check_template(tokenizer, stops: set[int]) -> None:
     """Refuse (ConfigError, one line) a tokenizer whose chat template cannot hold a tool conversation: it must
     render a user -> assistant (tool call) -> tool exchange with every part in it (TRL's
-    `supports_tool_calling` test) and write tool calls in a format gspo can read (above)."""
-    if id(tokenizer) in _CHECKED:
+    `supports_tool_calling` test), write tool calls in a format gspo can read (above) and end the assistant's
+    turn with one of `stops` (the ids a model turn ends at), after which the tools' turn is placed (`tool_suffix`)."""
+    key = (id(tokenizer), frozenset(stops))
+    if key in _CHECKED:
         return
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("rollout.tools needs a chat template: this tokenizer has none")
@@ -126,7 +129,8 @@ def check_template(tokenizer) -> None:
         raise ConfigError("rollout.tools: gspo cannot read this template's tool calls: it writes none as "
                           "<tool_call>{...}</tool_call> and the tokenizer declares no response_template "
                           "(transformers' parse_response); set tokenizer.response_template in the checkpoint")
-    _CHECKED[id(tokenizer)] = None
+    tool_suffix(tokenizer, messages[2:], stops)  # the tools' turn after what the model sampled: as at every call
+    _CHECKED[key] = None
 
 
 def render_reference(tokenizer, prompt_ids: list[int], prompt: list[dict], messages: list[dict],

@@ -60,14 +60,24 @@ def check(cfg, on_cpu: bool) -> None:
         raise ConfigError(f"rollout.engine=vllm: vLLM's CPU attention takes head sizes "
                           f"{', '.join(map(str, CPU_HEAD_SIZES))}; this model's is {head}"
                           + (" (model.head_dim)" if cfg.model.arch != "hf" else ""))
-    if behaviour_logprobs(r.top_p, r.temperature) is None:
-        for key, value, off in (("rollout.old_logprobs", r.old_logprobs, "sampler"), ("rollout.tis", r.tis, None),
-                                ("rollout.mask", r.mask, None)):
-            if (value == off) if off else value != "none":
-                raise ConfigError(f"{key}={value} needs the engine's log-probs of the sampled tokens, and at "
-                                  f"rollout.top_p={r.top_p} with rollout.temperature={r.temperature} vLLM gives "
-                                  "none in gspo's convention (renormalised over the nucleus, or without the "
-                                  "temperature): use top_p=1 or temperature=1")
+    if behaviour_logprobs(r.top_p, r.temperature) is None:  # the engine records no log-probs: what needs them
+        for key, value, needs in (
+                ("rollout.old_logprobs", r.old_logprobs, r.old_logprobs == "sampler"),
+                ("rollout.tis", r.tis, r.tis != "none"), ("rollout.mask", r.mask, r.mask != "none"),
+                ("rollout.offpolicy_mask_delta", r.offpolicy_mask_delta, r.offpolicy_mask_delta is not None),
+                ("rollout.keep_topk", r.keep_topk, r.keep_topk > 0)):  # (the top-k that algo.loss=dppo_topk reads)
+            if needs:
+                raise ConfigError(f"{key}={value} needs the engine's log-probs, and at rollout.top_p={r.top_p} "
+                                  f"with rollout.temperature={r.temperature} vLLM gives none in gspo's convention "
+                                  "(renormalised over the nucleus, or without the temperature): use top_p=1 or "
+                                  "temperature=1")
+    v = r.vllm
+    if v.max_model_len is not None and r.max_new_tokens >= v.max_model_len:
+        raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens}: must be below rollout.vllm.max_model_len="
+                          f"{v.max_model_len}, the longest prompt + completion the engine serves")
+    if v.kv_cache_gib is not None and not on_cpu:
+        raise ConfigError(f"rollout.vllm.kv_cache_gib={v.kv_cache_gib} sizes the engine's cache on a CPU; on a GPU "
+                          "the engine takes rollout.vllm.gpu_memory_utilization of the device's memory")
 
 
 def head_dim(cfg) -> Optional[int]:
@@ -170,8 +180,10 @@ class Engine:
             for i, left in enumerate((ids.shape[1] - mask.sum(-1)).tolist()):
                 width = min(idx.shape[1], W - left)
                 routing[0][i, left : left + width], routing[1][i, left : left + width] = idx[i, :width], lp[i, :width]
+        # each row is the tokens the engine returned, no more: a row it ended at its length cap (max_tokens, or
+        # max_model_len) holds no stop token and is truncated, whatever the padding after it reads (pad may be EOS)
         return finish(tokenizer, ids, mask, out, self.eos, group_size, routing=routing, sampler_logp=logp,
-                      topk_ids=top_ids, topk_logp=top_lp)
+                      topk_ids=top_ids, topk_logp=top_lp, limit=torch.tensor([len(t) for t in rows]))
 
     def continue_sequences(self, sequences: list[list[int]], max_new_tokens: list[int], generators, *,
                            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,

@@ -62,7 +62,14 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
+        """(N,) the model's tokens of each row (with tools, not the tools' replies)."""
         return self.completion_mask.sum(-1)
+
+    @property
+    def tail_lengths(self) -> torch.Tensor:
+        """(N,) every token after each row's prompt, the tools' replies included: what rollout.max_new_tokens
+        budgets (`lengths` without tools)."""
+        return self.attention_mask[:, self.prompt_len :].sum(-1)
 
     def select(self, rows: torch.Tensor) -> "Rollout":
         """The sub-batch of the given rows (a LongTensor of row indices)."""
@@ -79,9 +86,11 @@ class Rollout:
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
-    """Concatenate rollouts along rows, re-padding prompts (left) and completions (right)."""
+    """Concatenate rollouts along rows, re-padding prompts (left) and completions (right). What the sampler
+    recorded (its log-probs, kept mass, top-k) is the whole batch's only where every part has it."""
     P = max(r.prompt_len for r in parts)
     T = max(r.completion_mask.shape[1] for r in parts)
+    missing = lambda name: any(getattr(r, name) is None for r in parts)  # noqa: E731
 
     def pad(r: Rollout, x: torch.Tensor, value) -> torch.Tensor:
         extra = (0, 0) * (x.dim() - 2)  # trailing dims (routing: L, k) are not padded
@@ -100,13 +109,13 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         router_logp=None if parts[0].router_logp is None else torch.cat([pad(r, r.router_logp, 0.0) for r in parts]),
         ill_formed=None if parts[0].ill_formed is None else torch.cat([r.ill_formed for r in parts]),
         clean_texts=None if parts[0].clean_texts is None else [t for r in parts for t in r.clean_texts],
-        sampler_logp=None if parts[0].sampler_logp is None else torch.cat(
+        sampler_logp=None if missing("sampler_logp") else torch.cat(
             [F.pad(r.sampler_logp, (0, T - r.completion_mask.shape[1])) for r in parts]),
-        kept_mass=None if parts[0].kept_mass is None else torch.cat(
+        kept_mass=None if missing("kept_mass") else torch.cat(
             [F.pad(r.kept_mass, (0, T - r.completion_mask.shape[1]), value=1.0) for r in parts]),
-        topk_ids=None if parts[0].topk_ids is None else torch.cat(
+        topk_ids=None if missing("topk_ids") else torch.cat(
             [F.pad(r.topk_ids, (0, 0, 0, T - r.completion_mask.shape[1])) for r in parts]),
-        topk_logp=None if parts[0].topk_logp is None else torch.cat(
+        topk_logp=None if missing("topk_logp") else torch.cat(
             [F.pad(r.topk_logp, (0, 0, 0, T - r.completion_mask.shape[1])) for r in parts]),
         conversations=None if parts[0].conversations is None else [c for r in parts for c in r.conversations],
         **{k: None if getattr(parts[0], k) is None else torch.cat([getattr(r, k) for r in parts])
@@ -125,8 +134,14 @@ def stop_ids(model, tokenizer) -> torch.Tensor:
     the ids it was started with."""
     if hasattr(model, "sample_rollout"):
         return model.eos
+    return end_ids(tokenizer, getattr(model, "generation_config", None))
+
+
+def end_ids(tokenizer, generation_config=None) -> torch.Tensor:
+    """The tokenizer's EOS and every id `generation_config` (a transformers GenerationConfig, or None) lists as
+    an end token: `stop_ids` of a model with that generation config, known before the model is loaded."""
     ids = {tokenizer.eos_token_id}
-    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = getattr(generation_config, "eos_token_id", None)
     ids |= set(listed) if isinstance(listed, (list, tuple)) else {listed}
     return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
 
@@ -306,8 +321,10 @@ def finish(tokenizer, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, 
     ids, mask (N, P): the left-padded prompts, rows group-contiguous; out (N, T): the sampled tokens, padding
     after a row's stop token (the stop token itself is the row's last completion token); the per-token tensors
     (N, T) or (N, T, k) aligned with `out`; routing: (expert ids (N, W, L, k), router log-probs (N, W, L, E)) over
-    the prompt and completion positions, W <= P + T (positions never routed: -1 / 0); limit (N,): each row's token
-    budget, when rows have their own (`generate(limits=)`).
+    the prompt and completion positions, W <= P + T (positions never routed: -1 / 0); limit (N,): the most tokens
+    each row holds, when rows have their own (`generate(limits=)`'s budgets, the tokens an engine returned): a row
+    that reaches it without a stop token is truncated, and nothing after it is the row's, whatever it reads (the
+    padding may be a stop id: Qwen's pad token is its EOS).
     """
     # completion tokens: everything up to and including the first stop token
     is_eos = torch.isin(out, eos)

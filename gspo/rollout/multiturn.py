@@ -65,9 +65,11 @@ class _Trajectory:
     prompt: list[int]
     tail: list[int] = field(default_factory=list)
     mine: list[int] = field(default_factory=list)  # per tail token: 1 the model sampled it, 0 a tool's reply
-    logp: list[float] = field(default_factory=list)
-    kept: list[float] = field(default_factory=list)
-    topk: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per tail chunk: (ids, logp)
+    # what the sampler recorded per tail token (neutral at a tool's: log-prob 0, kept mass 1, top-k zeros); None
+    # once a model turn recorded none (greedy; an engine that gives none in gspo's convention), never made up
+    logp: Optional[list[float]] = field(default_factory=list)
+    kept: Optional[list[float]] = field(default_factory=list)
+    topk: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # per tail chunk: (ids, logp)
     routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per fed chunk of positions
     routed: int = 0  # positions whose routing is recorded
     messages: list[dict] = field(default_factory=list)
@@ -84,14 +86,19 @@ class _Trajectory:
         return self.prompt + self.tail
 
     def add(self, tokens: list[int], mine: bool, c: Optional[Continuation] = None, k: int = 0) -> None:
+        """Append the model's turn `c` (its `tokens`, `mine`) or a tool's reply (`c` None)."""
         n = len(tokens)
         self.tail += tokens
         self.mine += [int(mine)] * n
-        self.logp += c.logp.tolist() if c is not None and c.logp is not None else [0.0] * n
-        self.kept += c.kept_mass.tolist() if c is not None and c.kept_mass is not None else [1.0] * n
-        if k:
-            self.topk.append((c.topk_ids, c.topk_logp) if c is not None else
-                             (torch.zeros((n, k), dtype=torch.long), torch.zeros((n, k))))
+        if c is None:  # a tool's tokens: neutral values, masked out of everything that reads them
+            self.logp = None if self.logp is None else self.logp + [0.0] * n
+            self.kept = None if self.kept is None else self.kept + [1.0] * n
+            self.topk = None if self.topk is None else self.topk + [(torch.zeros((n, k), dtype=torch.long),
+                                                                     torch.zeros((n, k)))]
+        else:
+            self.logp = None if self.logp is None or c.logp is None else self.logp + c.logp.tolist()
+            self.kept = None if self.kept is None or c.kept_mass is None else self.kept + c.kept_mass.tolist()
+            self.topk = None if self.topk is None or c.topk_ids is None else self.topk + [(c.topk_ids, c.topk_logp)]
         if c is not None and c.routing is not None:  # positions fed for the first time (the last token is not yet)
             end = len(self.ids) - 1
             self.routing.append((c.routing[self.routed : end], c.router_logp[self.routed : end]))
@@ -110,8 +117,8 @@ def rollout(model, tokenizer, prompts: list, group_size: int, max_new_tokens: in
     the tools' schemas. The other arguments are `generate`'s.
     """
     box = tools.box
-    chat.check_template(tokenizer)
     stops = set(stop_ids(model, tokenizer).tolist())
+    chat.check_template(tokenizer, stops)
     special = set(tokenizer.all_special_ids) - stops
     k = 0 if greedy else keep_topk
     rows = [_Trajectory(p) for p in encode_prompts(tokenizer, prompts, True, box.schemas) for _ in range(group_size)]
@@ -128,7 +135,7 @@ def rollout(model, tokenizer, prompts: list, group_size: int, max_new_tokens: in
         for i, c in zip(active, outs):
             _model_turn(rows[i], c, tokenizer, box, stops, special, k, last=turn == tools.max_turns - 1,
                         budget=max_new_tokens)
-    return _as_rollout(rows, tokenizer, group_size, len(prompts), capture_routing, greedy, top_p, k, device)
+    return _as_rollout(rows, tokenizer, group_size, len(prompts), capture_routing, device)
 
 
 def _model_turn(row: _Trajectory, c: Continuation, tokenizer, box: Toolbox, stops: set[int], special: set[int],
@@ -168,8 +175,9 @@ def _model_turn(row: _Trajectory, c: Continuation, tokenizer, box: Toolbox, stop
 
 
 def _as_rollout(rows: list[_Trajectory], tokenizer, group_size: int, n_prompts: int, capture_routing: bool,
-                greedy: bool, top_p: float, k: int, device) -> Rollout:
-    """The trajectories as one Rollout: prompts left-padded to P columns, tails right-padded to T."""
+                device) -> Rollout:
+    """The trajectories as one Rollout: prompts left-padded to P columns, tails right-padded to T. The sampler's
+    log-probs, kept mass and top-k are the batch's only where every row has them (as a single-turn rollout's)."""
     pad = tokenizer.pad_token_id
     P, T = max(len(r.prompt) for r in rows), max(len(r.tail) for r in rows)
 
@@ -191,10 +199,12 @@ def _as_rollout(rows: list[_Trajectory], tokenizer, group_size: int, n_prompts: 
             logp_rows.append(F.pad(lp.movedim(0, -1), (before, after), value=0.0).movedim(-1, 0))
         routing, router_logp = torch.stack(routing_rows).to(device), torch.stack(logp_rows).to(device)
     topk_ids = topk_logp = None
-    if k:
+    if all(r.topk is not None for r in rows):  # (None: rollout.keep_topk off, or a turn the sampler kept none of)
         topk_ids = torch.stack([F.pad(torch.cat([c[0] for c in r.topk]), (0, 0, 0, T - len(r.tail))) for r in rows])
         topk_logp = torch.stack([F.pad(torch.cat([c[1] for c in r.topk]), (0, 0, 0, T - len(r.tail))) for r in rows])
         topk_logp = topk_logp * mine[..., None]
+    logp = None if any(r.logp is None for r in rows) else tails([r.logp for r in rows], 0.0) * mine
+    kept = None if any(r.kept is None for r in rows) else torch.where(mine.bool(), tails([r.kept for r in rows], 1.0), 1.0)
     texts = [r.answer for r in rows]
     return Rollout(
         input_ids=torch.cat([prompts, tails([r.tail for r in rows], pad, torch.long)], 1).to(device),
@@ -209,9 +219,8 @@ def _as_rollout(rows: list[_Trajectory], tokenizer, group_size: int, n_prompts: 
         router_logp=router_logp,
         ill_formed=torch.tensor([r.ill_formed for r in rows]),
         clean_texts=list(texts),
-        sampler_logp=None if greedy else (tails([r.logp for r in rows], 0.0) * mine).to(device),
-        kept_mass=None if greedy or top_p >= 1.0 else torch.where(mine.bool(), tails([r.kept for r in rows], 1.0),
-                                                                   1.0).to(device),
+        sampler_logp=None if logp is None else logp.to(device),
+        kept_mass=None if kept is None else kept.to(device),
         topk_ids=None if topk_ids is None else topk_ids.to(device),
         topk_logp=None if topk_logp is None else topk_logp.to(device),
         conversations=[r.messages for r in rows],

@@ -105,7 +105,9 @@ class VllmEngine:
         if self.cpu:
             _first_load_processing(self.worker.model_runner.model)
         self.worker.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():  # vLLM leaves the cache as it is while any of its blocks is in use
+            raise RuntimeError("the engine could not reset its prefix cache after a weight update (vLLM: KV blocks "
+                               "still in use): cached prompts would be served from the old policy's keys and values")
 
     # -- sampling -----------------------------------------------------------------
     def sample_ids(self, prompts: list[list[int]], n: int, max_new_tokens: int | list[int], temperature: float = 1.0,

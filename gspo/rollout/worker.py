@@ -33,6 +33,8 @@ def start(spec: dict):
     cfg = OmegaConf.create(spec["config"])
     dtype = getattr(torch, spec["dtype"])
     device = torch.device(spec["device"])
+    if device.type == "cuda" and device.index is not None:  # its rank's GPU is current: a bare "cuda" (a reward
+        torch.cuda.set_device(device)  # model on reward.device=cuda|auto) is that GPU, as in the rank itself
     task = build_task(cfg.task)
     share = Share(spec["lo"], spec["hi"], spec["world"], device)
     slots: dict[str, dict] = {}

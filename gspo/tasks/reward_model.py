@@ -5,7 +5,8 @@
 - the model's own tokenizer (its pad token the EOS when it has none; the model's config told that pad id, so
   the head reads the last token that is not padding);
 - the text: prompt + completion as strings, or, for chat prompts, the messages prompt + [assistant completion]
-  through the reward tokenizer's chat template (`apply_chat_template(..., tokenize=False)`);
+  through the reward tokenizer's chat template (`apply_chat_template(..., tokenize=False)`); with tools, the
+  prompt (a string as one user message) + the whole conversation after it, the same way;
 - tokenized without special tokens, padded on the right; scored in `torch.no_grad`, the first logit per row.
 
 A `RewardModel` is called as a TRL reward function is (`prompts`, `completions` by keyword), so it sits among
@@ -62,9 +63,12 @@ def check(path: str) -> None:
 
 
 def device_of(name) -> torch.device:
-    """`reward.device` (cpu | cuda | auto) as a torch device; auto: CUDA where one is visible."""
+    """`reward.device` (cpu | cuda | auto) as a torch device; auto: CUDA where one is visible. CUDA is this
+    process's current GPU, by index: a DDP rank's (or its rollout worker's), never GPU 0 for every process."""
     name = name or "auto"
-    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
+    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
 
 
 @dataclass
@@ -95,10 +99,21 @@ class RewardModel:
         return _LOADED[key]
 
     def texts(self, prompts: list, completions: list) -> list[str]:
-        """What the reward model reads: prompt + completion, through its chat template for chat messages."""
-        if prompts and isinstance(prompts[0], list):  # conversational: messages (TRL's is_conversational)
-            return [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
-        return [p + c for p, c in zip(prompts, completions)]
+        """What the reward model reads: prompt + completion as strings; where either is chat messages (chat prompts,
+        or with rollout.tools each whole conversation after the prompt), the messages prompt + completion through
+        its chat template, as TRL renders them, a string prompt as the one user message the policy was shown."""
+        out = []
+        for p, c in zip(prompts, completions):
+            if isinstance(p, str) and isinstance(c, str):
+                out.append(p + c)
+                continue
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ConfigError(f"reward model {self.name}: the completions are chat messages (chat prompts, or "
+                                  "rollout.tools' conversations) and its tokenizer has no chat template to render them")
+            messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+            messages += [{"role": "assistant", "content": c}] if isinstance(c, str) else list(c)
+            out.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+        return out
 
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:

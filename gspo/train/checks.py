@@ -64,10 +64,20 @@ def check(cfg: Any) -> None:
     rewards.check(cfg)  # reward=python: the files import, the functions exist, weights match
     tools.check(cfg)  # rollout.tools: the files import (in the tools' own process), the functions have schemas
     if cfg.rollout.tools is not None and cfg.model.arch == "hf":  # the tiny models' template has what tools need
+        from transformers import GenerationConfig
+
+        from gspo.config import model_path
         from gspo.models.gguf import tokenizer_of
         from gspo.rollout.chat import check_template
+        from gspo.rollout.generate import end_ids
 
-        check_template(tokenizer_of(cfg.model.path))
+        tokenizer, generation = tokenizer_of(cfg.model.path), None
+        if model_path.gguf_file(cfg.model.path) is None:  # (a GGUF's end token is its tokenizer's EOS)
+            try:  # the ids the model's turns end at: the tokenizer's EOS and the generation config's
+                generation = GenerationConfig.from_pretrained(model_path.resolve(cfg.model.path))
+            except (OSError, ValueError):  # none in the checkpoint
+                pass
+        check_template(tokenizer, set(end_ids(tokenizer, generation).tolist()))
     check_sampler(cfg)  # rollout.dtype
     if cfg.rollout.engine == "vllm":
         check_engine(cfg, on_cpu=distributed.device_of(cfg.hardware).type == "cpu")

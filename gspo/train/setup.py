@@ -26,7 +26,7 @@ from gspo.rollout import engine
 from gspo.rollout.batch import Share, collect
 from gspo.rollout.generate import stop_ids
 from gspo.rollout.multiturn import ToolUse
-from gspo.rollout.sampler import Sampler, old_logprobs_mode, sampler_dtype
+from gspo.rollout.sampler import Sampler, old_logprobs_mode, sampler_dtype, separate
 from gspo.rollout.source import Inline, describe, pending_of
 from gspo.rollout.workers import WorkerPool
 from gspo.tasks import Task, build_task
@@ -114,6 +114,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model = adapters.apply(model, cfg.model.lora, base_dir, cfg.seed)  # LoRA: model.lora.r > 0 -> PeftModel, base frozen
+    if separate(cfg) or cfg.rollout.workers or cfg.model.lora.save_merged:  # merged weights are served or saved
+        adapters.check_mergeable(model)  # (not an adapter on a tied LM head)
     # beta 0: no reference model in memory; LoRA: the reference is the base, i.e. adapters off (no copy)
     ref = _frozen_copy(model) if cfg.algo.beta > 0 and not adapters.is_adapted(model) else None
     if resume_ckpt is not None:  # every rank loads the same checkpoint, before wrapping
@@ -147,12 +149,17 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     # rollout.workers processes; rollout.staleness steps behind either way (gspo/rollout/source.py)
     sampler = None if cfg.rollout.workers else Sampler.for_run(
         model, cfg, engine=lambda: _engine(cfg, dist, model, tokenizer, base_dir, moe_step))
-    source = _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir)
-    if dist.is_main and describe(cfg.rollout.staleness, cfg.rollout.workers):
-        print(f"gspo: {describe(cfg.rollout.staleness, cfg.rollout.workers)}", flush=True)
-    # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
-    kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
-    logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
+    try:
+        source = _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir)
+        if dist.is_main and describe(cfg.rollout.staleness, cfg.rollout.workers):
+            print(f"gspo: {describe(cfg.rollout.staleness, cfg.rollout.workers)}", flush=True)
+        # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
+        kept = (start if resume_ckpt is not None else -1) if cfg.resume else None
+        logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else distributed.NullLogger()
+    except BaseException:  # the engine started above stops here (train() called in-process: no exit to end it)
+        if sampler is not None:
+            sampler.close()
+        raise
     ev = lambda step: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
         model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
         cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p,

@@ -200,6 +200,9 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
     model.train()
     topk = algo.loss == "dppo_topk"
     per_mb: dict[str, list[float]] = {"train/lr": [s.sched.get_last_lr()[0]]}  # the rate this step's updates use
+    # the policy's optimizer updates before this step's: the schedule counts the steps it trained (not a critic's
+    # warm-up), each of `train.minibatches` updates
+    updates = s.sched.last_epoch * cfg.train.minibatches
     for i, rows in enumerate(parts):
         sub, m = ro.select(rows), mask[rows]
         with s.moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
@@ -230,7 +233,7 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         if s.ref_sync is not None:  # TRL's reference resets count optimizer updates
-            s.ref_sync.after_update(model, (step - 1) * cfg.train.minibatches + i + 1)
+            s.ref_sync.after_update(model, updates + i + 1)
         stats |= {
             "train/loss": loss.item(),
             "train/grad_norm": distributed.scalar(grad_norm),
