@@ -60,6 +60,12 @@ class AlgoConfig:
     kl_cov_ratio: float = 2e-3  # KL-Cov: share of tokens (top covariance, at least one) penalised by kl_cov_coef |log pi - log pi_old|
     kl_cov_coef: float = 1.0
     topk_divergence: str = "tv"  # dppo_topk: tv | kl, between the sampler's top-k (+ the rest) and the policy's
+    vespo_k_pos: float = 2.0  # vespo: power k of the Gamma kernel W^k exp(lambda (1 - W)) for A >= 0 (TRL's default)
+    vespo_lambda_pos: float = 3.0  # vespo: its decay lambda for A >= 0
+    vespo_k_neg: float = 3.0  # vespo: k for A < 0
+    vespo_lambda_neg: float = 2.0  # vespo: lambda for A < 0
+    dro_beta: float = 0.05  # dro: coefficient of the quadratic penalty (beta / 2)(log pi - log pi_old)^2 (verl's dro_beta)
+    m2_threshold: float = 0.04  # m2po: tokens of largest squared log-ratio are dropped until the rest's mean is below it
     passk_k: int = 4  # advantage passk: the k of pass@k (1 <= k <= rollout.group_size)
     std_eps: float = 1e-4  # added to every std of the advantage estimators (TRL 1e-4; verl 0.9.1: 1e-6)
     whiten: str = "completions"  # reinforce_plus_plus(_baseline): over completions, or tokens (verl 0.9.1's choice)

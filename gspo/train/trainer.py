@@ -189,13 +189,12 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
     sampler's log-probs, which the mismatch corrections weigh against `old_logp`."""
     model, opt, dist, algo, temp = s.policy, s.opt, s.dist, cfg.algo, cfg.rollout.temperature
     corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
-    agg = algo.agg or get_loss(algo.loss).agg
+    spec = get_loss(algo.loss)
+    agg = algo.agg or spec.agg
     hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, delta=algo.delta,
-                 agg=algo.agg, max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg,
+                 agg=algo.agg, max_tokens=cfg.rollout.max_new_tokens,
                  beta=0.0 if algo.kl_in_reward else algo.beta,  # the KL is in the loss, or already in the reward
-                 kl_estimator=algo.kl_estimator, router_shift_floor=algo.router_shift_floor,
-                 **{k: algo[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef",
-                                         "topk_divergence")})
+                 kl_estimator=algo.kl_estimator, **{k: algo[k] for k in spec.settings})  # the loss's own keys
     gather = lambda x: dist.all_gather_rows(x)[0]  # noqa: E731  (every rank's tokens: the one-process minibatch's)
     model.train()
     topk = algo.loss == "dppo_topk"
@@ -207,16 +206,15 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
             logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk)
             is_weight, corr = correction_weights(corrections, MismatchBatch(
                 old_logp[rows], behaviour[rows], m, adv[rows], logp.detach()), cfg.rollout)
-            kept = m
+            kept, keep = m, None
             if algo.top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL)
                 keep = high_entropy_mask(entropy, m, algo.top_entropy_quantile, gather)
-                is_weight = keep.to(m.dtype) if is_weight is None else is_weight * keep
                 kept = m * keep
                 corr["policy/entropy_kept_frac"] = float(kept.sum() / m.sum().clamp(min=1))
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
-                ref_logp=None if ref_logp is None else ref_logp[rows],
-                is_weight=is_weight, generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
+                ref_logp=None if ref_logp is None else ref_logp[rows], is_weight=is_weight, keep=keep,
+                generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
                 topk_old_logp=ro.topk_logp[rows] if topk else None, topk_logp=top[0] if topk else None, **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
