@@ -361,6 +361,17 @@ def _dppo(logp: Tensor, old_logp: Tensor, adv: Tensor, inside_pos: Tensor, insid
     return Terms(objective, w.detach(), ~keep & (adv < 0), ~keep & (adv > 0), dual)
 
 
+@register_loss("pg_is", agg="token_mean")
+def pg_is(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """REINFORCE with the sequence's truncated importance weight, verl's bypass_pg_is (rollout_correction loss_type=
+    reinforce, rollout_is=sequence): J = sg(min(prod_t pi / pi_old, c)) A log pi(y_t), c = clip_ratio_c (verl's
+    rollout_is_threshold, 2; None: no truncation), the sum of log-ratios clamped to [-20, 20] as verl's. In verl's
+    bypass mode pi_old is the sampler's (rollout.old_logprobs=sampler). clip/frac_dual: tokens whose weight was cut."""
+    w = torch.exp(((logp - old_logp) * mask).sum(dim=1, keepdim=True).clamp(-20.0, 20.0)).expand_as(logp)
+    w_bar, capped = _truncated_is(w, h)
+    return Terms(w_bar * adv * logp, w.detach(), _no_clip(w), _no_clip(w), capped)
+
+
 @register_loss("dppo_tv", agg="seq_mean_token_sum_norm")
 def dppo_tv(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """DPPO-Binary-TV, arXiv 2602.04879: trust region |pi(y_t) - pi_old(y_t)| (the binary TV) instead of the ratio.

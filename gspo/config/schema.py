@@ -228,11 +228,12 @@ class RolloutConfig:
     mismatch_every: int = 10  # with sampler log-probs, recompute them every N steps to log the mismatch (0 = never)
     tis: str = "none"  # none | token | sequence: truncated IS correction of the sampler/trainer mismatch (recompute only)
     tis_cap: float = 2.0  # TIS truncation C: weights min(pi_old / mu, C)
-    # none | token | geometric: mask tokens whose rho = pi_old/mu is outside [mask_low, mask_high] (masked IS /
-    # IcePop), or sequences whose exp(mean_t log rho) is (geometric); combines with rollout.tis (recompute only)
+    # none | token | geometric | sequence | outlier: mask tokens whose rho = pi_old/mu is outside [mask_low, mask_high]
+    # (masked IS / IcePop), or sequences whose exp(mean_t log rho) is (geometric), whose prod_t rho is (sequence), or
+    # that have one such token (outlier); combines with rollout.tis (recompute only). gspo/algos/mismatch.py
     mask: str = "none"
-    mask_low: Optional[float] = None  # None = the peers' default: 0.5 (token), 0.99 (geometric)
-    mask_high: Optional[float] = None  # None = 5 (token), 1.01 (geometric)
+    mask_low: Optional[float] = None  # None = the peers' default: 0.5 (token, sequence, outlier), 0.99 (geometric)
+    mask_high: Optional[float] = None  # None = 5 (token, outlier), 1.01 (geometric), 2 (sequence)
     offpolicy_mask_delta: Optional[float] = None  # DeepSeek-V3.2: drop A < 0 sequences with mean log(mu/pi_theta) > delta; None = off
     # the sampler also keeps, at every position, its k most likely tokens and their log-probs (as inference engines
     # return top-k log-probs); the dppo_topk loss reads them. Memory: rows x tokens x k x 12 bytes a batch. 0 = off
