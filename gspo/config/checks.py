@@ -149,6 +149,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
     "model.warm_start.target_accuracy": (*_within(0, 1), "0 = run every step"),
     "model.warm_start.check_every": (*_at_least(1), ""),
+    "teacher.coef": (*_at_least(0), "the weight of the distillation component"),
+    "teacher.rl_coef": (*_at_least(0), "the weight of the RL term; 0 = distillation alone"),
     "reward.correct": (*_finite(), ""),
     "reward.format_score": (*_finite(), ""),
     "reward.ill_formed": (*_finite(), ""),
@@ -257,6 +259,9 @@ def check_values(cfg: Any) -> None:
     problem = model_dir_problem(cfg.model.path) if cfg.model.arch == "hf" else None
     if problem:
         raise ConfigError(f"model.path={cfg.model.path}: {problem}")
+    problem = model_dir_problem(cfg.teacher.path) if cfg.teacher.path else None
+    if problem:
+        raise ConfigError(f"teacher.path={cfg.teacher.path}: {problem}")
     r = cfg.rollout
     if r.mask != "none" and r.mask_low is not None and r.mask_high is not None and r.mask_low >= r.mask_high:
         raise ConfigError(f"rollout.mask_low={r.mask_low}: must be below rollout.mask_high={r.mask_high}")
@@ -376,6 +381,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                           "sampling runs in the trainer's process (rollout.workers=0)"),
     "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
     "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
+    "teacher.coef": (lambda c: bool(c.teacher.path), "there is no teacher: set teacher.path=DIR"),
+    "teacher.rl_coef": (lambda c: bool(c.teacher.path), "there is no teacher: set teacher.path=DIR"),
     "rollout.tool_timeout_s": (lambda c: c.rollout.tools is not None, "no tools: set rollout.tools=FILE.py:fn"),
 }
 

@@ -279,6 +279,15 @@ class MoEConfig:
 
 
 @dataclass
+class TeacherConfig:
+    # on-policy distillation (gspo/algos/distill.py): a teacher checkpoint's per-token reverse KL on the student's own
+    # samples, a loss component beside the RL term, each normalised by its own token count (as prime-rl's opd)
+    path: Optional[str] = None  # a Hugging Face checkpoint directory with the student's tokenizer; None = no teacher
+    coef: float = 1.0  # weight of the distillation component
+    rl_coef: float = 1.0  # weight of the RL term (the policy loss, its KL term included); 0 = distillation alone
+
+
+@dataclass
 class Config:
     algo: AlgoConfig = MISSING
     model: ModelConfig = MISSING
@@ -290,6 +299,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     seed: int = 0
     name: Optional[str] = None  # appended to the run directory's name
     resume: Optional[str] = None  # a run directory to continue from its last checkpoint

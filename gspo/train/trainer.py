@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from gspo.algos.distill import distill_metrics, reverse_kl_term
 from gspo.algos.entropy import entropy_bonus, high_entropy_mask
 from gspo.algos.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
@@ -172,6 +173,9 @@ def _update(cfg, s: Setup, batch: Batch, step: int) -> dict:
                 old_logp = trainer_logp  # ... or as the trainer's forward computes them
                 behaviour = trainer_logp if behaviour is None else behaviour
         ref_logp = token_logprobs(s.ref, ro, temp)[0] if s.ref is not None else None
+        teacher_logp = s.teacher.logprobs(ro, temp) if s.teacher is not None else None
+    if teacher_logp is not None:
+        metrics |= distill_metrics(old_logp, teacher_logp, mask)
     adv, stats = s.critic.advantages(batch, mask, old_logp, ref_logp)  # (N,) or, from a value model, (N, T)
     metrics |= stats
     # rows shuffled within their group, dealt by global slot: one process's minibatch = the union of the ranks'
@@ -179,14 +183,16 @@ def _update(cfg, s: Setup, batch: Batch, step: int) -> dict:
     parts = distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches, cfg.seed, step,
                                     offset=lo)
     if s.critic.trains_policy(step):  # (not during a critic's warm-up)
-        metrics |= _policy_updates(cfg, s, ro, mask, adv, old_logp, behaviour, ref_logp, parts, step)
+        metrics |= _policy_updates(cfg, s, ro, mask, adv, old_logp, behaviour, ref_logp, parts, step, teacher_logp)
     metrics |= s.critic.update(ro, mask, parts, step)
     return metrics | s.moe_step.end_step(bare, ro, step)
 
 
-def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp, parts: list, step: int) -> dict:
+def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp, parts: list, step: int,
+                    teacher_logp=None) -> dict:
     """One gradient step of the policy loss per minibatch `parts[i]` (rows of this rank's batch); `behaviour`: the
-    sampler's log-probs, which the mismatch corrections weigh against `old_logp`."""
+    sampler's log-probs, which the mismatch corrections weigh against `old_logp`; `teacher_logp`: a teacher's, whose
+    reverse KL is a loss component beside the policy loss (teacher.coef, teacher.rl_coef)."""
     model, opt, dist, algo, temp = s.policy, s.opt, s.dist, cfg.algo, cfg.rollout.temperature
     corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
     spec = get_loss(algo.loss)
@@ -218,7 +224,12 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
                 topk_old_logp=ro.topk_logp[rows] if topk else None, topk_logp=top[0] if topk else None, **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
-            loss = loss * dist.loss_scale(denominator) + mb.aux_loss(sub)
+            loss = loss * dist.loss_scale(denominator)
+            if teacher_logp is not None:  # on-policy distillation: its own component, over its own token count
+                total, n = reverse_kl_term(logp, old_logp[rows], teacher_logp[rows], m)
+                stats["distill/loss"] = float(total.detach() / n.clamp(min=1))
+                loss = cfg.teacher.rl_coef * loss + cfg.teacher.coef * total / n.clamp(min=1) * dist.loss_scale(n)
+            loss = loss + mb.aux_loss(sub)
             if algo.entropy_coef:  # TRL's bonus: coef x the mean entropy of the tokens the policy term trains on
                 total, n = entropy_bonus(entropy, kept)
                 loss = loss - algo.entropy_coef * total / n.clamp(min=1) * dist.loss_scale(n)
