@@ -168,24 +168,21 @@ def test_arealss_decoupled_ppo_is_token_tis_times_a_token_mask():
 # ---------------------------------------------------------------- the peers' presets and names (issue 50)
 
 
-def test_sequence_mask_bounds_the_whole_ratio():
-    """prod_t rho_t: row 0 exp(0.1 - 0.2 + 0) = 0.905, row 1 exp(-0.5) = 0.607; default [0.5, 2] keeps both,
-    [0.7, 2] drops row 1, [0, 0.9] (TRL's sequence_mask at C = 0.9) drops row 0."""
-    x = MismatchBatch(TRAINER, SAMPLER, MASK, torch.tensor([1.0, -1.0]))
-    for lo, hi, kept in ((None, None, [1.0, 1.0]), (0.7, 2.0, [1.0, 0.0]), (0.0, 0.9, [0.0, 1.0])):
-        w, s = CORRECTIONS["mask_sequence"](x, _rollout_cfg(mask="sequence", mask_low=lo, mask_high=hi))
+@pytest.mark.parametrize("kind, trainer, sampler, cases", [
+    # prod_t rho_t: row 0 exp(0.1 - 0.2 + 0) = 0.905, row 1 exp(-0.5) = 0.607; default [0.5, 2] keeps both, [0.7, 2]
+    # drops row 1, [0, 0.9] (TRL's sequence_mask at C = 0.9) drops row 0
+    ("sequence", TRAINER, SAMPLER, [(None, None, [1.0, 1.0]), (0.7, 2.0, [1.0, 0.0]), (0.0, 0.9, [0.0, 1.0])]),
+    # rho: row 0 [e^1 = 2.72, e^-1.5 = 0.22, 1], row 1 [e^-0.8 = 0.45, 1]: [0.5, 5] drops both (0.22; 0.45),
+    # [0.2, 5] keeps both, [0.2, 2] drops row 0 (2.72)
+    ("outlier", TR2, SA2, [(None, None, [0.0, 0.0]), (0.2, 5.0, [1.0, 1.0]), (0.2, 2.0, [0.0, 1.0])]),
+])
+def test_sequence_and_outlier_masks_drop_whole_sequences(kind, trainer, sampler, cases):
+    """mask_sequence bounds the whole ratio prod_t rho_t; mask_outlier drops a sequence with one token's rho out."""
+    x = MismatchBatch(trainer, sampler, MASK, torch.tensor([1.0, -1.0]))
+    for lo, hi, kept in cases:
+        w, s = CORRECTIONS[f"mask_{kind}"](x, _rollout_cfg(mask=kind, mask_low=lo, mask_high=hi))
         torch.testing.assert_close(w, torch.tensor([[kept[0]] * 3, [kept[1], kept[1], 1.0]]))
-        assert s == {"rollout/mask_sequence_frac": kept.count(0.0) / 2}
-
-
-def test_outlier_mask_drops_a_sequence_with_one_token_out_of_bounds():
-    """rho: row 0 [e^1 = 2.72, e^-1.5 = 0.22, 1], row 1 [e^-0.8 = 0.45, 1]: [0.5, 5] drops both (0.22; 0.45),
-    [0.2, 5] keeps both, [0.2, 2] drops row 0 (2.72)."""
-    x = MismatchBatch(TR2, SA2, MASK, torch.tensor([1.0, -1.0]))
-    for lo, hi, kept in ((None, None, [0.0, 0.0]), (0.2, 5.0, [1.0, 1.0]), (0.2, 2.0, [0.0, 1.0])):
-        w, s = CORRECTIONS["mask_outlier"](x, _rollout_cfg(mask="outlier", mask_low=lo, mask_high=hi))
-        torch.testing.assert_close(w, torch.tensor([[kept[0]] * 3, [kept[1], kept[1], 1.0]]))
-        assert s == {"rollout/mask_outlier_frac": kept.count(0.0) / 2}
+        assert s == {f"rollout/mask_{kind}_frac": kept.count(0.0) / 2}
 
 
 def test_nemo_rl_names_of_the_mismatch():
@@ -244,29 +241,13 @@ def test_pg_is_is_reinforce_with_the_truncated_sequence_weight():
 
 
 @pytest.fixture(scope="module")
-def verl_rollout_corr():
-    import os
-    import sys
-    from pathlib import Path
-
-    src = os.environ.get("VERL_SRC")
-    if not src or not (Path(src) / "verl/trainer/ppo/rollout_corr_helper.py").is_file():
-        pytest.skip("verl's rollout correction is not here: set VERL_SRC to a verl tree of 1dda039 (git archive of "
-                    "github:verl-project/verl; scripts/peer_verl.py imports it the same way)")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("peer_verl", Path(__file__).parent.parent / "scripts/peer_verl.py")
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
-    before = set(sys.modules)
-    core, _ = peer.verl_core()
-    import verl.trainer.ppo.rollout_corr_helper as helper
-
-    yield core, helper
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, peer._Stub)]
-    for name in set(sys.modules) - before:
-        del sys.modules[name]
-    sys.path.remove(src)
+def verl_rollout_corr(verl_tree):
+    """verl's core_algos and its rollout_corr_helper (1dda039: the presets' code)."""
+    try:
+        import verl.trainer.ppo.rollout_corr_helper as helper
+    except ImportError:
+        pytest.skip("the verl at VERL_SRC has no rollout_corr_helper")
+    return verl_tree, helper
 
 
 @pytest.mark.parametrize("preset, overrides", [

@@ -107,7 +107,7 @@ def test_vespo_folds_the_mismatch_weight_into_its_ratio_and_keeps_the_entropy_ma
     loss, g, _ = _loss_and_grad("vespo", logp, old, adv, mask, is_weight=rho, keep=keep)
     ref = 0.0
     for i, L in enumerate(LENGTHS):
-        log_w = sum(float(logp[i, t] - old[i, t]) + max(math.log(float(rho[i, t])) if rho[i, t] > 0 else -math.inf,
+        log_w = sum(float((logp[i, t] - old[i, t]).detach()) + max(math.log(float(rho[i, t])) if rho[i, t] > 0 else -math.inf,
                                                           math.log(1e-8)) for t in range(L))
         k, lam = (2.0, 3.0) if adv[i] >= 0 else (3.0, 2.0)
         p = phi(math.exp(max(log_w, math.log(1e-8))), k, lam)
@@ -192,7 +192,7 @@ def test_m2po_loss_by_hand():
 def test_m2po_matches_per_token_loops(seed):
     logp, old, mask, adv = make_batch(seed, noise=0.4)
     loss, g, _ = _loss_and_grad("m2po", logp, old, adv, mask, m2_threshold=0.04)
-    toks = sorted(((float(logp[i, t] - old[i, t]) ** 2, i, t) for i, L in enumerate(LENGTHS) for t in range(L)),
+    toks = sorted(((float((logp[i, t] - old[i, t]).detach()) ** 2, i, t) for i, L in enumerate(LENGTHS) for t in range(L)),
                   reverse=True)
     dropped = set()
     while len(dropped) < len(toks) - 1 and sum(x[0] for x in toks[len(dropped):]) / (len(toks) - len(dropped)) >= 0.04:
@@ -298,34 +298,13 @@ def test_m2po_mask_equals_areals(seed):
         assert torch.equal(m2_keep(old - prox, mask.float(), tau), theirs)
 
 
-@pytest.fixture(scope="module")
-def verl_core():
-    src = os.environ.get("VERL_SRC")
-    if not src or not (Path(src) / "verl/trainer/ppo/core_algos.py").is_file():
-        pytest.skip("verl is not installed: set VERL_SRC to a verl tree with dro and gdpo (git archive of "
-                    "github:verl-project/verl at 1dda039; scripts/peer_verl.py imports it the same way)")
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("peer_verl", Path(__file__).parent.parent / "scripts/peer_verl.py")
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
-    before = set(sys.modules)
-    core, _ = peer.verl_core()
-    yield core
-    # leave no stubbed module (dill, orjson, ...) or verl behind for the tests that run after
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, peer._Stub)]
-    for name in set(sys.modules) - before:
-        del sys.modules[name]
-    sys.path.remove(src)
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_dro_and_gdpo_equal_verls(verl_core, seed):
+def test_dro_and_gdpo_equal_verls(verl_tree, seed):
     """verl's own `compute_policy_loss_dro` and `compute_gdpo_outcome_advantage` (1dda039) on the same tensors:
     gspo's dro, and its gdpo with verl's choices (std_eps 1e-6, whitening over tokens), agree to float32 rounding."""
     from omegaconf import OmegaConf
 
+    verl_core = verl_tree
     if not hasattr(verl_core, "compute_policy_loss_dro"):
         pytest.skip(f"the verl at {os.environ['VERL_SRC']} has no dro loss (it came with verl #7245)")
     logp, old, mask, adv = make_batch(seed, noise=0.4)
