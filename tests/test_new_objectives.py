@@ -107,8 +107,8 @@ def test_vespo_folds_the_mismatch_weight_into_its_ratio_and_keeps_the_entropy_ma
     loss, g, _ = _loss_and_grad("vespo", logp, old, adv, mask, is_weight=rho, keep=keep)
     ref = 0.0
     for i, L in enumerate(LENGTHS):
-        log_w = sum(float((logp[i, t] - old[i, t]).detach()) + max(math.log(float(rho[i, t])) if rho[i, t] > 0 else -math.inf,
-                                                          math.log(1e-8)) for t in range(L))
+        log_rho = [math.log(float(rho[i, t])) if rho[i, t] > 0 else -math.inf for t in range(L)]
+        log_w = sum(float((logp[i, t] - old[i, t]).detach()) + max(log_rho[t], math.log(1e-8)) for t in range(L))
         k, lam = (2.0, 3.0) if adv[i] >= 0 else (3.0, 2.0)
         p = phi(math.exp(max(log_w, math.log(1e-8))), k, lam)
         ref = ref - sum(float(keep[i, t]) * p * adv[i] * logp[i, t] for t in range(L))
@@ -192,8 +192,8 @@ def test_m2po_loss_by_hand():
 def test_m2po_matches_per_token_loops(seed):
     logp, old, mask, adv = make_batch(seed, noise=0.4)
     loss, g, _ = _loss_and_grad("m2po", logp, old, adv, mask, m2_threshold=0.04)
-    toks = sorted(((float((logp[i, t] - old[i, t]).detach()) ** 2, i, t) for i, L in enumerate(LENGTHS) for t in range(L)),
-                  reverse=True)
+    d = (logp - old).detach()
+    toks = sorted(((float(d[i, t]) ** 2, i, t) for i, L in enumerate(LENGTHS) for t in range(L)), reverse=True)
     dropped = set()
     while len(dropped) < len(toks) - 1 and sum(x[0] for x in toks[len(dropped):]) / (len(toks) - len(dropped)) >= 0.04:
         dropped.add(toks[len(dropped)][1:])

@@ -518,8 +518,8 @@ def vespo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -
 @register_loss("dro", agg="token_mean", settings=("dro_beta",))
 def dro(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """DRO as verl registers it (`dro`, verl #7245; Tinker's `dro` loss): J_t = A log pi(y_t) - (beta / 2)
-    (log pi(y_t) - log pi_old(y_t))^2, the policy gradient with a quadratic penalty on the log-ratio instead of a clip (it acts on
-    every token, A = 0 included). No ratio in the objective; policy/ratio_* report exp(d_t)."""
+    (log pi(y_t) - log pi_old(y_t))^2, the policy gradient with a quadratic penalty on the log-ratio instead of a
+    clip (it acts on every token, A = 0 included). No ratio in the objective; policy/ratio_* report exp(d_t)."""
     d = logp - old_logp
     w = torch.exp(d).detach()
     return Terms(adv * logp - 0.5 * h.dro_beta * d * d, w, _no_clip(w), _no_clip(w))

@@ -197,7 +197,8 @@ def mask_sequence(x: MismatchBatch, r: Any) -> tuple[Tensor, dict[str, float]]:
     log_w = (x.log_rho() * x.mask).sum(-1)
     keep = (log_w >= math.log(lo) if lo > 0 else torch.ones_like(log_w, dtype=torch.bool)) & (log_w <= math.log(hi))
     has = x.mask.sum(-1) > 0
-    return _on_tokens(keep[:, None].float().expand_as(x.mask), x.mask), {"rollout/mask_sequence_frac": _share(~keep, has)}
+    weight = _on_tokens(keep[:, None].float().expand_as(x.mask), x.mask)
+    return weight, {"rollout/mask_sequence_frac": _share(~keep, has)}
 
 
 def mask_outlier(x: MismatchBatch, r: Any) -> tuple[Tensor, dict[str, float]]:

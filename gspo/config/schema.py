@@ -64,7 +64,7 @@ class AlgoConfig:
     vespo_lambda_pos: float = 3.0  # vespo: its decay lambda for A >= 0
     vespo_k_neg: float = 3.0  # vespo: k for A < 0
     vespo_lambda_neg: float = 2.0  # vespo: lambda for A < 0
-    dro_beta: float = 0.05  # dro: coefficient of the quadratic penalty (beta / 2)(log pi - log pi_old)^2 (verl's dro_beta)
+    dro_beta: float = 0.05  # dro: the penalty (beta / 2)(log pi - log pi_old)^2 per token (verl's dro_beta)
     m2_threshold: float = 0.04  # m2po: tokens of largest squared log-ratio are dropped until the rest's mean is below it
     passk_k: int = 4  # advantage passk: the k of pass@k (1 <= k <= rollout.group_size)
     std_eps: float = 1e-4  # added to every std of the advantage estimators (TRL 1e-4; verl 0.9.1: 1e-6)
