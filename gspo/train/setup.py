@@ -160,8 +160,7 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, ref_sync=ref_sync, teacher=teacher, critic=critic, opt=opt, sched=sched,
-                 recompute=recompute,
-                 moe_step=moe_step,
+                 recompute=recompute, moe_step=moe_step,
                  sampler=sampler, source=source, pending=pending, logger=logger, evaluate=ev)
 
 
