@@ -70,3 +70,27 @@ def tiny_reward_model(directory, seed: int = 0, num_labels: int = 1):
     Qwen3ForSequenceClassification(config).save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def verl_tree():
+    """verl's `core_algos` module imported from the tree VERL_SRC names (scripts/peer_verl.py's way: ray and the rest
+    stubbed), for the tests that run verl's own functions; skipped without it. The stubs and verl's modules are
+    removed afterwards, so later tests see neither."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    src = os.environ.get("VERL_SRC")
+    if not src or not (Path(src) / "verl/trainer/ppo/core_algos.py").is_file():
+        pytest.skip("verl is not installed: set VERL_SRC to a verl tree (git archive of github:verl-project/verl at "
+                    "1dda039; scripts/peer_verl.py imports it the same way)")
+    spec = importlib.util.spec_from_file_location("peer_verl", Path(__file__).parent.parent / "scripts/peer_verl.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    core, _ = peer.verl_core()
+    yield core
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, peer._Stub)]
+    for name in [m for m in sys.modules if m.split(".")[0] in (*peer._Stub.names, "verl")]:
+        del sys.modules[name]
+    sys.path.remove(src)

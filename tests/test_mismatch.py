@@ -163,3 +163,193 @@ def test_arealss_decoupled_ppo_is_token_tis_times_a_token_mask():
     loss, _ = policy_loss("grpo", logp, prox, adv, MASK, is_weight=w, eps_low=0.2, eps_high=0.2)
     per = [w[0, :3].sum() / 3 * 1.1 * 1.0, w[1, :2].sum() / 2 * 1.1 * -1.0]  # r = 1.1 is inside the clip
     assert loss.item() == pytest.approx(-(per[0] + per[1]).item() / 2, rel=1e-5)
+
+
+# ---------------------------------------------------------------- the peers' presets and names (issue 50)
+
+
+@pytest.mark.parametrize("kind, trainer, sampler, cases", [
+    # prod_t rho_t: row 0 exp(0.1 - 0.2 + 0) = 0.905, row 1 exp(-0.5) = 0.607; default [0.5, 2] keeps both, [0.7, 2]
+    # drops row 1, [0, 0.9] (TRL's sequence_mask at C = 0.9) drops row 0
+    ("sequence", TRAINER, SAMPLER, [(None, None, [1.0, 1.0]), (0.7, 2.0, [1.0, 0.0]), (0.0, 0.9, [0.0, 1.0])]),
+    # rho: row 0 [e^1 = 2.72, e^-1.5 = 0.22, 1], row 1 [e^-0.8 = 0.45, 1]: [0.5, 5] drops both (0.22; 0.45),
+    # [0.2, 5] keeps both, [0.2, 2] drops row 0 (2.72)
+    ("outlier", TR2, SA2, [(None, None, [0.0, 0.0]), (0.2, 5.0, [1.0, 1.0]), (0.2, 2.0, [0.0, 1.0])]),
+])
+def test_sequence_and_outlier_masks_drop_whole_sequences(kind, trainer, sampler, cases):
+    """mask_sequence bounds the whole ratio prod_t rho_t; mask_outlier drops a sequence with one token's rho out."""
+    x = MismatchBatch(trainer, sampler, MASK, torch.tensor([1.0, -1.0]))
+    for lo, hi, kept in cases:
+        w, s = CORRECTIONS[f"mask_{kind}"](x, _rollout_cfg(mask=kind, mask_low=lo, mask_high=hi))
+        torch.testing.assert_close(w, torch.tensor([[kept[0]] * 3, [kept[1], kept[1], 1.0]]))
+        assert s == {f"rollout/mask_{kind}_frac": kept.count(0.0) / 2}
+
+
+def test_nemo_rl_names_of_the_mismatch():
+    """NeMo-RL's token_mult_prob_error: mean_t exp(|log mu - log pi_old|); gen_kl_error: mean_t k3 with log r =
+    log pi_old - log mu, exp(log r) - 1 - log r (its calculate_kl(generation, reference=prev), k3)."""
+    m = mismatch_metrics(TRAINER, SAMPLER, MASK)
+    diffs = [0.1, 0.2, 0.0, 0.5, 0.0]
+    assert m["rollout/token_mult_prob_error"] == pytest.approx(sum(math.exp(d) for d in diffs) / 5, rel=1e-6)
+    k3 = [math.exp(d) - 1 - d for row in D for d in row]
+    assert m["rollout/gen_kl_error"] == pytest.approx(sum(k3) / 5, rel=1e-5) == m["rollout/mismatch_kl"]
+
+
+def trl_is_ratio(trainer, sampler, mask, mode, c_max=3.0):
+    """TRL 1.16 `_generate_and_score_completions`, restated: the ratio pi_old / mu per token or per sequence (the
+    masked sum of log-ratios), clamped at C_max (`*_truncate`) or set to 0 above it (`*_mask`)."""
+    d = (trainer - sampler) * mask
+    ratio = torch.exp(d.sum(-1, keepdim=True)) if mode.startswith("sequence") else torch.exp(d)
+    ratio = ratio.clamp(max=c_max) if mode.endswith("truncate") else ratio.masked_fill(ratio > c_max, 0.0)
+    return ratio.expand_as(trainer)
+
+
+@pytest.mark.parametrize("mode, overrides", [
+    ("token_truncate", dict(tis="token", tis_cap=3.0)),
+    ("token_mask", dict(tis="token", tis_cap=3.0, mask="token", mask_low=0.0, mask_high=3.0)),
+    ("sequence_truncate", dict(tis="sequence", tis_cap=3.0)),
+    ("sequence_mask", dict(tis="sequence", tis_cap=3.0, mask="sequence", mask_low=0.0, mask_high=3.0)),
+])
+def test_trls_vllm_importance_sampling_modes_are_a_tis_and_a_mask(mode, overrides):
+    """The docs/algorithms.md table: each of TRL's four vllm_importance_sampling_mode values (C = 3, its default) is
+    a gspo rollout.tis with, for the *_mask ones, the mask of the same level at [0, C]: the same weights."""
+    g = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(6, 4, generator=g) * 3
+    sampler = trainer + torch.randn(6, 4, generator=g) * 0.8
+    mask = (torch.arange(4)[None] < torch.tensor([4, 2, 3, 4, 1, 4])[:, None]).float()
+    r = _rollout_cfg(**overrides)
+    w, _ = correction_weights(active(r), MismatchBatch(trainer, sampler, mask, torch.zeros(6)), r)
+    want = trl_is_ratio(trainer, sampler, mask, mode)
+    assert (want == 0).any() or mode.endswith("truncate")  # the mask does act here
+    torch.testing.assert_close(w * mask, want * mask, rtol=1e-6, atol=1e-6)
+
+
+def test_pg_is_is_reinforce_with_the_truncated_sequence_weight():
+    """verl's bypass_pg_is loss: -sg(min(prod_t pi/pi_old, C)) A log pi, token mean. Row 0: prod = e^0.3 = 1.35,
+    row 1: e^1.0 = 2.72 capped at 2."""
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], dtype=torch.float64)
+    logp = (old + torch.tensor([[0.1, 0.2], [1.0, 0.0]], dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    loss, stats = policy_loss("pg_is", logp, old, adv, mask, clip_ratio_c=2.0)
+    w0 = math.exp(0.3)
+    lp = logp.detach()
+    assert loss.item() == pytest.approx(-(w0 * (lp[0, 0] + lp[0, 1]) + 2.0 * -2.0 * lp[1, 0]).item() / 3, rel=1e-12)
+    (g,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(g, torch.tensor([[-w0 / 3, -w0 / 3], [4.0 / 3, 0.0]], dtype=torch.float64))
+    assert stats["clip/frac_dual"] == pytest.approx(1 / 3)
+
+
+@pytest.fixture(scope="module")
+def verl_rollout_corr(verl_tree):
+    """verl's core_algos and its rollout_corr_helper (1dda039: the presets' code)."""
+    try:
+        import verl.trainer.ppo.rollout_corr_helper as helper
+    except ImportError:
+        pytest.skip("the verl at VERL_SRC has no rollout_corr_helper")
+    return verl_tree, helper
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("decoupled_token_is", dict(tis="token", tis_cap=2.0)),
+    ("decoupled_seq_is", dict(tis="sequence", tis_cap=2.0)),
+    ("decoupled_seq_is_rs", dict(tis="sequence", tis_cap=2.0, mask="sequence", mask_low=0.5, mask_high=2.0)),
+    ("decoupled_geo_rs", dict(mask="geometric", mask_low=0.999, mask_high=1.001)),
+])
+def test_verls_decoupled_presets_equal_gspos_corrections(verl_rollout_corr, preset, overrides):
+    """verl's own RolloutCorrectionConfig presets through its rollout_corr_helper (compute_rollout_correction_weights,
+    compute_rollout_rejection_mask): its IS weights times its rejection mask equal gspo's correction weight on every
+    token (verl's k1 bounds are on the
+    inverse ratio, the same set for these symmetric bounds)."""
+    _, helper = verl_rollout_corr
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    c = getattr(RolloutCorrectionConfig, preset)()
+    g = torch.Generator().manual_seed(1)
+    trainer = -torch.rand(64, 6, generator=g) * 3
+    sampler = trainer + torch.randn(64, 6, generator=g) * (0.3 if "seq" in preset else 0.002)
+    mask = (torch.arange(6)[None] < torch.randint(1, 7, (64, 1), generator=g)).float()
+    # the two steps of its compute_rollout_correction_and_rejection_mask (which wraps the weights in a DataProto)
+    log_ratio = trainer - sampler
+    theirs = mask.clone()
+    if c.rollout_is is not None:
+        theirs = theirs * helper.compute_rollout_correction_weights(log_ratio, mask, c.rollout_is,
+                                                                    c.rollout_is_threshold)[0]
+    if c.rollout_rs is not None:
+        theirs = theirs * helper.compute_rollout_rejection_mask(log_ratio, mask, c.rollout_rs,
+                                                                c.rollout_rs_threshold)[0]
+    r = _rollout_cfg(**overrides)
+    ours, _ = correction_weights(active(r), MismatchBatch(trainer, sampler, mask, torch.zeros(64)), r)
+    assert 0 < float((theirs == 0).float().mean()) or "rs" not in preset  # the masks act on this batch
+    torch.testing.assert_close(ours * mask, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_verls_bypass_pg_is_loss_equals_pg_is(verl_rollout_corr):
+    """verl's bypass_pg_is (old = the rollout's log-probs): its sequence IS weights of pi_theta / pi_rollout truncated
+    at 2 (compute_rollout_correction_weights) into its compute_policy_loss_reinforce, token mean, against gspo's
+    pg_is at clip_ratio_c = 2: value and gradient."""
+    core, helper = verl_rollout_corr
+    g = torch.Generator().manual_seed(2)
+    old = -torch.rand(8, 5, generator=g) * 3
+    logp = (old + torch.randn(8, 5, generator=g) * 0.3).requires_grad_()
+    mask = (torch.arange(5)[None] < torch.randint(1, 6, (8, 1), generator=g)).float()
+    adv = torch.randn(8, generator=g)
+    w, _ = helper.compute_rollout_correction_weights(logp.detach() - old, mask, "sequence", 2.0)
+    cfg = OmegaConf.create({"global_batch_info": {}})
+    theirs, _ = core.compute_policy_loss_reinforce(old, logp, adv[:, None] * mask, mask, "token-mean", cfg, w)
+    ours, _ = policy_loss("pg_is", logp, old, adv, mask, clip_ratio_c=2.0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(*(torch.autograd.grad(x, logp)[0] for x in (ours, theirs)), rtol=1e-6, atol=1e-6)
+
+
+def _skyrl():
+    import ast
+    import os
+    from pathlib import Path
+
+    src = os.environ.get("SKYRL_SRC")
+    if not src:
+        pytest.skip("SkyRL is not installed: set SKYRL_SRC to a checkout of github:NovaSky-AI/SkyRL (a9564572 or "
+                    "later) to run its off_policy_correction functions")
+    utils = Path(src) / "skyrl/backends/skyrl_train/utils"
+    ns = {"torch": torch, "Optional": __import__("typing").Optional, "Tuple": tuple, "DictConfig": object}
+    for file, names in (("torch_utils.py", {"safe_exp_delta", "masked_mean"}),
+                        ("off_policy_correction_utils.py", {"compute_tis_ratio", "compute_outlier_token_mask",
+                                                            "compute_token_mask", "compute_sequence_mask"})):
+        tree = ast.parse((utils / file).read_text())
+        body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+        assert {n.name for n in body} == names
+        exec(compile(ast.Module(body=body, type_ignores=[]), str(utils / file), "exec"), ns)  # noqa: S102
+    return ns
+
+
+@pytest.mark.parametrize("skyrl, overrides", [
+    (dict(tis_ratio_type="token", token_tis_ratio_clip_high=2.0), dict(tis="token", tis_cap=2.0)),
+    (dict(tis_ratio_type="sequence", sequence_tis_ratio_clip_high=5.0), dict(tis="sequence", tis_cap=5.0)),
+    (dict(sequence_mask_metric="geometric", geo_mask_low=0.99, geo_mask_high=1.01), dict(mask="geometric")),
+    (dict(sequence_mask_metric="product", product_mask_low=0.5, product_mask_high=2.0), dict(mask="sequence")),
+    (dict(outlier_token_is_threshold_low=0.5, outlier_token_is_threshold_high=5.0), dict(mask="outlier")),
+    (dict(token_mask_is_threshold_low=0.5, token_mask_is_threshold_high=5.0), dict(mask="token")),
+])
+def test_skyrls_off_policy_correction_equals_gspos(skyrl, overrides):
+    """SkyRL's own off_policy_correction functions (exec'd from its source) against the gspo correction the
+    docs/algorithms.md table maps each to, at SkyRL's defaults: the same weight on every token."""
+    ns = _skyrl()
+    c = OmegaConf.create(skyrl)
+    g = torch.Generator().manual_seed(3)
+    trainer = -torch.rand(64, 6, generator=g) * 3
+    sampler = trainer + torch.randn(64, 6, generator=g) * (0.01 if "geo_mask_low" in skyrl else 0.5)
+    mask = (torch.arange(6)[None] < torch.randint(1, 7, (64, 1), generator=g)).float()
+    if "tis_ratio_type" in skyrl:
+        theirs = ns["compute_tis_ratio"](trainer, sampler, mask, skyrl["tis_ratio_type"], c)[0].expand_as(mask)
+    elif "sequence_mask_metric" in skyrl:
+        theirs = ns["compute_sequence_mask"](trainer, sampler, mask, skyrl["sequence_mask_metric"], c)[0]
+    elif "outlier_token_is_threshold_low" in skyrl:
+        theirs = ns["compute_outlier_token_mask"](trainer, sampler, mask, c)[0]
+    else:
+        theirs = ns["compute_token_mask"](trainer, sampler, mask, c)[0]
+    r = _rollout_cfg(**overrides)
+    ours, _ = correction_weights(active(r), MismatchBatch(trainer, sampler, mask, torch.zeros(64)), r)
+    if "tis_ratio_type" not in skyrl:
+        assert ((theirs.expand_as(mask) == 0) & (mask > 0)).any()  # the mask acts on this batch
+    torch.testing.assert_close(ours * mask, theirs.expand_as(mask) * mask, rtol=1e-6, atol=1e-6)

@@ -195,3 +195,49 @@ def test_reward_model_scores_equal_trls_calculate_rewards(reward_dir, chat, monk
     theirs = trl.GRPOTrainer._calculate_rewards(t, [{"prompt": p} for p in prompts], prompts, completions, None)
     ours = RewardModel.load(str(reward_dir), "cpu", batch_size=3)(prompts, completions)  # 2 passes: 3 + 1 rows
     torch.testing.assert_close(torch.tensor(ours), theirs[:, 0], rtol=0, atol=1e-5)
+
+
+def test_luspo_loss_equals_trls():
+    """TRL's loss_type="luspo" with importance_sampling_level="sequence" (as TRL requires it) and the LUSPO paper's
+    clip range, the KL term on: gspo's luspo (GSPO's objective, each sequence's tokens summed, mean over sequences)."""
+    for seed in range(3):
+        logp, entropy, old, ref, mask, adv = _batch(seed)
+        logp = (old + 0.004 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed))).requires_grad_()
+        t = _trainer(trl.GRPOTrainer, loss_type="luspo", importance_sampling_level="sequence", epsilon_low=2e-3,
+                     epsilon_high=2.5e-3, beta=0.04)
+        t._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropy, None)
+        theirs = trl.GRPOTrainer._compute_loss(t, None, _inputs(mask, advantages=adv, old_per_token_logps=old,
+                                                                  ref_per_token_logps=ref))
+        ours, stats = policy_loss("luspo", logp, old, adv, mask, eps_low=2e-3, eps_high=2.5e-3, beta=0.04, ref_logp=ref)
+        assert 0 < stats["clip/seq_frac"] < 1  # some sequences clipped, some not
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0],
+                                   rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("correction", [None, "token_truncate", "token_mask"])
+def test_vespo_loss_equals_trls(correction):
+    """TRL's loss_type="vespo" (its `get_gamma_weights` and `_compute_loss`, default k / lambda), without a vLLM
+    correction and with its token-level ones: TRL folds the corrected ratio pi_old / mu into the sequence weight W;
+    gspo's vespo reads the correction's weight (`is_weight`) the same way instead of multiplying the loss by it."""
+    for seed in range(3):
+        logp, entropy, old, _, mask, adv = _batch(seed)
+        g = torch.Generator().manual_seed(seed + 10)
+        logp = (old + 0.1 * torch.randn(old.shape, generator=g)).requires_grad_()
+        rho = None
+        if correction:  # TRL's ratio pi_old / mu with C_max 3 (its default): truncated, or zero outside [0, 3]
+            rho = torch.exp(torch.randn(old.shape, generator=g) * 0.7) * mask + (1 - mask)
+            rho = rho.clamp(max=3.0) if correction == "token_truncate" else rho.masked_fill(rho > 3.0, 0.0)
+        t = _trainer(trl.GRPOTrainer, loss_type="vespo", use_vllm=correction is not None,
+                     vllm_importance_sampling_correction=correction is not None,
+                     args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1,
+                                          vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                                          vespo_lambda_neg=2.0))
+        t._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropy, None)
+        more = {} if rho is None else {"importance_sampling_ratio": rho}
+        theirs = trl.GRPOTrainer._compute_loss(t, None, _inputs(mask, advantages=adv, old_per_token_logps=old,
+                                                                  num_items_in_batch=mask.sum(), **more))
+        ours, _ = policy_loss("vespo", logp, old, adv, mask, is_weight=rho)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0],
+                                   rtol=0, atol=1e-6)

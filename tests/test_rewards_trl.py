@@ -7,6 +7,7 @@ function is called by keyword with `prompts`, `completions`, `completion_ids`, e
 
 import asyncio
 import inspect
+import json
 import math
 import re
 
@@ -17,10 +18,12 @@ from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
+from gspo.algos.advantages import compute_advantages
 from gspo.config.loading import compose
 from gspo.config.schema import RewardConfig
 from gspo.tasks import Problem, Verdict, build_task
 from gspo.tasks.rewards import RewardError, probe, score, trainer_state
+from gspo.train.trainer import train
 
 # In the spirit of TRL's documentation ("Using a custom reward function"): each takes what it needs by keyword.
 FNS = '''
@@ -225,3 +228,59 @@ def test_the_open_r1_math_verify_accuracy_reward_runs_as_the_trainer_calls_it(fn
     texts = ["so the answer is $\\boxed{0.5}$", "$\\boxed{4}$"]
     r, parts = timeouts.call(lambda: score(Unjudged(), cfg, texts, problems), 60, "scoring")
     assert r.tolist() == [1.0, 0.0]
+
+
+# --------------------------------------------------------------------------- several functions: GDPO
+
+
+def trl_normalize_then_sum(per_func: torch.Tensor, weights: list[float], G: int) -> torch.Tensor:
+    """TRL GRPOTrainer's multi_objective_aggregation="normalize_then_sum" (trl 1.16 `_generate_and_score_completions`,
+    restated): per function (r - nanmean_group) / (nanstd_group + 1e-4), weighted nansum, a row no function scored
+    NaN, then (s - nanmean) / (nanstd + 1e-4) over the batch; NaN advantages become 0."""
+    def nanstd(x, dim=None, keepdim=False):  # TRL's trainer.utils.nanstd: nanmean of squares, Bessel's correction
+        var = torch.nanmean((x - torch.nanmean(x, dim=dim, keepdim=True)) ** 2, dim=dim, keepdim=keepdim)
+        count = torch.sum(~torch.isnan(x), dim=dim, keepdim=keepdim)
+        return torch.sqrt(var * count / (count - 1))
+
+    unscorable = torch.isnan(per_func).all(dim=1)
+    grouped = per_func.view(-1, G, per_func.shape[1])
+    z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    s = (z.view(-1, per_func.shape[1]) * torch.tensor(weights, dtype=per_func.dtype)).nansum(dim=1)
+    s[unscorable] = torch.nan
+    return torch.nan_to_num((s - torch.nanmean(s)) / (nanstd(s) + 1e-4), nan=0.0)
+
+
+def test_several_functions_normalised_apart_as_trls_normalize_then_sum():
+    """algo.advantage=gdpo on reward=python's parts (reward/fn/<name>, NaN for a None) with reward.weights: the
+    advantages of TRL's normalize_then_sum on the same rewards (groups with spread in every function: TRL leaves
+    float noise in a flat group, gspo exactly 0)."""
+    from types import SimpleNamespace
+
+    from gspo.train import distributed
+    from gspo.train.critic import Critic
+
+    cfg = compose(["algo=gdpo", "reward=python", "reward.fn=[a.py:length,a.py:exact]", "reward.weights=[0.5,2.0]",
+                   "rollout.group_size=4"])
+    length = torch.tensor([3.0, 7.0, 1.0, 2.0, 5.0, 5.0, 9.0, 0.0])
+    exact = torch.tensor([1.0, 0.0, math.nan, 1.0, 0.0, 1.0, 1.0, math.nan])
+    parts = {"correct": exact.nan_to_num(), "fn/length": length, "fn/exact": exact, "unscored": torch.zeros(8)}
+    rewards = (0.5 * length + 2.0 * exact.nan_to_num())
+    batch = SimpleNamespace(rollout=SimpleNamespace(lengths=torch.full((8,), 3)), rewards=rewards, parts=parts)
+    adv, _ = Critic(cfg, distributed.Dist()).advantages(batch, torch.ones(8, 3), torch.zeros(8, 3), None)
+    want = trl_normalize_then_sum(torch.stack([length, exact], 1).double(), [0.5, 2.0], 4)
+    torch.testing.assert_close(adv.double(), want, rtol=0, atol=1e-6)
+    # summed first, then normalised (TRL's default, sum_then_normalize; gspo's grpo) gives other advantages
+    assert not torch.allclose(compute_advantages("grpo", rewards, 4), adv, atol=1e-2)
+
+
+def test_a_run_with_two_functions_and_gdpo_logs_each(tmp_path, cache_dir):
+    fns = tmp_path / "r.py"
+    fns.write_text("def short(completions, **kw):\n    return [-len(c) / 4 for c in completions]\n\n"
+                   "def right(completions, answer, **kw):\n    return [float(c.strip() == a) for c, a in "
+                   "zip(completions, answer)]\n")
+    train(compose(tiny(cache_dir, algo="gdpo", reward="python", **{"reward.fn": f"[{fns}:short,{fns}:right]",
+                                                                     "reward.weights": "[0.2,1.0]"})), tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["step"] == 2 and math.isfinite(last["train/loss"])
+    assert {"reward/fn/short/mean", "reward/fn/right/mean"} <= set(last)

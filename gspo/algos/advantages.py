@@ -127,6 +127,12 @@ def gpg(r: Tensor) -> Tensor:
     return centred * (n / (n - m) if m < n else 1.0)
 
 
+@register_advantage("gdpo")
+def _gdpo_summed(r: Tensor, eps: float = STD_EPS) -> Tensor:
+    """`gdpo` of the summed reward alone (one component); `compute_advantages` passes each function's (`gdpo`)."""
+    return gdpo(r.unsqueeze(-1), torch.ones(1), eps)
+
+
 @register_advantage("grpo_passk")
 def grpo_passk(r: Tensor, eps: float = STD_EPS) -> Tensor:
     """verl's `grpo_passk` (it cites arXiv 2503.19595): only each group's best completion (the first on ties) learns,
@@ -170,6 +176,50 @@ def passk(r: Tensor, k: int = 4, eps: float = STD_EPS) -> Tensor:
     return (cond - mean) / (std + eps)
 
 
+def _nanstd(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    """The unbiased std of the non-NaN entries (TRL's `nanstd`): NaN where fewer than two are left."""
+    mean = x.nanmean(dim=dim, keepdim=True)
+    n = (~x.isnan()).sum(dim=dim, keepdim=keepdim)
+    return ((x - mean) ** 2).nansum(dim=dim, keepdim=keepdim).div(n - 1).sqrt()
+
+
+def gdpo(components: Tensor, weights: Tensor, eps: float = STD_EPS, whiten: str = "completions",
+         lengths: Tensor | None = None) -> Tensor:
+    """GDPO (arXiv 2601.05242; TRL's multi_objective_aggregation="normalize_then_sum", verl's `gdpo`), (n_groups, G, K)
+    rewards of K functions -> (n_groups, G): each function's rewards normalised within the group, (r_k - mean) /
+    (std + eps), summed with `weights`, then the sum normalised over the batch, (s - mean) / (std + eps) over
+    completions (TRL) or whitened over tokens (`whiten="tokens"`, verl's masked_whiten, needs `lengths`).
+
+    NaN (a function's None) is left out of its group's mean and std and of the sum (TRL's nanmean / nansum); a
+    completion no function scored is left out of the batch's and gets 0. A function constant within a group
+    contributes exactly 0 there, and a group where every function is constant gets exactly 0 (no signal; as GRPO's).
+    """
+    g = components.shape[1]
+    mean = components.nanmean(dim=1, keepdim=True)
+    std = _nanstd(components, dim=1, keepdim=True) if g > 1 else torch.zeros_like(mean)
+    z = (components - mean) / (std + eps)
+    scored = ~components.isnan()
+    inf = torch.full_like(components, math.inf)
+    hi = torch.where(scored, components, -inf).amax(dim=1, keepdim=True)
+    lo = torch.where(scored, components, inf).amin(dim=1, keepdim=True)
+    constant = hi <= lo  # (n_groups, 1, K): the function gave its group's scored rows one value (or scored none)
+    z = torch.where(constant & scored, torch.zeros_like(z), z)
+    s = (z * weights.to(z.dtype)).nansum(dim=-1)  # (n_groups, G)
+    none = ~scored.any(dim=-1)
+    s = torch.where(none, torch.full_like(s, math.nan), s)
+    if whiten == "tokens":
+        if lengths is None:
+            raise ValueError("whiten='tokens' needs the completions' lengths")
+        keep = ~none.reshape(-1)
+        flat_s = s.reshape(-1).clone()
+        flat_s[keep] = whitened_over_tokens(flat_s[keep], lengths.reshape(-1)[keep])
+        adv = flat_s.view_as(s)
+    else:
+        adv = (s - s.nanmean()) / (_nanstd(s) + eps)
+    adv = torch.where(constant.squeeze(1).all(dim=-1, keepdim=True), torch.zeros_like(adv), adv)
+    return adv.nan_to_num(nan=0.0)
+
+
 # Estimators with a group baseline: a group whose rewards are all equal carries no signal, and its
 # advantages are exactly 0 (a float32 group mean of equal values is not always that value: 8 x 0.1 sums
 # to 0.8000001, so r - mean would be ~1e-8, and ~1e-4 once divided by std + 1e-4).
@@ -189,7 +239,8 @@ def whitened_over_tokens(values: Tensor, lengths: Tensor, eps: float = 1e-8) -> 
 
 
 def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int = 4, std_eps: float = STD_EPS,
-                       whiten: str = "completions", lengths: Tensor | None = None) -> Tensor:
+                       whiten: str = "completions", lengths: Tensor | None = None, components: Tensor | None = None,
+                       weights: Tensor | None = None) -> Tensor:
     """Advantages (N,) for group-contiguous rewards (N,) with G = group_size completions per prompt.
 
     passk_k: the k of the `passk` estimator (ignored by the others). The rewards are the WHOLE batch's:
@@ -197,7 +248,8 @@ def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int
     them, so under several ranks the trainer gathers every rank's rewards first and keeps its own rows.
     std_eps: added to every std (`algo.std_eps`; gspo 1e-4 as TRL, verl 1e-6). whiten: the REINFORCE++
     estimators normalise over completions (gspo) or, `tokens`, over tokens as verl 0.9.1 does (needs the
-    completions' `lengths`).
+    completions' `lengths`). components (N, K), weights (K,): `gdpo`'s rewards of each function and their weights
+    (None: the rewards as the one component).
     """
     if name not in ADVANTAGES:
         raise ConfigError(f"unknown advantage estimator {name!r}; valid: {', '.join(advantage_names())}")
@@ -220,6 +272,12 @@ def compute_advantages(name: str, rewards: Tensor, group_size: int, passk_k: int
         adv = whitened_over_tokens(centred.reshape(-1), lengths).view_as(grouped)
     elif name == "passk":
         adv = passk(grouped, passk_k, std_eps)
+    elif name == "gdpo":
+        comps = grouped.unsqueeze(-1) if components is None else components.to(r.dtype).view(*grouped.shape, -1)
+        w = torch.ones(comps.shape[-1]) if weights is None else torch.as_tensor(weights)
+        if w.numel() != comps.shape[-1]:
+            raise ValueError(f"gdpo: {w.numel()} weights for {comps.shape[-1]} reward components")
+        adv = gdpo(comps, w, std_eps, whiten, None if lengths is None else lengths.view_as(grouped))
     else:
         adv = fn(grouped, eps=std_eps) if "eps" in inspect.signature(fn).parameters else fn(grouped)
     if name in GROUP_BASELINED:

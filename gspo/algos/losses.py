@@ -17,8 +17,9 @@ loss cannot silently ignore the aggregation it is given.
 
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 import torch
@@ -27,7 +28,8 @@ from torch import Tensor
 from gspo.algos.kl import KL_KINDS, kl_penalty
 from gspo.config.errors import ConfigError
 
-AGG_MODES = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
+AGG_MODES = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
+LOG_1E8 = math.log(1e-8)  # VESPO's floor on its log sequence weight (TRL's clamp)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Hyper:
     router_shift: Optional[Tensor] = None  # (B, T) RSPO router-shift factor; None = ones
     router_shift_floor: float = 0.0  # RSPO lower bound of the factor
     is_weight: Optional[Tensor] = None  # (B, T) truncated IS weights of the sampler/trainer mismatch (TIS); None = ones
+    keep: Optional[Tensor] = None  # (B, T) 0/1: the tokens the policy term trains on (top_entropy_quantile); None = all
     clip_cov_ratio: float = 2e-4  # Clip-Cov: share of tokens whose gradient is cut (at least one)
     clip_cov_lb: float = 1.0  # Clip-Cov: only tokens with covariance in (lb, ub) are candidates
     clip_cov_ub: float = 5.0
@@ -57,6 +60,12 @@ class Hyper:
     topk_old_logp: Optional[Tensor] = None  # (B, T, k) DPPO top-k: the sampler's log-probs of its k most likely tokens
     topk_logp: Optional[Tensor] = None  # (B, T, k) the policy's log-probs of the same tokens (no grad needed)
     topk_divergence: str = "tv"  # DPPO top-k: tv | kl
+    vespo_k_pos: float = 2.0  # VESPO: power k of the Gamma kernel for A >= 0 (TRL's default; the paper's c1)
+    vespo_lambda_pos: float = 3.0  # VESPO: decay lambda for A >= 0 (the paper's c2)
+    vespo_k_neg: float = 3.0  # VESPO: k for A < 0
+    vespo_lambda_neg: float = 2.0  # VESPO: lambda for A < 0
+    dro_beta: float = 0.05  # DRO: coefficient of the quadratic log-ratio penalty (verl's dro_beta)
+    m2_threshold: float = 0.04  # M2PO: the mean squared log-ratio the kept tokens may have (AReaL's m2_threshold)
 
 
 HYPER_NAMES = tuple(f.name for f in fields(Hyper))
@@ -83,22 +92,29 @@ class LossSpec:
     agg: str  # default aggregation (the paper's)
     seq_ratio: bool  # one ratio per sequence: token_mean would weight sequences by length
     ppo_clip: bool  # PPO's min(r A, clip(r) A) (`_ppo_clip`): the losses the two-sided clip `delta` applies to
+    settings: tuple[str, ...] = ()  # the loss's own keys: fields of `Hyper`, read from `algo.<same name>`
+    is_weight_in_ratio: bool = False  # the mismatch weight enters the loss's own ratio (VESPO), not multiplies it
 
 
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, *, agg: str, seq_ratio: bool = False,
-                  ppo_clip: bool = False) -> Callable[[LossFn], LossFn]:
+def register_loss(name: str, *, agg: str, seq_ratio: bool = False, ppo_clip: bool = False,
+                  settings: tuple[str, ...] = (), is_weight_in_ratio: bool = False) -> Callable[[LossFn], LossFn]:
     """Decorator: add a loss to the registry under `name` with its default aggregation; `ppo_clip`: its objective
-    is PPO's clipped one (`_ppo_clip`), which the two-sided clip `delta` acts on."""
+    is PPO's clipped one (`_ppo_clip`), which the two-sided clip `delta` acts on; `settings`: the `Hyper` fields
+    only this loss reads (the trainer passes them from `algo.<name>`); `is_weight_in_ratio`: the loss folds the
+    mismatch corrections' weight (`Hyper.is_weight`) into its own ratio instead of being multiplied by it."""
     if agg not in AGG_MODES:
         raise ValueError(f"loss {name!r}: unknown aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
+    unknown = [k for k in settings if k not in HYPER_NAMES]
+    if unknown:
+        raise ValueError(f"loss {name!r}: settings {unknown} are not fields of Hyper")
 
     def decorator(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered (by {LOSSES[name].fn.__name__})")
-        LOSSES[name] = LossSpec(fn, agg, seq_ratio, ppo_clip)
+        LOSSES[name] = LossSpec(fn, agg, seq_ratio, ppo_clip, tuple(settings), is_weight_in_ratio)
         return fn
 
     return decorator
@@ -130,6 +146,8 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_tokens: Optional[i
     seq_mean_token_mean      (1/#seqs) sum_i (1/|y_i|) sum_t m x   (GRPO, GSPO); rows with no token are left out
     token_mean               sum_{i,t} m x / sum_{i,t} m           (DAPO): every token weighs the same
     seq_mean_token_sum_norm  sum_{i,t} m x / (B * max_tokens)      (Dr. GRPO): a constant, so no length bias
+    seq_mean_token_sum       (1/#seqs) sum_i sum_t m x             (LUSPO; verl's seq-mean-token-sum): a sequence's
+                                                                   tokens summed, so a per-sequence term weighs |y_i|
 
     Each mode is a sum over rows divided by `aggregate_denominator`, which is what lets
     several processes split a minibatch by rows and still compute this one loss.
@@ -151,7 +169,7 @@ def aggregate_denominator(mask: Tensor, mode: str, max_tokens: Optional[int] = N
     lo = 1.0 if clamp else 0.0
     if mode == "token_mean":
         return m.sum().clamp(min=lo)
-    if mode == "seq_mean_token_mean":
+    if mode in ("seq_mean_token_mean", "seq_mean_token_sum"):
         return (m.sum(dim=1) > 0).sum().to(torch.float32).clamp(min=lo)
     if mode == "seq_mean_token_sum_norm":
         if max_tokens is None or max_tokens <= 0:
@@ -227,6 +245,12 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
     return Terms(objective, s, low, high, dual)
 
 
+# LUSPO, arXiv 2602.05261 (TRL's loss_type="luspo"): GSPO's objective with each sequence's term summed over its
+# tokens instead of averaged, i.e. weighted by its length |y_i|. Under GSPO's per-sequence mean a long completion's
+# gradient is divided by its length, which the paper finds shortens responses (up to collapse); LUSPO undoes that.
+register_loss("luspo", agg="seq_mean_token_sum", seq_ratio=True, ppo_clip=True)(gspo)
+
+
 @register_loss("gspo_token", agg="seq_mean_token_mean", seq_ratio=True, ppo_clip=True)
 def gspo_token(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """GSPO-token, arXiv 2507.18071 §4.3: GSPO's ratio value, per-token advantages allowed."""
@@ -276,7 +300,7 @@ def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -
     return Terms(objective, wd, wd < 1.0 - h.eps_low, wd > 1.0 + h.eps_high)
 
 
-@register_loss("sapo", agg="seq_mean_token_mean")
+@register_loss("sapo", agg="seq_mean_token_mean", settings=("tau_pos", "tau_neg"))
 def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """SAPO, arXiv 2511.20347: a soft sigmoid gate on the token ratio instead of a hard clip."""
     w = torch.exp(logp - old_logp)
@@ -285,7 +309,7 @@ def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
     return Terms(gate * adv, w, _no_clip(w), _no_clip(w))  # J = f(w_{i,t}) A
 
 
-@register_loss("rspo", agg="seq_mean_token_mean", ppo_clip=True)
+@register_loss("rspo", agg="seq_mean_token_mean", ppo_clip=True, settings=("router_shift_floor",))
 def rspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """RSPO, arXiv 2510.23027: GRPO's token ratio rescaled by the router-shift factor before clipping.
 
@@ -337,6 +361,17 @@ def _dppo(logp: Tensor, old_logp: Tensor, adv: Tensor, inside_pos: Tensor, insid
     return Terms(objective, w.detach(), ~keep & (adv < 0), ~keep & (adv > 0), dual)
 
 
+@register_loss("pg_is", agg="token_mean")
+def pg_is(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """REINFORCE with the sequence's truncated importance weight, verl's bypass_pg_is (rollout_correction loss_type=
+    reinforce, rollout_is=sequence): J = sg(min(prod_t pi / pi_old, c)) A log pi(y_t), c = clip_ratio_c (verl's
+    rollout_is_threshold, 2; None: no truncation), the sum of log-ratios clamped to [-20, 20] as verl's. In verl's
+    bypass mode pi_old is the sampler's (rollout.old_logprobs=sampler). clip/frac_dual: tokens whose weight was cut."""
+    w = torch.exp(((logp - old_logp) * mask).sum(dim=1, keepdim=True).clamp(-20.0, 20.0)).expand_as(logp)
+    w_bar, capped = _truncated_is(w, h)
+    return Terms(w_bar * adv * logp, w.detach(), _no_clip(w), _no_clip(w), capped)
+
+
 @register_loss("dppo_tv", agg="seq_mean_token_sum_norm")
 def dppo_tv(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """DPPO-Binary-TV, arXiv 2602.04879: trust region |pi(y_t) - pi_old(y_t)| (the binary TV) instead of the ratio.
@@ -380,7 +415,7 @@ def topk_divergence(topk_old_logp: Tensor, topk_logp: Tensor, kind: str = "tv") 
     raise ConfigError(f"topk_divergence={kind!r}: must be tv or kl")
 
 
-@register_loss("dppo_topk", agg="seq_mean_token_sum_norm")
+@register_loss("dppo_topk", agg="seq_mean_token_sum_norm", settings=("topk_divergence",))
 def dppo_topk(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """DPPO-TopK, arXiv 2602.04879: the trust region is the divergence (TV or KL, `topk_divergence`) between the
     sampler's distribution on its top-k tokens plus the rest and the policy's on the same buckets
@@ -404,7 +439,7 @@ def _token_cov(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
     return (adv - (adv * mask).sum() / n) * (lp - (lp * mask).sum() / n)
 
 
-@register_loss("clip_cov", agg="token_mean", ppo_clip=True)
+@register_loss("clip_cov", agg="token_mean", ppo_clip=True, settings=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
 def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """Clip-Cov, arXiv 2505.22617: GRPO's PPO clip, plus the gradient of a few high-covariance tokens cut.
 
@@ -428,7 +463,7 @@ def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper
     return Terms(objective, w, low, high, dual, clip_cov=picked)
 
 
-@register_loss("kl_cov", agg="token_mean")
+@register_loss("kl_cov", agg="token_mean", settings=("kl_cov_ratio", "kl_cov_coef"))
 def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """KL-Cov, arXiv 2505.22617: the unclipped surrogate w A, minus kl_cov_coef |log pi - log pi_old| on the
     max(1, int(kl_cov_ratio * #tokens)) tokens of highest covariance. No ratio clip."""
@@ -457,6 +492,74 @@ def topr(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
     return Terms(alpha * adv * logp, seq_w, (adv < 0) & (seq_w > 1.0), _no_clip(seq_w))
 
 
+@register_loss("vespo", agg="token_mean", settings=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                                                     "vespo_lambda_neg"), is_weight_in_ratio=True)
+def vespo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """VESPO (TRL's loss_type="vespo", TRL #5199; arXiv 2602.10693): J = sg(phi(W_i)) A log pi(y_t), a smooth Gamma
+    kernel phi(W) = W^k exp(lambda (1 - W)) (phi(1) = 1, maximal at W = k / lambda) of the sequence's whole importance
+    ratio W_i = prod_t pi / pi_old instead of a clip, with (k, lambda) by the sign of A.
+
+    As TRL computes it: each token's log-ratio clamped to [-20, 20], their sum plus the log of the mismatch weight
+    (`is_weight`, the sampler's truncated or masked pi_old / mu: W is then pi / mu) clamped to [log 1e-8, 20], the
+    kernel taken in log space, lambda floored at 1e-4, a non-finite phi set to 0.
+    """
+    with torch.no_grad():
+        log_w = ((logp - old_logp).clamp(-20.0, 20.0) * mask).sum(dim=1, keepdim=True)
+        if h.is_weight is not None:  # log 0 (a masked token) clamps to log 1e-8: the sequence is all but dropped
+            log_w = log_w + (h.is_weight.to(logp.dtype).log().clamp(LOG_1E8, 20.0) * mask).sum(dim=1, keepdim=True)
+        log_w = log_w.clamp(LOG_1E8, 20.0).expand_as(logp)
+        pos = adv >= 0
+        k = torch.where(pos, h.vespo_k_pos, h.vespo_k_neg)
+        lam = torch.where(pos, h.vespo_lambda_pos, h.vespo_lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return Terms(phi * adv * logp, log_w.exp(), _no_clip(logp), _no_clip(logp))
+
+
+@register_loss("dro", agg="token_mean", settings=("dro_beta",))
+def dro(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """DRO as verl registers it (`dro`, verl #7245; Tinker's `dro` loss): J_t = A log pi(y_t) - (beta / 2)
+    (log pi(y_t) - log pi_old(y_t))^2, the policy gradient with a quadratic penalty on the log-ratio instead of a
+    clip (it acts on every token, A = 0 included). No ratio in the objective; policy/ratio_* report exp(d_t)."""
+    d = logp - old_logp
+    w = torch.exp(d).detach()
+    return Terms(adv * logp - 0.5 * h.dro_beta * d * d, w, _no_clip(w), _no_clip(w))
+
+
+def m2_keep(d: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """M2PO's mask (arXiv 2510.01161; AReaL's `_get_m2po_loss_mask`): over the tokens of `mask`, drop those of largest
+    M2_t = d_t^2 one by one until the mean M2 of the rest is below `threshold`; at least one token is kept.
+    Returns a bool (B, T), False on padding and on the dropped tokens. Ties are broken by position (a stable sort)."""
+    m = mask.bool()
+    keep = torch.zeros_like(m)
+    m2 = (d.detach() ** 2)[m]
+    n = m2.numel()
+    if n == 0:
+        return keep
+    order = torch.argsort(m2, descending=True, stable=True)
+    sorted_m2 = m2[order]
+    # mean of sorted_m2[i:] for each i: the tokens left after dropping the i largest
+    suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, device=m2.device, dtype=m2.dtype)
+    below = (suffix_mean < threshold).nonzero()
+    n_drop = int(below[0]) if below.numel() else n - 1
+    kept = torch.ones(n, dtype=torch.bool, device=m.device)
+    kept[order[:n_drop]] = False
+    keep[m] = kept
+    return keep
+
+
+@register_loss("m2po", agg="token_mean", settings=("m2_threshold",))
+def m2po(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
+    """M2PO, arXiv 2510.01161 (AReaL's `m2_threshold`): the unclipped surrogate J_t = M_t w_t A, w_t = exp(d_t), where
+    M_t drops the tokens of largest d_t^2 until the mean second moment of the rest is below m2_threshold
+    (`m2_keep`, over the tokens of the minibatch). A trust region on the second moment of the log-ratio: only the
+    extreme tokens go, so stale batches keep training. Dropped tokens count in clip/frac_low (A < 0) and _high (A > 0).
+    """
+    w = torch.exp(logp - old_logp)
+    keep = m2_keep(logp - old_logp, mask, h.m2_threshold)
+    gone = ~keep & (mask > 0)
+    return Terms(keep.to(logp.dtype) * w * adv, w.detach(), gone & (adv < 0), gone & (adv > 0))
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -479,6 +582,8 @@ def _parse_hyper(hyper: dict) -> Hyper:
         raise ConfigError(f"clip_cov_ratio and kl_cov_ratio must be in (0, 1], got {h.clip_cov_ratio}, {h.kl_cov_ratio}")
     if h.kl_estimator not in KL_KINDS:
         raise ConfigError(f"unknown KL estimator {h.kl_estimator!r}; valid: {', '.join(KL_KINDS)}")
+    if h.dro_beta <= 0 or h.m2_threshold <= 0:
+        raise ConfigError(f"dro_beta and m2_threshold must be > 0, got {h.dro_beta}, {h.m2_threshold}")
     return h
 
 
@@ -486,7 +591,7 @@ def _check_shapes(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     if logp.dim() != 2:
         raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
     others = {"old_logp": old_logp, "mask": mask, "ref_logp": h.ref_logp, "router_shift": h.router_shift,
-              "is_weight": h.is_weight}
+              "is_weight": h.is_weight, "keep": h.keep}
     for label, t in others.items():
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{label} must have logp's shape {tuple(logp.shape)}, got {tuple(t.shape)}")
@@ -533,10 +638,14 @@ def policy_loss(
     adv = advantages.detach().to(logp.dtype)
     adv = torch.where(m, adv.unsqueeze(1).expand_as(logp) if adv.dim() == 1 else adv, zero)
 
+    if h.is_weight is not None:  # (VESPO reads it on the tokens only, as 1 on padding)
+        h = replace(h, is_weight=torch.where(m, h.is_weight.detach().to(logp.dtype), torch.ones_like(logp)))
     terms = spec.fn(logp, old, adv, mf, h)
     per_token = -terms.objective
-    if h.is_weight is not None:  # TIS: the policy term reweighted for tokens the sampler drew, not pi_old
-        per_token = per_token * torch.where(m, h.is_weight.detach().to(logp.dtype), zero)
+    if h.is_weight is not None and not spec.is_weight_in_ratio:  # TIS: the policy term reweighted for tokens the
+        per_token = per_token * torch.where(m, h.is_weight, zero)  # sampler drew, not pi_old
+    if h.keep is not None:  # only these tokens train the policy term; the denominator stays every token's
+        per_token = per_token * torch.where(m, h.keep.detach().to(logp.dtype), zero)
 
     stats: dict[str, float] = {}
     use_kl = h.beta != 0.0 and h.ref_logp is not None

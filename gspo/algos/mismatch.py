@@ -21,8 +21,13 @@ multiplies the policy term (0 = masked) and what it did, named as the peers name
   tis_sequence     min(prod_t rho_t, C)                    verl rollout_is=sequence; TRL sequence_truncate
   mask_token       1[a <= rho_t <= b], default [0.5, 5]    masked IS / IcePop (arXiv 2510.18855); verl
                                                            rollout_rs=token; TRL token_mask
-  mask_geometric   1[lo <= exp(mean_t log rho_t) <= hi],   geometric sequence masking; verl rollout_rs=geometric
-                   default [0.99, 1.01]
+  mask_geometric   1[lo <= exp(mean_t log rho_t) <= hi],   geometric sequence masking; verl rollout_rs=seq_mean_k1
+                   default [0.99, 1.01]                    (decoupled_geo_rs); SkyRL sequence_mask_metric=geometric
+  mask_sequence    1[lo <= prod_t rho_t <= hi],            sequence masking on the whole ratio; verl rollout_rs=
+                   default [0.5, 2]                        seq_sum_k1 (decoupled_seq_is_rs); SkyRL product; TRL
+                                                           sequence_mask (with tis=sequence)
+  mask_outlier     1[lo <= rho_t <= hi for every t],       a sequence with one outlier token dropped whole; SkyRL
+                   default [0.5, 5]                        outlier_token_is_threshold_low/high
   mask_offpolicy   0 where A < 0 and mean_t log(mu/pi_theta) > delta: DeepSeek-V3.2's off-policy sequence
                    masking (its technical report, Eq. 9), against the policy being updated (per minibatch)
 
@@ -40,6 +45,7 @@ ratios' own range, never by the kept mass. `rollout/top_p_kept_mass` logs Z.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -47,7 +53,9 @@ import torch
 from torch import Tensor
 
 TIS_LEVELS = ("none", "token", "sequence")
-MASK_DEFAULTS = {"token": (0.5, 5.0), "geometric": (0.99, 1.01)}  # the peers' defaults (IcePop; verl's geometric RS)
+# the peers' defaults: IcePop's; SkyRL's geo_mask; verl's decoupled_seq_is_rs and SkyRL's product_mask; SkyRL has none
+# for its outlier mask, so the token mask's
+MASK_DEFAULTS = {"token": (0.5, 5.0), "geometric": (0.99, 1.01), "sequence": (0.5, 2.0), "outlier": (0.5, 5.0)}
 
 
 @torch.no_grad()
@@ -57,7 +65,12 @@ def mismatch_metrics(trainer: Tensor, sampler: Tensor, mask: Tensor,
     KL(mu || pi_old) per token), `rollout/seq_logratio_abs_mean` (mean over sequences of
     |mean_t log pi_old/mu|: how far GSPO's length-normalised sequence ratio sits from 1 before any
     update), `rollout/ratio_min|max` (extremes of rho_t = pi_old/mu) and, given the sampler's
-    nucleus kept mass (B, T), `rollout/top_p_kept_mass` (its mean over tokens)."""
+    nucleus kept mass (B, T), `rollout/top_p_kept_mass` (its mean over tokens).
+
+    Under NeMo-RL's names, as its ClippedPGLossFn computes them (nemo_rl/algorithms/loss/loss_functions.py):
+    `rollout/token_mult_prob_error` = mean_t exp(|log mu - log pi_old|) (1 when they agree) and
+    `rollout/gen_kl_error` = mean_t of its k3 KL(P_gen || P_train) = exp(log pi_old - log mu) - 1 - (log pi_old -
+    log mu), the same number as `rollout/mismatch_kl`."""
     m = mask.bool()
     d = (trainer - sampler).float()  # log pi_old/mu per token
     if not m.any():
@@ -74,7 +87,9 @@ def mismatch_metrics(trainer: Tensor, sampler: Tensor, mask: Tensor,
         "rollout/seq_logratio_abs_mean": float(seq.mean()),
         "rollout/ratio_min": float(d[m].min().exp()),
         "rollout/ratio_max": float(d[m].max().exp()),
+        "rollout/token_mult_prob_error": float(diff.exp().mean()),
     }
+    out["rollout/gen_kl_error"] = out["rollout/mismatch_kl"]
     if kept_mass is not None:
         out["rollout/top_p_kept_mass"] = float(kept_mass[m].mean())
     return out
@@ -176,6 +191,26 @@ def mask_geometric(x: MismatchBatch, r: Any) -> tuple[Tensor, dict[str, float]]:
     return _on_tokens(keep[:, None].float().expand_as(x.mask), x.mask), {"rollout/mask_geometric_frac": _share(~keep, has)}
 
 
+def mask_sequence(x: MismatchBatch, r: Any) -> tuple[Tensor, dict[str, float]]:
+    """Sequence masking on the whole ratio: a sequence counts only while lo <= prod_t rho_t <= hi."""
+    lo, hi = _bounds(r)
+    log_w = (x.log_rho() * x.mask).sum(-1)
+    keep = (log_w >= math.log(lo) if lo > 0 else torch.ones_like(log_w, dtype=torch.bool)) & (log_w <= math.log(hi))
+    has = x.mask.sum(-1) > 0
+    weight = _on_tokens(keep[:, None].float().expand_as(x.mask), x.mask)
+    return weight, {"rollout/mask_sequence_frac": _share(~keep, has)}
+
+
+def mask_outlier(x: MismatchBatch, r: Any) -> tuple[Tensor, dict[str, float]]:
+    """SkyRL's outlier-token mask: a sequence counts only while every one of its tokens has lo <= rho_t <= hi."""
+    lo, hi = _bounds(r)
+    rho = x.log_rho().exp()
+    bad = ((rho < lo) | (rho > hi)) & x.mask.bool()
+    keep = ~bad.any(-1)
+    has = x.mask.sum(-1) > 0
+    return _on_tokens(keep[:, None].float().expand_as(x.mask), x.mask), {"rollout/mask_outlier_frac": _share(~keep, has)}
+
+
 def mask_offpolicy(x: MismatchBatch, r: Any) -> tuple[Tensor, dict[str, float]]:
     """DeepSeek-V3.2 off-policy sequence masking: drop a sequence with A < 0 whose mean_t log(mu/pi_theta) > delta."""
     if x.current is None:
@@ -191,6 +226,8 @@ CORRECTIONS: dict[str, Callable[[MismatchBatch, Any], tuple[Tensor, dict[str, fl
     "tis_sequence": tis_sequence,
     "mask_token": mask_token,
     "mask_geometric": mask_geometric,
+    "mask_sequence": mask_sequence,
+    "mask_outlier": mask_outlier,
     "mask_offpolicy": mask_offpolicy,
 }
 

@@ -21,7 +21,7 @@ CHOICES = {
     "moe.routing_replay": ("none", "R2", "R3"),
     "rollout.old_logprobs": ("auto", "sampler", "recompute"),
     "rollout.tis": ("none", "token", "sequence"),
-    "rollout.mask": ("none", "token", "geometric"),
+    "rollout.mask": ("none", "token", "geometric", "sequence", "outlier"),
     "rollout.dtype": (None, "float32", "bfloat16", "float16"),
     "rollout.engine": ("hf", "fast", "auto", "vllm"),
     "reward.device": (None, "cpu", "cuda", "auto"),
@@ -32,7 +32,7 @@ CHOICES = {
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.topk_divergence": ("tv", "kl"),
     "algo.whiten": ("completions", "tokens"),
-    "algo.agg": (None, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"),
+    "algo.agg": (None, "seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum"),
     "model.arch": ("qwen3", "qwen3_moe", "hf"),
     "model.attn_implementation": ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"),
     "logger.wandb_cfg.mode": ("online", "offline", "disabled"),
@@ -106,6 +106,12 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "algo.kl_cov_ratio": (*_within(0, 1, lo_open=True), "a share of the tokens (at least one is always picked)"),
     "algo.kl_cov_coef": (*_at_least(0), ""),
     "algo.passk_k": (*_at_least(1), "pass@k of k >= 1 samples"),
+    "algo.vespo_k_pos": (*_at_least(0), "the kernel's power"),
+    "algo.vespo_k_neg": (*_at_least(0), "the kernel's power"),
+    "algo.vespo_lambda_pos": (*_above(0), "the kernel's decay"),
+    "algo.vespo_lambda_neg": (*_above(0), "the kernel's decay"),
+    "algo.dro_beta": (*_above(0), "verl refuses DRO without a positive penalty"),
+    "algo.m2_threshold": (*_above(0), "the second moment the kept tokens' log-ratios may have"),
     "algo.std_eps": (*_at_least(0), "added to the std: 0 leaves an all-equal group 0/0 only where the std is 0"),
     "algo.max_sample_batches": (*_at_least(1), ""),
     "algo.overlong_buffer": (*_at_least(0), "0 = off"),
@@ -145,6 +151,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.warm_start.problems": (*_at_least(0), "0 = fresh problems every step"),
     "model.warm_start.target_accuracy": (*_within(0, 1), "0 = run every step"),
     "model.warm_start.check_every": (*_at_least(1), ""),
+    "teacher.coef": (*_at_least(0), "the weight of the distillation component"),
+    "teacher.rl_coef": (*_at_least(0), "the weight of the RL term; 0 = distillation alone"),
     "reward.correct": (*_finite(), ""),
     "reward.format_score": (*_finite(), ""),
     "reward.ill_formed": (*_finite(), ""),
@@ -215,6 +223,9 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if a.advantage == "gae" and a.critic.warmup >= cfg.train.steps:
         return (f"algo.critic.warmup={a.critic.warmup}: must be below train.steps={cfg.train.steps} (the policy trains "
                 "only after the critic's warm-up steps)")
+    if a.advantage == "gdpo" and a.kl_in_reward:
+        return ("algo.advantage=gdpo normalises each reward function's part apart, and a KL penalty in the reward "
+                "(algo.kl_in_reward=true) is none of them: put the KL in the loss (algo.kl_in_reward=false)")
     if cfg.algo.advantage == "passk" and cfg.algo.passk_k > r.group_size:
         return f"algo.passk_k={cfg.algo.passk_k}: must be at most rollout.group_size={r.group_size} (k of the group's samples)"
     positions = _max_positions(cfg)
@@ -252,6 +263,9 @@ def check_values(cfg: Any) -> None:
     problem = model_dir_problem(cfg.model.path) if cfg.model.arch == "hf" else None
     if problem:
         raise ConfigError(f"model.path={cfg.model.path}: {problem}")
+    problem = model_dir_problem(cfg.teacher.path) if cfg.teacher.path else None
+    if problem:
+        raise ConfigError(f"teacher.path={cfg.teacher.path}: {problem}")
     r = cfg.rollout
     if r.mask != "none" and r.mask_low is not None and r.mask_high is not None and r.mask_low >= r.mask_high:
         raise ConfigError(f"rollout.mask_low={r.mask_low}: must be below rollout.mask_high={r.mask_high}")
@@ -345,17 +359,20 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.hidden_size": (lambda c: c.model.arch != "hf", "a model=hf checkpoint has its own shape"),
     "model.num_layers": (lambda c: c.model.arch != "hf", "a model=hf checkpoint has its own shape"),
     "rollout.tis_cap": (lambda c: c.rollout.tis != "none", "TIS is off: set rollout.tis=token or sequence"),
-    "rollout.mask_low": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token or geometric"),
-    "rollout.mask_high": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token or geometric"),
+    "rollout.mask_low": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token, geometric, ..."),
+    "rollout.mask_high": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token, geometric, ..."),
     "algo.tau_pos": (lambda c: c.algo.loss == "sapo", "only the sapo loss has gate temperatures"),
     "algo.tau_neg": (lambda c: c.algo.loss == "sapo", "only the sapo loss has gate temperatures"),
     "algo.router_shift_floor": (lambda c: c.algo.loss == "rspo", "only the rspo loss reads it"),
     "algo.clip_cov_": (lambda c: c.algo.loss == "clip_cov", "only the clip_cov loss reads it"),
     "algo.kl_cov_": (lambda c: c.algo.loss == "kl_cov", "only the kl_cov loss reads it"),
     "algo.topk_divergence": (lambda c: c.algo.loss == "dppo_topk", "only the dppo_topk loss reads it"),
+    "algo.vespo_": (lambda c: c.algo.loss == "vespo", "only the vespo loss reads it"),
+    "algo.dro_beta": (lambda c: c.algo.loss == "dro", "only the dro loss reads it"),
+    "algo.m2_threshold": (lambda c: c.algo.loss == "m2po", "only the m2po loss reads it"),
     "algo.passk_k": (lambda c: c.algo.advantage == "passk", "only the passk advantage reads it"),
-    "algo.whiten": (lambda c: c.algo.advantage.startswith("reinforce_plus_plus"), "only the reinforce_plus_plus "
-                    "advantages read it"),
+    "algo.whiten": (lambda c: c.algo.advantage.startswith("reinforce_plus_plus") or c.algo.advantage == "gdpo",
+                    "only the reinforce_plus_plus and gdpo advantages read it"),
     "algo.max_sample_batches": (lambda c: c.algo.dynamic_sampling, "dynamic sampling is off (algo=dapo has it)"),
     "algo.filter_metric": (lambda c: c.algo.dynamic_sampling, "dynamic sampling is off (algo=dapo has it)"),
     "algo.overlong_penalty": (lambda c: c.algo.overlong_buffer > 0, "the overlong buffer is 0: set algo.overlong_buffer"),
@@ -373,6 +390,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.use_chat_template": (lambda c: c.rollout.tools is None or c.model.use_chat_template,
                                 "with rollout.tools every prompt is rendered with the chat template, which holds the "
                                 "tools and their turns"),
+    "teacher.coef": (lambda c: bool(c.teacher.path), "there is no teacher: set teacher.path=DIR"),
+    "teacher.rl_coef": (lambda c: bool(c.teacher.path), "there is no teacher: set teacher.path=DIR"),
     "rollout.tool_timeout_s": (lambda c: c.rollout.tools is not None, "no tools: set rollout.tools=FILE.py:fn"),
 }
 

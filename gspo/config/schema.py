@@ -60,6 +60,12 @@ class AlgoConfig:
     kl_cov_ratio: float = 2e-3  # KL-Cov: share of tokens (top covariance, at least one) penalised by kl_cov_coef |log pi - log pi_old|
     kl_cov_coef: float = 1.0
     topk_divergence: str = "tv"  # dppo_topk: tv | kl, between the sampler's top-k (+ the rest) and the policy's
+    vespo_k_pos: float = 2.0  # vespo: power k of the Gamma kernel W^k exp(lambda (1 - W)) for A >= 0 (TRL's default)
+    vespo_lambda_pos: float = 3.0  # vespo: its decay lambda for A >= 0
+    vespo_k_neg: float = 3.0  # vespo: k for A < 0
+    vespo_lambda_neg: float = 2.0  # vespo: lambda for A < 0
+    dro_beta: float = 0.05  # dro: the penalty (beta / 2)(log pi - log pi_old)^2 per token (verl's dro_beta)
+    m2_threshold: float = 0.04  # m2po: tokens of largest squared log-ratio are dropped until the rest's mean is below it
     passk_k: int = 4  # advantage passk: the k of pass@k (1 <= k <= rollout.group_size)
     std_eps: float = 1e-4  # added to every std of the advantage estimators (TRL 1e-4; verl 0.9.1: 1e-6)
     whiten: str = "completions"  # reinforce_plus_plus(_baseline): over completions, or tokens (verl 0.9.1's choice)
@@ -226,11 +232,12 @@ class RolloutConfig:
     mismatch_every: int = 10  # with sampler log-probs, recompute them every N steps to log the mismatch (0 = never)
     tis: str = "none"  # none | token | sequence: truncated IS correction of the sampler/trainer mismatch (recompute only)
     tis_cap: float = 2.0  # TIS truncation C: weights min(pi_old / mu, C)
-    # none | token | geometric: mask tokens whose rho = pi_old/mu is outside [mask_low, mask_high] (masked IS /
-    # IcePop), or sequences whose exp(mean_t log rho) is (geometric); combines with rollout.tis (recompute only)
+    # none | token | geometric | sequence | outlier: mask tokens whose rho = pi_old/mu is outside [mask_low, mask_high]
+    # (masked IS / IcePop), or sequences whose exp(mean_t log rho) is (geometric), whose prod_t rho is (sequence), or
+    # that have one such token (outlier); combines with rollout.tis (recompute only). gspo/algos/mismatch.py
     mask: str = "none"
-    mask_low: Optional[float] = None  # None = the peers' default: 0.5 (token), 0.99 (geometric)
-    mask_high: Optional[float] = None  # None = 5 (token), 1.01 (geometric)
+    mask_low: Optional[float] = None  # None = the peers' default: 0.5 (token, sequence, outlier), 0.99 (geometric)
+    mask_high: Optional[float] = None  # None = 5 (token, outlier), 1.01 (geometric), 2 (sequence)
     offpolicy_mask_delta: Optional[float] = None  # DeepSeek-V3.2: drop A < 0 sequences with mean log(mu/pi_theta) > delta; None = off
     # the sampler also keeps, at every position, its k most likely tokens and their log-probs (as inference engines
     # return top-k log-probs); the dppo_topk loss reads them. Memory: rows x tokens x k x 12 bytes a batch. 0 = off
@@ -276,6 +283,15 @@ class MoEConfig:
 
 
 @dataclass
+class TeacherConfig:
+    # on-policy distillation (gspo/algos/distill.py): a teacher checkpoint's per-token reverse KL on the student's own
+    # samples, a loss component beside the RL term, each normalised by its own token count (as prime-rl's opd)
+    path: Optional[str] = None  # a Hugging Face checkpoint directory with the student's tokenizer; None = no teacher
+    coef: float = 1.0  # weight of the distillation component
+    rl_coef: float = 1.0  # weight of the RL term (the policy loss, its KL term included); 0 = distillation alone
+
+
+@dataclass
 class Config:
     algo: AlgoConfig = MISSING
     model: ModelConfig = MISSING
@@ -287,6 +303,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     seed: int = 0
     name: Optional[str] = None  # appended to the run directory's name
     resume: Optional[str] = None  # a run directory to continue from its last checkpoint

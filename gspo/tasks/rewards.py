@@ -354,6 +354,21 @@ def _user_rewards(cfg, texts: list[str], problems: list[Problem], flags: list[bo
     return total, parts
 
 
+def components(cfg, rewards: torch.Tensor, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+    """The reward's parts as GDPO normalises them (algo.advantage=gdpo), (N, K), and their weights: each reward
+    function's values (NaN where it returned None; `reward.weights`, models first), or the whole reward for a
+    built-in rule; DAPO's overlong penalty, when on, one more part of weight 1."""
+    overlong = parts.get("overlong")
+    if cfg.name in FUNCTIONS:
+        cols = [v for k, v in parts.items() if k.startswith(USER)]
+        weights = [1.0] * len(cols) if cfg.weights is None else [float(w) for w in cfg.weights]
+    else:
+        cols, weights = [rewards - (0.0 if overlong is None else overlong)], [1.0]
+    if overlong is not None:
+        cols, weights = [*cols, overlong], [*weights, 1.0]
+    return torch.stack([c.float() for c in cols], dim=1), weights
+
+
 def probe(task: Task, cfg, encode: Callable[[str], list[int]]) -> None:
     """Before any work: call each reward=python function on one real training sample of the task, as training will.
 

@@ -31,6 +31,7 @@ from gspo.config.errors import ConfigError
 from gspo.models.build import load_pretrained
 from gspo.rollout.batch import Batch
 from gspo.rollout.generate import Rollout, position_ids
+from gspo.tasks.rewards import components
 from gspo.train import checkpoint, distributed
 
 CRITIC_FILE = "critic.safetensors"  # the value model's weights, in a checkpoint directory
@@ -65,9 +66,13 @@ class Critic:
         a, ro = self.cfg.algo, batch.rollout
         pen, metrics = self._penalty(batch, mask, old_logp, ref_logp)
         rewards = batch.rewards.float() - pen.sum(dim=1).cpu()
-        both, lo = self.dist.all_gather_rows(torch.stack([rewards, ro.lengths.float().cpu()], 1))
+        # GDPO normalises each reward function's part apart (gspo.tasks.rewards.components)
+        parts, weights = components(self.cfg.reward, rewards, batch.parts) if a.advantage == "gdpo" else (None, None)
+        cols = [rewards[:, None], ro.lengths.float().cpu()[:, None]] + ([] if parts is None else [parts])
+        both, lo = self.dist.all_gather_rows(torch.cat(cols, 1))
         adv = compute_advantages(a.advantage, both[:, 0], self.cfg.rollout.group_size, passk_k=a.passk_k,
-                                 std_eps=a.std_eps, whiten=a.whiten, lengths=both[:, 1])
+                                 std_eps=a.std_eps, whiten=a.whiten, lengths=both[:, 1],
+                                 components=None if parts is None else both[:, 2:], weights=weights)
         return adv[lo : lo + len(rewards)], metrics
 
     def trains_policy(self, step: int) -> bool:

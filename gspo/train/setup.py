@@ -39,6 +39,7 @@ from gspo.train.logging import MetricsLogger
 from gspo.train.moe_step import MoEStep
 from gspo.train.preemption import Stopped, resume_command
 from gspo.train.reference import RefSync
+from gspo.train.teacher import Teacher
 from gspo.train.warm_start import base_model
 
 
@@ -58,6 +59,7 @@ class Setup:
     policy: Any = None  # what the update trains through: DDP(model), fully_shard(model), or model
     ref: Any = None  # the KL reference, or None (beta 0)
     ref_sync: Optional[RefSync] = None  # its resets (algo.sync_ref_model), or None
+    teacher: Optional[Teacher] = None  # on-policy distillation's frozen teacher (teacher.path), or None
     critic: Optional[Critic] = None  # where advantages come from: the group's rewards, or PPO's value model
     opt: Optional[torch.optim.Optimizer] = None
     sched: Any = None
@@ -125,6 +127,7 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
     ref = dist.wrap(ref, dtype, frozen=True) if ref is not None else None
     if cfg.algo.beta > 0 and adapters.is_adapted(model):  # LoRA: reference = same weights, adapters disabled
         ref = adapters.reference(model)
+    teacher = Teacher.for_run(cfg, tokenizer, dist, dtype)  # teacher.path: a frozen checkpoint beside the reference
     # fused: one kernel for all the tensors' updates (~5x foreach's speed at the tiny models' sizes on a CPU,
     # docs/benchmarks.md); FSDP2's sharded parameters keep the default (foreach) path
     fused = {"fused": True} if dist.strategy != "fsdp" else {}
@@ -166,8 +169,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
         key=(cfg.seed, step), engine=cfg.rollout.engine, tools=ToolUse.of(cfg)), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
-                 policy=policy, ref=ref, ref_sync=ref_sync, critic=critic, opt=opt, sched=sched, recompute=recompute,
-                 moe_step=moe_step,
+                 policy=policy, ref=ref, ref_sync=ref_sync, teacher=teacher, critic=critic, opt=opt, sched=sched,
+                 recompute=recompute, moe_step=moe_step,
                  sampler=sampler, source=source, pending=pending, logger=logger, evaluate=ev)
 
 

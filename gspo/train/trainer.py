@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from gspo.algos.distill import distill_metrics, reverse_kl_term
 from gspo.algos.entropy import entropy_bonus, high_entropy_mask
 from gspo.algos.losses import aggregate_denominator, get_loss, policy_loss
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
@@ -172,6 +173,9 @@ def _update(cfg, s: Setup, batch: Batch, step: int) -> dict:
                 old_logp = trainer_logp  # ... or as the trainer's forward computes them
                 behaviour = trainer_logp if behaviour is None else behaviour
         ref_logp = token_logprobs(s.ref, ro, temp)[0] if s.ref is not None else None
+        teacher_logp = s.teacher.logprobs(ro, temp) if s.teacher is not None else None
+    if teacher_logp is not None:
+        metrics |= distill_metrics(old_logp, teacher_logp, mask)
     adv, stats = s.critic.advantages(batch, mask, old_logp, ref_logp)  # (N,) or, from a value model, (N, T)
     metrics |= stats
     # rows shuffled within their group, dealt by global slot: one process's minibatch = the union of the ranks'
@@ -179,23 +183,24 @@ def _update(cfg, s: Setup, batch: Batch, step: int) -> dict:
     parts = distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches, cfg.seed, step,
                                     offset=lo)
     if s.critic.trains_policy(step):  # (not during a critic's warm-up)
-        metrics |= _policy_updates(cfg, s, ro, mask, adv, old_logp, behaviour, ref_logp, parts, step)
+        metrics |= _policy_updates(cfg, s, ro, mask, adv, old_logp, behaviour, ref_logp, parts, step, teacher_logp)
     metrics |= s.critic.update(ro, mask, parts, step)
     return metrics | s.moe_step.end_step(bare, ro, step)
 
 
-def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp, parts: list, step: int) -> dict:
+def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp, parts: list, step: int,
+                    teacher_logp=None) -> dict:
     """One gradient step of the policy loss per minibatch `parts[i]` (rows of this rank's batch); `behaviour`: the
-    sampler's log-probs, which the mismatch corrections weigh against `old_logp`."""
+    sampler's log-probs, which the mismatch corrections weigh against `old_logp`; `teacher_logp`: a teacher's, whose
+    reverse KL is a loss component beside the policy loss (teacher.coef, teacher.rl_coef)."""
     model, opt, dist, algo, temp = s.policy, s.opt, s.dist, cfg.algo, cfg.rollout.temperature
     corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
-    agg = algo.agg or get_loss(algo.loss).agg
+    spec = get_loss(algo.loss)
+    agg = algo.agg or spec.agg
     hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, delta=algo.delta,
-                 agg=algo.agg, max_tokens=cfg.rollout.max_new_tokens, tau_pos=algo.tau_pos, tau_neg=algo.tau_neg,
+                 agg=algo.agg, max_tokens=cfg.rollout.max_new_tokens,
                  beta=0.0 if algo.kl_in_reward else algo.beta,  # the KL is in the loss, or already in the reward
-                 kl_estimator=algo.kl_estimator, router_shift_floor=algo.router_shift_floor,
-                 **{k: algo[k] for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef",
-                                         "topk_divergence")})
+                 kl_estimator=algo.kl_estimator, **{k: algo[k] for k in spec.settings})  # the loss's own keys
     gather = lambda x: dist.all_gather_rows(x)[0]  # noqa: E731  (every rank's tokens: the one-process minibatch's)
     model.train()
     topk = algo.loss == "dppo_topk"
@@ -210,20 +215,24 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
             logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk)
             is_weight, corr = correction_weights(corrections, MismatchBatch(
                 old_logp[rows], behaviour[rows], m, adv[rows], logp.detach()), cfg.rollout)
-            kept = m
+            kept, keep = m, None
             if algo.top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL)
                 keep = high_entropy_mask(entropy, m, algo.top_entropy_quantile, gather)
-                is_weight = keep.to(m.dtype) if is_weight is None else is_weight * keep
                 kept = m * keep
                 corr["policy/entropy_kept_frac"] = float(kept.sum() / m.sum().clamp(min=1))
             loss, stats = policy_loss(
                 algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
-                ref_logp=None if ref_logp is None else ref_logp[rows],
-                is_weight=is_weight, generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
+                ref_logp=None if ref_logp is None else ref_logp[rows], is_weight=is_weight, keep=keep,
+                generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
                 topk_old_logp=ro.topk_logp[rows] if topk else None, topk_logp=top[0] if topk else None, **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
-            loss = loss * dist.loss_scale(denominator) + mb.aux_loss(sub)
+            loss = loss * dist.loss_scale(denominator)
+            if teacher_logp is not None:  # on-policy distillation: its own component, over its own token count
+                total, n = reverse_kl_term(logp, old_logp[rows], teacher_logp[rows], m)
+                stats["distill/loss"] = float(total.detach() / n.clamp(min=1))
+                loss = cfg.teacher.rl_coef * loss + cfg.teacher.coef * total / n.clamp(min=1) * dist.loss_scale(n)
+            loss = loss + mb.aux_loss(sub)
             if algo.entropy_coef:  # TRL's bonus: coef x the mean entropy of the tokens the policy term trains on
                 total, n = entropy_bonus(entropy, kept)
                 loss = loss - algo.entropy_coef * total / n.clamp(min=1) * dist.loss_scale(n)

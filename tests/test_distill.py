@@ -1,0 +1,124 @@
+"""On-policy distillation (teacher.path): the reverse-KL component by hand and as the gradient of the KL, the teacher
+beside the reference model, its tokenizer check, and runs with and without the RL term."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny
+
+from gspo.algos.distill import distill_metrics, reverse_kl_term
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.train import checkpoint
+from gspo.train.teacher import tokenizer_difference
+from gspo.train.trainer import train
+
+F64 = torch.float64
+
+
+def test_reverse_kl_term_by_hand():
+    """-J_t = -sg(log pi_T - log pi) w_t summed over the tokens, w_t = exp(log pi - log pi_old): at the old
+    weights (w = 1) its gradient on log pi(y_t) is log pi(y_t) - log pi_T(y_t), the token's reverse-KL estimate;
+    later (w != 1) it is weighted by w."""
+    old = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64)
+    teacher = torch.tensor([[-0.5, -2.5, 7.0]], dtype=F64)  # 7.0 sits on padding
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=F64)
+    logp = old.clone().requires_grad_()
+    total, n = reverse_kl_term(logp, old, teacher, mask)
+    assert n.item() == 2 and total.item() == pytest.approx(-((-0.5 + 1.0) + (-2.5 + 2.0)), abs=1e-12)
+    (g,) = torch.autograd.grad(total, logp)
+    torch.testing.assert_close(g, torch.tensor([[-1.0 + 0.5, -2.0 + 2.5, 0.0]], dtype=F64), rtol=0, atol=1e-12)
+    logp = (old + torch.tensor([[0.2, -0.1, 0.0]], dtype=F64)).requires_grad_()
+    total, _ = reverse_kl_term(logp, old, teacher, mask)
+    (g,) = torch.autograd.grad(total, logp)
+    w = [math.exp(0.2), math.exp(-0.1)]
+    want = [-(-0.5 - (-0.8)) * w[0], -(-2.5 - (-2.1)) * w[1], 0.0]
+    torch.testing.assert_close(g, torch.tensor([want], dtype=F64), rtol=0, atol=1e-12)
+    k3 = [math.exp(x) - 1 - x for x in (0.5, -0.5)]  # x = log pi_T - log pi_old
+    assert distill_metrics(old, teacher, mask) == {"distill/reverse_kl": pytest.approx(sum(k3) / 2)}
+
+
+def test_its_expected_gradient_is_the_gradient_of_the_reverse_kl():
+    """One position, a softmax policy over 5 tokens: averaging the term's gradient over the tokens the policy draws
+    (each weighted by its probability) is grad KL(pi || pi_T) exactly (the score function of sum_y pi log pi/pi_T;
+    E_pi[grad log pi] = 0 takes the other part away)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, generator=g, dtype=F64).requires_grad_()
+    teacher = torch.log_softmax(torch.randn(5, generator=g, dtype=F64), 0)
+    logpi = torch.log_softmax(z, 0)
+    expected = torch.zeros(5, dtype=F64)
+    for y in range(5):  # the token-level term on a one-token completion y, on-policy (old = pi)
+        total, _ = reverse_kl_term(logpi[y].view(1, 1), logpi[y].detach().view(1, 1), teacher[y].view(1, 1),
+                                   torch.ones(1, 1, dtype=F64))
+        expected = expected + logpi[y].exp().detach() * torch.autograd.grad(total, z, retain_graph=True)[0]
+    kl = (logpi.exp() * (logpi - teacher)).sum()
+    torch.testing.assert_close(expected, torch.autograd.grad(kl, z)[0], rtol=0, atol=1e-12)
+
+
+def test_a_tokenizer_that_is_not_the_students_is_named():
+    from gspo.models.build import char_tokenizer
+
+    a, b = char_tokenizer("0123456789+="), char_tokenizer("0123456789+=abc")
+    assert tokenizer_difference(a, char_tokenizer("0123456789+=")) is None
+    assert "15 and 18 tokens" in tokenizer_difference(a, b)
+
+
+def _base_dir(cache_dir) -> Path:
+    bases = sorted(Path(cache_dir).glob("base-qwen3-moe-addition-*"))
+    assert bases, "a tiny run builds the base first"
+    return bases[0]
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_teacher_that_is_the_student_gives_zero_kl(tmp_path, cache_dir):
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), tmp_path / "first")  # builds the base
+    base = _base_dir(cache_dir)
+    # the old log-probs recomputed by the trainer's forward, which the teacher's (the same weights) equals
+    train(compose(tiny(cache_dir, **{"train.steps": 1, "teacher.path": str(base), "teacher.rl_coef": 0.0,
+                                     "train.minibatches": 1, "rollout.old_logprobs": "recompute"})), tmp_path / "self")
+    last = _metrics(tmp_path / "self")[-1]
+    assert last["distill/reverse_kl"] == 0.0 and last["distill/loss"] == 0.0  # (train/loss: the MoE's aux loss)
+
+
+def test_distillation_from_a_trained_checkpoint_runs_beside_and_instead_of_the_rl_term(tmp_path, cache_dir):
+    train(compose(tiny(cache_dir, **{"train.steps": 3, "train.lr": 3e-3})), tmp_path / "teacher")
+    teacher = checkpoint.latest(tmp_path / "teacher")
+    for name, extra in (("beside", {}), ("alone", {"teacher.rl_coef": 0.0})):
+        train(compose(tiny(cache_dir, **{"train.steps": 2, "teacher.path": str(teacher), **extra})), tmp_path / name)
+        rows = _metrics(tmp_path / name)[1:]
+        assert all(r["distill/reverse_kl"] > 0 and math.isfinite(r["distill/loss"]) for r in rows)
+    # the student moves towards the teacher: its reverse KL falls over a few steps of distillation alone
+    train(compose(tiny(cache_dir, **{"train.steps": 6, "train.lr": 3e-3, "teacher.path": str(teacher),
+                                     "teacher.rl_coef": 0.0})), tmp_path / "longer")
+    kl = [r["distill/reverse_kl"] for r in _metrics(tmp_path / "longer")[1:]]
+    assert kl[-1] < kl[0]
+
+
+def test_the_teacher_keys_are_checked(tmp_path, cache_dir):
+    with pytest.raises(ConfigError, match="teacher.path="):
+        compose(tiny(cache_dir, **{"teacher.path": str(tmp_path / "nowhere")}))
+    with pytest.raises(ConfigError, match="teacher.coef"):
+        compose(tiny(cache_dir, **{"teacher.coef": -1.0}))
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, cache_dir):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from gspo.models.build import char_tokenizer
+
+    tok = char_tokenizer("0123456789+=abc")
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=256,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "other")
+    tok.save_pretrained(tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"teacher.path=.*its tokenizer is not the student's"):
+        train(compose(tiny(cache_dir, **{"teacher.path": str(tmp_path / "other")})), tmp_path / "run")
