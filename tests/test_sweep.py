@@ -75,6 +75,15 @@ def test_a_sweep_names_its_jobs_by_what_its_directory_named_them_by(tmp_path):
         sweep.name_keys(tmp_path, ["algo=grpo", "seed=0", "train.lr=1e-4,3e-4"])
 
 
+def test_a_sweep_dry_run_prints_every_job_by_its_directory_name(tmp_path, cache_dir):
+    res = runner.invoke(app, ["train", "-m", "--cfg", "job", "+cell=grpo,gspo_sampler", *tiny(cache_dir),
+                              f"hydra.sweep.dir={tmp_path / 's'}"])
+    assert res.exit_code == 0, res.output
+    assert "# job cell-grpo: +cell=grpo" in res.output and "# job cell-gspo_sampler: +cell=gspo_sampler" in res.output
+    assert "old_logprobs: sampler" in res.output and not (tmp_path / "s").exists()  # nothing written
+    one_line_exit_2(runner.invoke(app, ["train", "-m", "--cfg", "hydra", "seed=0,1"]), "--cfg hydra with -m")
+
+
 def _hold(run_dir: Path, cfg) -> None:
     """A run directory as a finished run leaves it, as far as the checks read it."""
     run_dir.mkdir(parents=True)
