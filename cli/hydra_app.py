@@ -47,7 +47,7 @@ def hydra_train(cfg: DictConfig) -> float:
 
 
 def _train_job(cfg: DictConfig, hc) -> float:
-    from gspo.train import distributed, preemption, resume, rundir
+    from gspo.train import distributed, preemption, resume, rundir, sweep
     from gspo.train.trainer import train
 
     run_dir, before = Path(hc.runtime.output_dir), None
@@ -57,11 +57,20 @@ def _train_job(cfg: DictConfig, hc) -> float:
         cfg = load_run_config(run_dir, resume_overrides(list(hc.overrides.task)))
         resume.check(before, cfg)  # (`gspo train` checked it already)
         cfg.resume = str(run_dir)
-    elif preemption.resume_requeued(run_dir):  # SLURM requeued this job (preempted): continue its run
+    elif hc.mode == RunMode.MULTIRUN:  # a sweep's job: start its run, or continue / skip the one its directory holds
+        plan = sweep.plan(run_dir, cfg, list(hc.overrides.task))
+        if plan.action == "skip":
+            print(f"gspo: {run_dir}: finished its {plan.summary.get('steps')} steps; skipped", flush=True)
+            final = plan.summary.get("final_accuracy")
+            return final if final is not None else float("nan")
+        if plan.action == "resume":
+            print(f"gspo: continuing the run in {run_dir}", flush=True)
+        cfg, before = plan.cfg, plan.before
+    elif preemption.resume_requeued(run_dir):  # SLURM requeued this run (preempted): continue it
         print(f"gspo: requeued job: resuming {run_dir}", flush=True)
         cfg.resume = str(run_dir)
     elif distributed.is_main_process():  # a new run: never into a directory that holds one
-        rundir.check_new(run_dir, "hydra.run.dir" if hc.mode == RunMode.RUN else "hydra.sweep.dir")
+        rundir.check_new(run_dir, "hydra.run.dir")
     launch = distributed.needs_launch(cfg.hardware)  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
     if not launch:  # one process, or a worker of a torchrun started by hand (every rank takes rank 0's directory)
         run_dir = distributed.shared_run_dir(run_dir, cfg.hardware)

@@ -21,7 +21,7 @@ from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.loading import (_explain, compose, load_run_config, quote_tool_lists, resume_overrides, resume_target,
                                  sweep_combinations)
 from gspo.config.schema import GROUPS, group_options
-from gspo.train import rundir
+from gspo.train import rundir, sweep
 from gspo.train.resume import check as check_resume
 
 
@@ -29,6 +29,7 @@ def _groups_help() -> str:
     # "\b" keeps Click from rewrapping the paragraph to the terminal's width
     lines = [f"  {g:<9} {', '.join(group_options(g))}" for g in GROUPS]
     lines.append(f"  +experiment={{{','.join(group_options('experiment'))}}}  presets over several groups")
+    lines.append(f"  +cell={{{','.join(group_options('cell'))}}}  a study's treatments (after +experiment)")
     return "Config groups and their options (pick with GROUP=OPTION):\n\n\b\n" + "\n".join(lines)
 
 
@@ -102,6 +103,12 @@ def _flag_value(flags: list[str], *names: str) -> Optional[str]:
     return None
 
 
+def _given(overrides: list[str], key: str) -> Optional[str]:
+    """The value the last `key=VALUE` of `overrides` gives, or None."""
+    values = [o.partition("=")[2] for o in overrides if o.partition("=")[0] == key]
+    return values[-1] if values else None
+
+
 def _runs_here(overrides: list[str]) -> bool:
     """Whether the jobs these overrides describe run on this machine."""
     launchers = [o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+") == "hydra/launcher"]
@@ -140,6 +147,15 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
     return cfgs
 
 
+def _sweep_jobs(overrides: list[str], cfgs: list) -> tuple[list[str], list[str]]:
+    """For -m: the keys that name the jobs' directories and the names, checked against what the sweep directory
+    holds already (the same sweep run again continues it; another is refused)."""
+    combos, sweep_dir = sweep_combinations(overrides), _given(overrides, "hydra.sweep.dir")
+    keys = sweep.name_keys(sweep_dir, overrides)
+    sweep.check(sweep_dir, overrides, combos, cfgs, keys)
+    return keys, sweep.job_names(overrides, combos, keys)
+
+
 def distributed_main() -> bool:
     """This process speaks for the run (not a rank > 0 of a torchrun started by hand)."""
     from gspo.train.distributed import is_main_process
@@ -166,13 +182,21 @@ def train(
     overrides, hydra_flags = _split_hydra_flags(ctx.args)
     try:
         cfgs = _check_before_work(overrides, hydra_flags, multirun)
+        keys, names = _sweep_jobs(overrides, cfgs) if multirun else ([], [])
     except ConfigError as e:
         _fail(str(e))
     if not resume_target(overrides) and not _PRINT_ONLY_FLAGS.intersection(hydra_flags) and distributed_main():
         _say_what_the_preset_does(overrides, cfgs[0])
     extra = []
+    shown = _flag_value(hydra_flags, "--cfg", "-c")
+    if multirun and shown is not None:  # Hydra prints no sweep (it refuses --cfg with --multirun): each job here
+        if shown != "job":
+            _fail(f"--cfg {shown} with -m: a sweep's configs are printed job by job with --cfg job")
+        for name, combo, cfg in zip(names, sweep_combinations(overrides), cfgs):
+            typer.echo(f"# job {name}: {' '.join(combo)}\n{OmegaConf.to_yaml(cfg)}", nl=False)
+        return
     if resume_target(overrides):
-        if _flag_value(hydra_flags, "--cfg", "-c") == "job":  # Hydra would print the default config, not the run's
+        if shown == "job":  # Hydra would print the default config, not the run's
             typer.echo(OmegaConf.to_yaml(cfgs[0]), nl=False)
             return
         # Hydra's run directory is the resumed one, with no .hydra/ (it would record a default config there)
@@ -182,6 +206,11 @@ def train(
             extra = rundir.run_dir_overrides(overrides, multirun)
         except ConfigError as e:
             _fail(str(e))
+        target = _given([*overrides, *extra], "hydra.sweep.dir")
+        if multirun and target:  # (none: a rank > 0 of a torchrun started by hand)
+            sweep.record(target, keys)
+    if multirun:
+        extra += sweep.hydra_overrides(overrides, keys)
     from cli import hydra_app
 
     sys.argv = ["gspo train", *(["--multirun"] if multirun else []), *hydra_flags, *overrides, *extra]

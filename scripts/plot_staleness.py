@@ -2,8 +2,8 @@
 
     python scripts/plot_staleness.py outputs/study_staleness docs/img/staleness_vs_k.png
 
-Runs are read as `gspo compare` reads them (gspo.results.runs); a run's cell is its `name` without the
-`_k<K>` suffix that scripts/study_staleness.sh gives it, its K is its config's `rollout.staleness`. Only
+Runs are read as `gspo compare` reads them (gspo.results.runs); a run's cell is its `name` (+cell=...; without
+the `_k<K>` suffix the study's earlier shell runner gave it), its K is its config's `rollout.staleness`. Only
 finished runs count. Per (cell, K): the mean over seeds of each run's final acc (its last `eval/accuracy`
 after step 0: `gspo compare`'s own per-run statistic, gspo.results.compare.run_stats) and its Student-t 95%
 interval (gspo.results.stats.mean_ci); the base's accuracy (step 0) is the dashed line. Also prints the

@@ -1,8 +1,8 @@
-"""What a study with tools (scripts/study_tools.sh) measured, run by run: the base's held-out greedy accuracy and
-share of correct tool calls (step 0) against the final ones, and the sampled batches' tool metrics at the start
+"""What a study with tools (docs/results.md, "Tool use") measured, run by run: the base's held-out greedy accuracy
+and share of correct tool calls (step 0) against the final ones, and the sampled batches' tool metrics at the start
 and the end of training.
 
-    python scripts/tools_summary.py outputs/study_tools
+    python scripts/tools_summary.py outputs/study_tools outputs/study_tools_bases
 
 One markdown row per run (`eval/accuracy`, `eval/correct_call`: trajectories that called the tool and got the
 product back, `eval/tool_calls_mean`, each as base -> final), then the batches' `rollout/tool_calls_mean`,
@@ -35,8 +35,8 @@ def ends(run, key: str, window: int = 0) -> tuple[float, float]:
     return float(values[steps == steps.min()][0]), float(values[-1])
 
 
-def main(root: str) -> None:
-    runs, _ = load_runs([root])
+def main(roots: list[str]) -> None:
+    runs, _ = load_runs(roots)
     groups: dict[str, list] = {}
     print("| run | " + " | ".join(EVAL + BATCH) + " |")
     print("|---|" + "---|" * (len(EVAL) + len(BATCH)))
@@ -44,7 +44,7 @@ def main(root: str) -> None:
         cells = [ends(run, k) for k in EVAL] + [ends(run, k, window=10) for k in BATCH]
         group = f"{lookup(run.config, 'algo.name')} ws{lookup(run.config, 'model.warm_start.seed')}"
         groups.setdefault(group, []).append(cells)
-        print(f"| {run.path.relative_to(root)} | " + " | ".join(f"{a:.3f} -> {b:.3f}" for a, b in cells) + " |")
+        print(f"| {run.path} | " + " | ".join(f"{a:.3f} -> {b:.3f}" for a, b in cells) + " |")
     print("\n| group | runs | " + " | ".join(f"change in {k}" for k in EVAL + BATCH) + " |")
     print("|---|---|" + "---|" * (len(EVAL) + len(BATCH)))
     for group, rows in sorted(groups.items()):
@@ -54,6 +54,6 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) < 2:
         sys.exit(__doc__)
-    main(sys.argv[1])
+    main(sys.argv[1:])

