@@ -186,7 +186,8 @@ def train(
     except ConfigError as e:
         _fail(str(e))
     if not resume_target(overrides) and not _PRINT_ONLY_FLAGS.intersection(hydra_flags) and distributed_main():
-        _say_what_the_preset_does(overrides, cfgs[0])
+        # a sweep's first job stands for all (the preset is the same in every job; `algo=grpo,gspo` is no choice)
+        _say_what_the_preset_does(sweep_combinations(overrides)[0] if multirun else overrides, cfgs[0])
     extra = []
     shown = _flag_value(hydra_flags, "--cfg", "-c")
     if multirun and shown is not None:  # Hydra prints no sweep (it refuses --cfg with --multirun): each job here
