@@ -15,6 +15,7 @@ import torch
 from gspo.config.loading import compose
 from gspo.models.build import load_pretrained
 from gspo.tasks import build_task
+from gspo.rollout.params import SamplingParams
 from gspo.train.heldout import evaluate, heldout_problems
 from gspo.train.warm_start import base_model
 
@@ -26,7 +27,8 @@ def main(threads: int, overrides: list[str]) -> dict:
         task = build_task(cfg.task)
         path = base_model(cfg, task, log=lambda *a: None)
         model, tokenizer = load_pretrained(path)
-        acc = evaluate(model, tokenizer, task, heldout_problems(task, cfg.task), cfg.rollout.max_new_tokens)["eval/accuracy"]
+        acc = evaluate(model, tokenizer, task, heldout_problems(task, cfg.task),
+                       SamplingParams(cfg.rollout.max_new_tokens))["eval/accuracy"]
         record = json.loads((path / "warm_start.json").read_text())
     return {"threads": threads, "overrides": overrides, "steps": record["steps"],
             "train_accuracy": record["train_accuracy"], "heldout_accuracy": acc}

@@ -122,6 +122,7 @@ def completion_tokens(comp: torch.Tensor, eos: int) -> int:
 def bench_rollout(model, tok, a) -> dict:
     """gspo's sampler vs `model.generate()` on the same batch: median seconds per call, tokens/s, peak memory."""
     from gspo.rollout.generate import encode_prompts, generate, left_pad
+    from gspo.rollout.params import SamplingParams
 
     prompts = [p.prompt for p in problems_for(a)]
     encoded = encode_prompts(tok, prompts)
@@ -130,7 +131,7 @@ def bench_rollout(model, tok, a) -> dict:
     hf_kwargs = json.loads(a.hf_generate_kwargs)
 
     def gspo() -> int:
-        return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0)
+        return int(generate(model, tok, prompts, a.group, SamplingParams(a.max_new_tokens))
                    .completion_mask.sum())
 
     def hf() -> int:
@@ -140,11 +141,11 @@ def bench_rollout(model, tok, a) -> dict:
         return completion_tokens(out[:, ids.shape[1]:], tok.eos_token_id)
 
     def gspo_compiled() -> int:  # static KV cache + torch.compile (CUDA graphs): `hardware.compile=true`
-        return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0, compile=True)
+        return int(generate(model, tok, prompts, a.group, SamplingParams(a.max_new_tokens, compile=True))
                    .completion_mask.sum())
 
     def gspo_fast() -> int:  # gspo/rollout/fast_decode.py: `rollout.engine=fast`
-        return int(generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0, engine="fast")
+        return int(generate(model, tok, prompts, a.group, SamplingParams(a.max_new_tokens, engine="fast"))
                    .completion_mask.sum())
 
     fns = {"gspo": gspo, "hf": hf, **({"gspo_compiled": gspo_compiled} if a.compile else {}),
@@ -220,6 +221,7 @@ def mismatch_stats(sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Ten
 def bench_mismatch(model_dir: Path, a) -> dict:
     """Sample a batch with gspo's sampler, then compare its log-probs with `gspo.rollout.generate.token_logprobs`."""
     from gspo.rollout.generate import generate, token_logprobs
+    from gspo.rollout.params import SamplingParams
 
     prompts = [p.prompt for p in problems_for(a)]
     out = {}
@@ -227,7 +229,7 @@ def bench_mismatch(model_dir: Path, a) -> dict:
         model, tok = load(model_dir, dtype, a.device)
         torch.manual_seed(a.seed)
         with torch.no_grad():
-            ro = generate(model, tok, prompts, a.group, a.max_new_tokens, temperature=1.0, top_p=1.0)
+            ro = generate(model, tok, prompts, a.group, SamplingParams(a.max_new_tokens))
             field = next((f for f in SAMPLER_LOGPROB_FIELDS if getattr(ro, f, None) is not None), None)
             sampler = getattr(ro, field) if field else replay_logprobs(model, ro)
             # the trainer's pass in chunks of rows: its float32 (rows, T, V) copies at V = 151,936 are GBs per row-chunk

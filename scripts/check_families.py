@@ -34,6 +34,7 @@ def check(model_type: str) -> tuple[str, str]:
     from gspo.models.build import char_tokenizer, choose_attention, normalise_config
     from gspo.models.logprobs import check_head
     from gspo.rollout.generate import encode_prompts, generate, left_pad, position_ids, token_logprobs
+    from gspo.rollout.params import SamplingParams
 
     tok = char_tokenizer(tf.ALPHABET)
     try:
@@ -62,14 +63,14 @@ def check(model_type: str) -> tuple[str, str]:
     prompts = ["12+3=", "7*8=", "123+45="]
     try:
         with torch.no_grad():
-            ours = generate(model, tok, prompts, 1, 6, greedy=True)
+            ours = generate(model, tok, prompts, 1, SamplingParams(6, greedy=True))
             ids, mask = left_pad(encode_prompts(tok, prompts), tok.pad_token_id)
             theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
         same = all(torch.equal(a[: int(m.sum())], b[: int(m.sum())])
                    for a, b, m in zip(ours.completion_ids, theirs, ours.completion_mask))
         check_head(model)
-        ro = generate(model, tok, prompts, 2, 5, generator=torch.Generator().manual_seed(0))
+        ro = generate(model, tok, prompts, 2, SamplingParams(5), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             got = token_logprobs(model, ro)[0]
             mask = ro.attention_mask

@@ -27,7 +27,9 @@ from gspo.config.loading import compose
 from gspo.models import moe
 from gspo.models.build import load_pretrained
 from gspo.rollout import engine
-from gspo.rollout.generate import generate, token_logprobs
+from gspo.rollout.generate import token_logprobs
+from gspo.rollout.params import SamplingParams
+from gspo.rollout.rollouts import rollout
 from gspo.rollout.sampler import Sampler
 from gspo.tasks import build_task
 from gspo.train import distributed
@@ -50,13 +52,13 @@ def probe(cfg, batches: int) -> dict:
     sampler.sync(model)
     rows: dict[str, list[float]] = {}
     seq_logratio, tok_logratio = [], []
+    params = SamplingParams.of(cfg, capture_routing=is_moe)
     for b in range(1, batches + 1):
         rng = random.Random(f"{cfg.seed}-{b}-0")  # the problems the run's step b draws first
         problems = task.sample_train(rng, cfg.rollout.prompts_per_step)
-        gens = [distributed.group_generator(cfg.seed, b, 0, i, device) for i in range(len(problems))]
-        with sampler.serve(model, None) as m:
-            ro = generate(m, tok, [p.prompt for p in problems], cfg.rollout.group_size, cfg.rollout.max_new_tokens,
-                          cfg.rollout.temperature, cfg.rollout.top_p, generator=gens, capture_routing=is_moe)
+        keys = [(cfg.seed, b, 0, i) for i in range(len(problems))]  # the run's keys: its step b samples these
+        with sampler.serve(model, None) as m:  # the run's sampling settings (its chat template, its engine)
+            ro = rollout(m, tok, [p.prompt for p in problems], cfg.rollout.group_size, params, keys, device=device)
         with torch.no_grad(), moe.capture_routing(model, logprobs=True) if is_moe else contextlib.nullcontext() as trace:
             trainer = token_logprobs(model, ro, cfg.rollout.temperature)[0]
         mask = ro.completion_mask

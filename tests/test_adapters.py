@@ -17,6 +17,7 @@ from gspo.config.schema import LoraConfig
 from gspo.models import adapters, moe
 from gspo.models.build import build_model, char_tokenizer
 from gspo.rollout.generate import generate, token_logprobs
+from gspo.rollout.params import SamplingParams
 from gspo.tasks import build_task
 from gspo.train import checkpoint
 from gspo.train.checks import check
@@ -168,7 +169,7 @@ def captured(monkeypatch):
 def rollout_for(model, tokenizer, cfg):
     task = build_task(cfg.task)
     gen = torch.Generator().manual_seed(0)
-    return generate(model, tokenizer, [p.prompt for p in task.eval_set(4)], 2, 4, generator=gen)
+    return generate(model, tokenizer, [p.prompt for p in task.eval_set(4)], 2, SamplingParams(4), generator=gen)
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,7 @@ def test_the_staleness_is_exact(tmp_path, cache_dir):
     rewards and lengths exactly."""
     from gspo.models.build import load_pretrained
     from gspo.rollout.batch import Share, collect
+    from gspo.rollout.params import SamplingParams
     from gspo.rollout.source import version_of
     from gspo.tasks import build_task
 
@@ -111,7 +112,7 @@ def test_the_staleness_is_exact(tmp_path, cache_dir):
         model.eval()
         with torch.no_grad():
             _, metrics = collect(cfg, step, lambda: __import__("contextlib").nullcontext(model), tok, task,
-                                 Share(0, cfg.rollout.prompts_per_step), {})
+                                 Share(0, cfg.rollout.prompts_per_step), SamplingParams.of(cfg))
         for key in ("reward/mean", "reward/std", "response/len_mean"):
             assert metrics[key] == logged[step][key], (step, key)
 

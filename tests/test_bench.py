@@ -27,6 +27,7 @@ import bench_workers as bw  # noqa: E402
 
 from gspo.config.loading import compose  # noqa: E402
 from gspo.rollout.generate import Rollout, generate, token_logprobs  # noqa: E402
+from gspo.rollout.params import SamplingParams
 
 ALPHABET = "0123456789+="
 SHAPE = dict(vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, tie=True)
@@ -64,7 +65,7 @@ def test_every_completion_runs_to_full_length_in_gspo_and_in_the_floor(model_dir
 
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(0)
-    ro = generate(model, tok, ["1+2=", "33+4="], group_size=8, max_new_tokens=12)
+    ro = generate(model, tok, ["1+2=", "33+4="], 8, SamplingParams(12))
     assert ro.completion_mask.shape == (16, 12) and bool(ro.completion_mask.all()) and bool(ro.truncated.all())
     ids, mask = bf.left_pad([tok("1+2=")["input_ids"], tok("33+4=")["input_ids"]], tok.pad_token_id)
     comp, comp_mask = bf.sample(model, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, 1.0,
@@ -99,7 +100,7 @@ def test_floor_sampler_masks_up_to_the_first_eos_and_stops_when_every_row_has_on
 
 def _rollout(model, tok, group: int = 3, t: int = 6) -> Rollout:
     torch.manual_seed(1)
-    return generate(model, tok, ["1+2=", "45+67=", "8="], group_size=group, max_new_tokens=t)
+    return generate(model, tok, ["1+2=", "45+67=", "8="], group, SamplingParams(t))
 
 
 def test_floor_log_probs_and_their_gradients_equal_gspo_token_logprobs(model_dir):

@@ -66,6 +66,7 @@ def test_a_group_samples_the_same_completions_in_any_batch():
 
     from gspo.models.build import char_tokenizer
     from gspo.rollout.generate import generate
+    from gspo.rollout.params import SamplingParams
 
     tok = char_tokenizer("0123456789+=")
     torch.manual_seed(0)
@@ -74,9 +75,9 @@ def test_a_group_samples_the_same_completions_in_any_batch():
                                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).eval()
     prompts = ["1+2=", "12+345=", "7=", "98+1="]
     gens = lambda lo, hi: [distributed.group_generator(3, 1, 0, i, "cpu") for i in range(lo, hi)]  # noqa: E731
-    whole = generate(model, tok, prompts, 4, 12, generator=gens(0, 4))
-    halves = [generate(model, tok, prompts[:2], 4, 12, generator=gens(0, 2)),
-              generate(model, tok, prompts[2:], 4, 12, generator=gens(2, 4))]
+    whole = generate(model, tok, prompts, 4, SamplingParams(12), generator=gens(0, 4))
+    halves = [generate(model, tok, prompts[:2], 4, SamplingParams(12), generator=gens(0, 2)),
+              generate(model, tok, prompts[2:], 4, SamplingParams(12), generator=gens(2, 4))]
     assert whole.texts == halves[0].texts + halves[1].texts
     assert whole.lengths.tolist() == torch.cat([h.lengths for h in halves]).tolist()
     assert len(set(whole.texts)) > 4  # really sampled
@@ -127,6 +128,7 @@ def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: i
 
     from gspo.models.build import build_model, char_tokenizer
     from gspo.rollout.generate import generate
+    from gspo.rollout.params import SamplingParams
     from gspo.train.critic import Critic
     from gspo.train.moe_step import MoEStep
     from gspo.train.setup import Setup
@@ -141,7 +143,7 @@ def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: i
     lo, hi = dist.share(P)
     problems = task.sample_train(random.Random(0), P)[lo:hi]
     with torch.no_grad():
-        ro = generate(model, tok, [p.prompt for p in problems], G, cfg.rollout.max_new_tokens,
+        ro = generate(model, tok, [p.prompt for p in problems], G, SamplingParams(cfg.rollout.max_new_tokens),
                       generator=[distributed.group_generator(0, 1, 0, i, "cpu") for i in range(lo, hi)])
     ro.prompt_index += lo
     ro.truncated = ro.prompt_index < truncated_prompts

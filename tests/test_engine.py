@@ -16,6 +16,7 @@ from gspo.models.build import build_model, char_tokenizer
 from gspo.rollout import engine
 from gspo.rollout.engine import Engine
 from gspo.rollout.generate import generate, stop_ids
+from gspo.rollout.params import SamplingParams
 from gspo.rollout.vllm_engine import PROCESSED, RAW, _row, _topk, behaviour_logprobs, checkpoint_format
 from gspo.train.checks import check
 
@@ -38,8 +39,9 @@ class Replay:
 
     def sample_ids(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seeds, keep_topk, routing):
         gens = None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
-        r = generate(self.model, TOK, [TOK.decode(p) for p in prompts], n, max_new_tokens, temperature, top_p,
-                     greedy=greedy, generator=gens, capture_routing=routing, keep_topk=keep_topk)
+        r = generate(self.model, TOK, [TOK.decode(p) for p in prompts], n,
+                     SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy,
+                                    capture_routing=routing, keep_topk=keep_topk), generator=gens)
         self.drawn = r
         lengths = r.completion_mask.sum(-1).long().tolist()
         out = {"tokens": [r.completion_ids[i, :m].tolist() for i, m in enumerate(lengths)],
@@ -66,8 +68,9 @@ def test_the_engine_front_assembles_the_rollout_gspos_sampler_returns(greedy, ke
     backend = Replay(model)
     front = Engine(backend, stop_ids(model, TOK).tolist())
     gens = [torch.Generator().manual_seed(100 + i) for i in range(len(PROMPTS))]
-    r = front.sample_rollout(TOK, PROMPTS, 4, 6, 1.0, 1.0, greedy, None if greedy else gens, False, not greedy,
-                             keep_topk)
+    r = front.sample(TOK, PROMPTS, 4,
+                     SamplingParams(6, greedy=greedy, capture_routing=not greedy, keep_topk=keep_topk),
+                     None if greedy else gens)
     want = backend.drawn
     for field in ("input_ids", "attention_mask", "completion_mask", "truncated", "prompt_index", "ill_formed"):
         assert torch.equal(getattr(r, field), getattr(want, field)), field
@@ -107,8 +110,7 @@ def test_a_row_the_engine_cut_at_its_cap_is_truncated_with_the_tokens_it_sampled
     no made-up end token with a log-prob of 0 in its mask."""
     tok = char_tokenizer("0123456789+=")
     tok.pad_token = tok.eos_token
-    r = Engine(Capped(tok.eos_token_id), [tok.eos_token_id]).sample_rollout(tok, ["1+2=", "3+4="], 2, 4, 1.0, 1.0,
-                                                                             False, None, False, False, 0)
+    r = Engine(Capped(tok.eos_token_id), [tok.eos_token_id]).sample(tok, ["1+2=", "3+4="], 2, SamplingParams(4), None)
     assert r.truncated.tolist() == [False, True] * 2
     assert r.completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]] * 2
     assert r.sampler_logp.tolist() == [[-0.5] * 4, [-0.5, -0.5, 0, 0]] * 2
@@ -119,8 +121,8 @@ def test_an_engine_that_gives_no_log_probs_gives_a_rollout_without_them():
     """None, never zeros; and a batch joined from parts (DAPO's refills) has them only where every part has."""
     from gspo.rollout.generate import cat_rollouts
 
-    sample = lambda logprobs: Engine(Capped(TOK.eos_token_id, logprobs), [TOK.eos_token_id]).sample_rollout(  # noqa: E731
-        TOK, ["1+2="], 2, 4, 0.7, 0.9, False, None, False, False, 0)
+    sample = lambda logprobs: Engine(Capped(TOK.eos_token_id, logprobs), [TOK.eos_token_id]).sample(  # noqa: E731
+        TOK, ["1+2="], 2, SamplingParams(4, temperature=0.7, top_p=0.9), None)
     r = sample(False)
     assert r.sampler_logp is None and r.kept_mass is None and r.topk_logp is None
     assert cat_rollouts([sample(True), r]).sampler_logp is None
@@ -184,8 +186,7 @@ def test_each_prompt_groups_seed_is_its_keyed_generators_seed():
 
     model = moe()
     gens = [torch.Generator().manual_seed(7 * i + 1) for i in range(len(PROMPTS))]
-    Engine(Spy(model), stop_ids(model, TOK).tolist()).sample_rollout(TOK, PROMPTS, 2, 3, 1.0, 1.0, False, gens, False,
-                                                                     False, 0)
+    Engine(Spy(model), stop_ids(model, TOK).tolist()).sample(TOK, PROMPTS, 2, SamplingParams(3), gens)
     assert seen["seeds"] == [7 * i + 1 for i in range(len(PROMPTS))] and seen["n"] == 2
     assert seen["prompts"] == [TOK(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 

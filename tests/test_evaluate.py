@@ -75,7 +75,7 @@ def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, ca
     seen = []
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("temperature", args[6] if len(args) > 6 else None))
+        seen.append(args[4].temperature)  # evaluate(sampler, tokenizer, task, problems, params, ...)
         return real(*args, **kwargs)
 
     real = gspo.train.heldout.evaluate

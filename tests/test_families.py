@@ -26,6 +26,7 @@ from gspo.models import moe
 from gspo.models.build import char_tokenizer, choose_attention, load_pretrained, normalise_config
 from gspo.models.logprobs import check_head
 from gspo.rollout.generate import generate, left_pad, position_ids, token_logprobs
+from gspo.rollout.params import SamplingParams
 from gspo.train.trainer import train
 
 ALPHABET = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz:,.?\n#<>"
@@ -103,7 +104,8 @@ def test_logprobs_equal_a_plain_forward(family, tmp_path):
     model, tok = load_pretrained(tiny_checkpoint(family, tmp_path / family))
     model.eval()
     with torch.no_grad():
-        ro = generate(model, tok, ["12+3=", "7*8=", "1="], 2, 5, generator=torch.Generator().manual_seed(0))
+        ro = generate(model, tok, ["12+3=", "7*8=", "1="], 2, SamplingParams(5),
+                      generator=torch.Generator().manual_seed(0))
         got = token_logprobs(model, ro, temperature=0.7)[0]
         ids, mask = ro.input_ids, ro.attention_mask
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits.float() / 0.7
@@ -132,7 +134,7 @@ def test_a_copy_of_a_soft_capped_model_scores_like_it(tmp_path):
     model, tok = load_pretrained(tiny_checkpoint("gemma2", tmp_path / "gemma2"))
     ref = copy.deepcopy(model).eval()
     with torch.no_grad():
-        ro = generate(model, tok, ["12+3=", "7*8="], 2, 5, generator=torch.Generator().manual_seed(0))
+        ro = generate(model, tok, ["12+3=", "7*8="], 2, SamplingParams(5), generator=torch.Generator().manual_seed(0))
         assert torch.allclose(token_logprobs(ref, ro)[0], token_logprobs(model.eval(), ro)[0], atol=1e-6)
         assert torch.allclose(token_logprobs(ref, ro)[0], ro.sampler_logp, atol=1e-4)
 
@@ -208,7 +210,7 @@ def test_greedy_sampler_equals_model_generate_on_padded_prompts(family):
     model.config._attn_implementation = choose_attention(type(model), "auto")
     prompts = ["12+3=", "7*8=", "123+45="]
     with torch.no_grad():
-        ro = generate(model, tok, prompts, 1, 6, greedy=True)
+        ro = generate(model, tok, prompts, 1, SamplingParams(6, greedy=True))
         ids, mask = left_pad([tok(p)["input_ids"] for p in prompts], tok.pad_token_id)
         hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)[:, ids.shape[1]:]
@@ -251,7 +253,8 @@ def test_mla_with_fewer_kv_heads_samples_padded_batches():
     assert config.num_key_value_heads == config.num_attention_heads and "latent attention" in notes[0]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    ro = generate(model, tok, ["12+3=", "1+2=", "123+45="], 4, 4, generator=torch.Generator().manual_seed(0))
+    ro = generate(model, tok, ["12+3=", "1+2=", "123+45="], 4, SamplingParams(4),
+                  generator=torch.Generator().manual_seed(0))
     assert ro.input_ids.shape[0] == 12 and ro.attention_mask[:, 0].sum() < 12  # padded rows were sampled
 
 

@@ -22,6 +22,7 @@ from gspo.models import moe
 from gspo.models.build import build_model, char_tokenizer
 from gspo.rollout import fast_decode
 from gspo.rollout.generate import generate
+from gspo.rollout.params import SamplingParams
 from gspo.train.trainer import train
 
 TOK = char_tokenizer("0123456789+=")
@@ -71,8 +72,8 @@ def _gens(seed: int):
 
 
 def _both(model, max_new_tokens: int = 80, seed: int = 1, **kw):
-    return [generate(model, TOK, PROMPTS, group_size=4, max_new_tokens=max_new_tokens, generator=_gens(seed),
-                     engine=engine, **kw) for engine in ("hf", "fast")]
+    return [generate(model, TOK, PROMPTS, 4, SamplingParams(max_new_tokens, engine=engine, **kw),
+                     generator=_gens(seed)) for engine in ("hf", "fast")]
 
 
 def _assert_same(hf, fast):
@@ -151,17 +152,18 @@ def test_fast_engine_at_temperature_one_and_greedy():
     model = _model("qwen3_moe")
     hf, fast = _both(model, temperature=1.3, seed=4)  # a seed whose rows end at different times, some never
     _assert_same(hf, fast)
-    g_hf, g_fast = (generate(model, TOK, PROMPTS, 1, 32, greedy=True, engine=e) for e in ("hf", "fast"))
+    g_hf, g_fast = (generate(model, TOK, PROMPTS, 1, SamplingParams(32, greedy=True, engine=e)) for e in ("hf", "fast"))
     assert g_fast.input_ids.tolist() == g_hf.input_ids.tolist()
 
 
 def test_fast_engine_sees_weight_updates_without_a_sync():
     model = _model("qwen3_moe")
-    before = generate(model, TOK, PROMPTS, 2, 16, generator=_gens(2), engine="fast")
+    before = generate(model, TOK, PROMPTS, 2, SamplingParams(16, engine="fast"), generator=_gens(2))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    hf, fast = (generate(model, TOK, PROMPTS, 2, 16, generator=_gens(2), engine=e) for e in ("hf", "fast"))
+    hf, fast = (generate(model, TOK, PROMPTS, 2, SamplingParams(16, engine=e),
+                         generator=_gens(2)) for e in ("hf", "fast"))
     assert fast.input_ids.tolist() == hf.input_ids.tolist()
     torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
     assert not torch.allclose(fast.sampler_logp, before.sampler_logp)
@@ -188,13 +190,14 @@ def test_replay_while_sampling_reaches_the_router():
                 return logits, (w / w.sum(-1, keepdim=True)).to(scores.dtype), want
             hooks.append(r.register_forward_hook(hook, prepend=True))
         try:
-            return generate(model, TOK, PROMPTS, 2, 24, generator=_gens(3), engine=engine, capture_routing=True)
+            return generate(model, TOK, PROMPTS, 2, SamplingParams(24, engine=engine, capture_routing=True),
+                            generator=_gens(3))
         finally:
             for h in hooks:
                 h.remove()
 
     hf, fast = sample("hf"), sample("fast")
-    live = generate(model, TOK, PROMPTS, 2, 24, generator=_gens(3), engine="fast")
+    live = generate(model, TOK, PROMPTS, 2, SamplingParams(24, engine="fast"), generator=_gens(3))
     assert fast.input_ids.tolist() == hf.input_ids.tolist() != live.input_ids.tolist()
     torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
     decode = hf.routing[:, hf.prompt_len : hf.prompt_len + 4]
@@ -232,9 +235,9 @@ def test_the_experts_run_batched(monkeypatch, impl, module_calls):
     calls = []
     monkeypatch.setattr(experts, "forward", lambda *a, f=experts.forward: calls.append(1) or f(*a))
     assert fast_decode.resolve("fast", model) == "fast"
-    hf = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True)
+    hf = generate(model, TOK, PROMPTS, 4, SamplingParams(48, capture_routing=True), generator=_gens(1))
     calls.clear()
-    fast = generate(model, TOK, PROMPTS, 4, 48, generator=_gens(1), capture_routing=True, engine="fast")
+    fast = generate(model, TOK, PROMPTS, 4, SamplingParams(48, capture_routing=True, engine="fast"), generator=_gens(1))
     # the prefill, then every decode step but the last token's
     assert len(calls) == {"every step": hf.completion_mask.shape[1], "the prefill only": 1}[module_calls]
     _assert_same(hf, fast)
@@ -283,7 +286,7 @@ def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path, fa
         assert fast_decode.resolve("fast", model) == "hf"
     copy = _Copy(model, torch.float32).module
     assert fast_decode.resolve("auto", copy) == "fast"
-    _assert_same(*[generate(copy, TOK, PROMPTS, 4, 80, temperature=0.7, generator=_gens(1), engine=e)
+    _assert_same(*[generate(copy, TOK, PROMPTS, 4, SamplingParams(80, temperature=0.7, engine=e), generator=_gens(1))
                    for e in ("hf", "fast")])
 
 
@@ -304,10 +307,12 @@ def test_the_real_smollm2_samples_the_same_under_either_engine():
     assert type(model).__name__ == "LlamaForCausalLM" and fast_decode.resolve("auto", model) == "fast"
     prompts = ["What is 7+5?", "What is 23 + 48?", "Name a primary colour.",
                "Tom has 3 apples and buys 4 more. How many apples does he have?"]
-    hf, fast = [generate(model, tok, prompts, 2, 48, temperature=0.7, top_p=0.9, chat_template=True, engine=e,
+    hf, fast = [generate(model, tok, prompts, 2,
+                         SamplingParams(48, temperature=0.7, top_p=0.9, chat_template=True, engine=e),
                          generator=[torch.Generator().manual_seed(100 + i) for i in range(len(prompts))])
                 for e in ("hf", "fast")]
     _assert_same(hf, fast)
-    greedy = [generate(model, tok, prompts, 1, 48, greedy=True, chat_template=True, engine=e) for e in ("hf", "fast")]
+    greedy = [generate(model, tok, prompts, 1,
+                       SamplingParams(48, greedy=True, chat_template=True, engine=e)) for e in ("hf", "fast")]
     assert greedy[1].input_ids.tolist() == greedy[0].input_ids.tolist()
     assert "12" in greedy[1].texts[0]  # the model it is: "7 + 5 = 12."

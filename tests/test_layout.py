@@ -101,3 +101,59 @@ def test_the_check_sees_upward_and_sideways_imports(tmp_path):
     imports = _imports(planted)
     assert imports == {"gspo.config.errors", "gspo.models.moe", "gspo.train.trainer"}
     assert _upward("gspo.algos.x", imports) == ["gspo.models.moe", "gspo.train.trainer"]
+
+
+# --------------------------------------------------------------------------- sampling: one interface
+
+
+DECODER_METHODS = {"sample", "continue_sequences", "stop_ids", "sample_rollout"}
+
+
+def _calls(tree: ast.AST, match) -> list[tuple[str, int]]:
+    """(enclosing function or class.function, line) of every call `match(call)` accepts."""
+    found = []
+
+    def walk(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            here = f"{where}.{child.name}".lstrip(".") if isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else where
+            if isinstance(child, ast.Call) and match(child):
+                found.append((here, child.lineno))
+            walk(child, here)
+
+    walk(tree, "")
+    return found
+
+
+def _hasattr_on_a_decoder_method(call: ast.Call) -> bool:
+    return isinstance(call.func, ast.Name) and call.func.id == "hasattr" and len(call.args) == 2 \
+        and isinstance(call.args[1], ast.Constant) and call.args[1].value in DECODER_METHODS
+
+
+def _builds_a_rollout(call: ast.Call) -> bool:
+    return isinstance(call.func, ast.Name) and call.func.id == "Rollout"
+
+
+def test_a_decoder_is_found_by_its_type_never_by_its_attributes():
+    """gspo/rollout/decoding.py: an engine is a `Decoder` subclass; nothing asks an object whether it has a
+    decoder's method to decide how it samples."""
+    found = {f"{name}:{where}:{line}" for name, path in MODULES.items()
+             for where, line in _calls(ast.parse(path.read_text()), _hasattr_on_a_decoder_method)}
+    assert not found, f"hasattr-dispatch on a sampler: {sorted(found)}"
+
+
+def test_every_sampled_rollout_is_built_in_one_place():
+    """`generate.assemble` makes every sampled Rollout (gspo's decoders, the engine's, trajectories with tools);
+    besides it only re-shapings of finished rollouts construct one (concatenation, a checkpoint's batch)."""
+    found = {f"{name}:{where}" for name, path in MODULES.items()
+             for where, _ in _calls(ast.parse(path.read_text()), _builds_a_rollout)}
+    assert found == {"gspo.rollout.generate:assemble", "gspo.rollout.generate:cat_rollouts",
+                     "gspo.rollout.batch:Batch.from_state"}
+
+
+def test_the_sampling_checks_see_what_they_look_for():
+    """The checkers themselves, on planted code."""
+    tree = ast.parse("def f(m):\n    if hasattr(m, 'sample_rollout'):\n        return Rollout(1)\n"
+                     "class B:\n    def g(self):\n        return hasattr(self, 'weight') and Rollout(2)\n")
+    assert _calls(tree, _hasattr_on_a_decoder_method) == [("f", 2)]
+    assert _calls(tree, _builds_a_rollout) == [("f", 3), ("B.g", 6)]

@@ -9,6 +9,7 @@ from gspo.models import logprobs
 from gspo.models.build import build_model, char_tokenizer
 from gspo.models.logprobs import selected_logprobs
 from gspo.rollout.generate import generate, position_ids, token_logprobs
+from gspo.rollout.params import SamplingParams
 
 TOK = char_tokenizer("0123456789+=")
 
@@ -91,7 +92,7 @@ def _tiny(arch="qwen3_moe"):
 def test_token_logprobs_equal_a_full_forward_values_and_gradients(arch):
     model = _tiny(arch)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    r = generate(model, TOK, ["12+34=", "5+6=", "70+8="], 2, max_new_tokens=6, generator=gens)
+    r = generate(model, TOK, ["12+34=", "5+6=", "70+8="], 2, SamplingParams(6), generator=gens)
     sel = r.completion_mask.bool()
 
     logp, entropy, _ = token_logprobs(model, r, temperature=0.8, with_entropy=True)
@@ -120,7 +121,7 @@ def test_sampler_logprobs_equal_recomputed_ones_in_float32():
     """The log-probs recorded while sampling are what a full forward gives (float32, one process)."""
     model = _tiny()
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    r = generate(model, TOK, ["1+2=", "33+4=", "5+66=", "7="], 4, max_new_tokens=8, temperature=0.9, generator=gens)
+    r = generate(model, TOK, ["1+2=", "33+4=", "5+66=", "7="], 4, SamplingParams(8, temperature=0.9), generator=gens)
     with torch.no_grad():
         recomputed = token_logprobs(model, r, temperature=0.9)[0]
     sel = r.completion_mask.bool()
@@ -136,7 +137,7 @@ def test_compiled_static_cache_decoding_samples_what_the_eager_loop_samples():
 
     def sample(compile: bool):
         gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
-        return generate(model, TOK, prompts, 4, max_new_tokens=8, temperature=0.9, generator=gens, compile=compile)
+        return generate(model, TOK, prompts, 4, SamplingParams(8, temperature=0.9, compile=compile), generator=gens)
 
     eager, compiled = sample(False), sample(True)
     assert torch.equal(compiled.completion_ids, eager.completion_ids)

@@ -838,13 +838,14 @@ def test_the_sampler_keeps_its_topk_and_the_trainer_reads_the_same_tokens():
     from gspo.models.build import build_model, char_tokenizer
     from gspo.config.loading import compose
     from gspo.rollout.generate import generate, token_logprobs
+    from gspo.rollout.params import SamplingParams
 
     tok = char_tokenizer("0123456789+=")
     cfg = compose(["model=qwen3-tiny"])
     model = build_model(cfg.model, len(tok), tok, seed=0).eval()
     with torch.no_grad():
-        r = generate(model, tok, ["12+3=", "7+8="], 4, 5, temperature=0.7, generator=torch.Generator().manual_seed(0),
-                     keep_topk=3)
+        r = generate(model, tok, ["12+3=", "7+8="], 4, SamplingParams(5, temperature=0.7, keep_topk=3),
+                     generator=torch.Generator().manual_seed(0))
         m = r.completion_mask.bool()
         assert r.topk_ids.shape == (8, r.completion_mask.shape[1], 3)
         assert (r.topk_ids == r.completion_ids[..., None]).any(-1)[m].all()  # the sampled token is kept

@@ -353,6 +353,7 @@ def test_the_loops_moe_component_is_a_no_op_on_a_dense_model():
     from gspo.config.schema import ModelConfig
     from gspo.models.build import build_model, char_tokenizer
     from gspo.rollout.generate import generate, token_logprobs
+    from gspo.rollout.params import SamplingParams
     from gspo.train.moe_step import MoEStep
 
     TOK = char_tokenizer("0123456789+=")
@@ -360,7 +361,7 @@ def test_the_loops_moe_component_is_a_no_op_on_a_dense_model():
                         len(TOK), TOK, 0)
     step = MoEStep.for_model(model, compose(["model=qwen3-tiny"]), dist=None, old_pass=True)
     assert type(step) is MoEStep and step.sample_kwargs() == {}
-    r = generate(model, TOK, ["1+2="], 2, 4, generator=[torch.Generator().manual_seed(0)])
+    r = generate(model, TOK, ["1+2="], 2, SamplingParams(4), generator=[torch.Generator().manual_seed(0)])
     hooks = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())  # noqa: E731
     with step.old_pass(model, r):
         assert hooks() == 0

@@ -15,9 +15,11 @@ from gspo.algos.losses import LOSSES, policy_loss
 from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
 from gspo.config.loading import compose
 from gspo.models.build import load_pretrained
-from gspo.rollout.continuation import continue_sequences
+from gspo.rollout.decoding import ModelDecoder
 from gspo.rollout.generate import token_logprobs
-from gspo.rollout.multiturn import ToolUse, rollout
+from gspo.rollout.multiturn import ToolUse
+from gspo.rollout.params import SamplingParams
+from gspo.rollout.rollouts import rollout
 from gspo.tasks import build_task
 from gspo.train.trainer import train
 from gspo.train.warm_start import base_model
@@ -124,8 +126,8 @@ def sample(base, n_prompts=8, G=4, first=0, model=None, **kw):
     import random
 
     problems = task.sample_train(random.Random(0), first + n_prompts)[first:]
-    return rollout(model or policy, tok, [p.prompt for p in problems], G, 80, ToolUse.of(cfg),
-                   keys=[(0, 1, 0, first + i) for i in range(n_prompts)], **kw)
+    return rollout(model or policy, tok, [p.prompt for p in problems], G, SamplingParams(80, **kw),
+                   [(0, 1, 0, first + i) for i in range(n_prompts)], tools=ToolUse.of(cfg))
 
 
 def env_mask(r) -> torch.Tensor:
@@ -188,8 +190,8 @@ class EngineWithoutLogprobs:
 
     def sample_ids(self, prompts, n, max_new_tokens, temperature, top_p, greedy, seeds, keep_topk, routing):
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        out = continue_sequences(self.model, self.tok, prompts, max_new_tokens, gens, temperature=temperature,
-                                 top_p=top_p)
+        out = ModelDecoder(self.model).continue_sequences(self.tok, prompts, max_new_tokens, gens,
+                                                          SamplingParams(max(max_new_tokens), temperature, top_p))
         return {"tokens": [c.tokens for c in out], "logprobs": [None] * len(out), "topk": [None] * len(out)}
 
 

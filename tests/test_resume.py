@@ -178,13 +178,14 @@ def test_r3_old_policy_pass_routes_as_the_sampler_did(cache_dir):
     from gspo.models import moe
     from gspo.models.build import build_model, char_tokenizer
     from gspo.rollout.generate import generate, token_logprobs
+    from gspo.rollout.params import SamplingParams
     from gspo.train.moe_step import MoEStep
 
     tok = char_tokenizer("0123456789+=")
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "m"}), len(tok), tok, 0).eval()
     cfg = compose(tiny(cache_dir, **{"moe.routing_replay": "R3", "rollout.old_logprobs": "recompute"}))
-    r = generate(model, tok, ["1+2=", "30+4="], 2, 5, generator=[torch.Generator().manual_seed(i) for i in range(2)],
-                 capture_routing=True)
+    r = generate(model, tok, ["1+2=", "30+4="], 2, SamplingParams(5, capture_routing=True),
+                 generator=[torch.Generator().manual_seed(i) for i in range(2)])
     # routing the live router would not choose: the experts it ranks last
     with moe.capture_routing(model) as trace:
         token_logprobs(model, r)

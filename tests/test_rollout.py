@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from gspo.config.schema import ModelConfig
 from gspo.models.build import build_model, char_tokenizer
 from gspo.rollout.generate import cat_rollouts, generate, token_logprobs
+from gspo.rollout.params import SamplingParams
 
 TOK = char_tokenizer("0123456789+=")
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
@@ -36,7 +37,7 @@ def tok(s):
 
 def test_masks_stop_at_the_first_eos_and_flag_truncation():
     script = [tok("12") + [EOS], tok("3") + [EOS, *tok("99")], tok("4567")]
-    r = generate(ScriptedLM(script), TOK, ["1+1=", "2+22=", "3="], group_size=1, max_new_tokens=4, greedy=True)
+    r = generate(ScriptedLM(script), TOK, ["1+1=", "2+22=", "3="], 1, SamplingParams(4, greedy=True))
     assert r.texts == ["12", "3", "4567"]
     assert r.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]  # EOS counts as a token
     assert r.truncated.tolist() == [False, False, True]
@@ -48,12 +49,12 @@ def test_masks_stop_at_the_first_eos_and_flag_truncation():
 
 
 def test_loop_stops_once_every_row_has_ended():
-    r = generate(ScriptedLM([[EOS], tok("1") + [EOS]]), TOK, ["1=", "2="], 1, max_new_tokens=8, greedy=True)
+    r = generate(ScriptedLM([[EOS], tok("1") + [EOS]]), TOK, ["1=", "2="], 1, SamplingParams(8, greedy=True))
     assert r.completion_mask.shape[1] == 2
 
 
 def test_groups_are_contiguous():
-    r = generate(ScriptedLM([[EOS]] * 6), TOK, ["1=", "2=", "3="], group_size=2, max_new_tokens=2, greedy=True)
+    r = generate(ScriptedLM([[EOS]] * 6), TOK, ["1=", "2=", "3="], 2, SamplingParams(2, greedy=True))
     assert r.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
     assert r.input_ids[0].tolist() == r.input_ids[1].tolist()
 
@@ -67,14 +68,14 @@ def tiny_model():
 
 def test_greedy_generation_ignores_left_padding(tiny_model):
     prompts = ["1+1=", "12+345=", "7="]
-    batched = generate(tiny_model, TOK, prompts, 1, 6, greedy=True)
-    alone = [generate(tiny_model, TOK, [p], 1, 6, greedy=True).texts[0] for p in prompts]
+    batched = generate(tiny_model, TOK, prompts, 1, SamplingParams(6, greedy=True))
+    alone = [generate(tiny_model, TOK, [p], 1, SamplingParams(6, greedy=True)).texts[0] for p in prompts]
     assert batched.texts == alone
 
 
 def test_logprobs_match_kv_cached_sampling_and_ignore_padding(tiny_model):
     prompts = ["1+1=", "12+345="]
-    r = generate(tiny_model, TOK, prompts, 2, 5, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    r = generate(tiny_model, TOK, prompts, 2, SamplingParams(5), generator=torch.Generator().manual_seed(0))
     logp, entropy, _ = token_logprobs(tiny_model, r, temperature=0.7, with_entropy=True)
     assert logp.shape == r.completion_mask.shape and torch.all(entropy >= 0)
     for i in range(len(r.texts)):  # one row at a time, no padding at all
@@ -97,11 +98,13 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_every_row_prefilled_w
     rows_seen = []
     hook = tiny_model.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].shape), with_kwargs=True)
     try:
-        shared = generate(tiny_model, TOK, prompts, g, 6, generator=torch.Generator().manual_seed(0), engine=engine)
+        shared = generate(tiny_model, TOK, prompts, g, SamplingParams(6, engine=engine),
+                          generator=torch.Generator().manual_seed(0))
         with monkeypatch.context() as m:
             m.setattr(gen, "_prefill_once_per_group", lambda *a: None)
             rows_seen.append("fallback")
-            every = generate(tiny_model, TOK, prompts, g, 6, generator=torch.Generator().manual_seed(0), engine=engine)
+            every = generate(tiny_model, TOK, prompts, g, SamplingParams(6, engine=engine),
+                             generator=torch.Generator().manual_seed(0))
     finally:
         hook.remove()
     assert rows_seen[0] == (3, 7) and rows_seen[rows_seen.index("fallback") + 1] == (12, 7)  # P rows, then P x G
@@ -111,8 +114,8 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_every_row_prefilled_w
 
 
 def test_cat_rollouts_repads_prompts_and_completions():
-    a = generate(ScriptedLM([tok("1") + [EOS]]), TOK, ["1="], 1, 4, greedy=True)
-    b = generate(ScriptedLM([tok("123")]), TOK, ["12+3="], 1, 3, greedy=True)
+    a = generate(ScriptedLM([tok("1") + [EOS]]), TOK, ["1="], 1, SamplingParams(4, greedy=True))
+    b = generate(ScriptedLM([tok("123")]), TOK, ["12+3="], 1, SamplingParams(3, greedy=True))
     c = cat_rollouts([a, b])
     assert c.prompt_len == 5 and c.completion_mask.shape == (2, 3)
     assert c.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
@@ -127,7 +130,7 @@ def test_special_token_inside_a_completion_is_ill_formed():
     from gspo.tasks.rewards import score
 
     script = [tok("1") + [PAD] + tok("25") + [EOS], tok("125") + [EOS]]
-    r = generate(ScriptedLM(script), TOK, ["100+25=", "100+25="], group_size=1, max_new_tokens=5, greedy=True)
+    r = generate(ScriptedLM(script), TOK, ["100+25=", "100+25="], 1, SamplingParams(5, greedy=True))
     assert r.texts == ["1<pad>25", "125"]
     assert r.ill_formed.tolist() == [True, False]
     task = Addition(OmegaConf.create({"digits": 2, "eval_fraction": 0.1}))
@@ -163,7 +166,7 @@ def test_the_sampler_stops_at_every_end_token_the_generation_config_lists():
     turn_end = TOK.convert_tokens_to_ids("=")  # stands in for <end_of_turn>
     lm = ScriptedLM([tok("12") + [turn_end, *tok("34")], tok("5") + [EOS]])
     lm.generation_config = SimpleNamespace(eos_token_id=[EOS, turn_end])
-    r = generate(lm, TOK, ["1=", "2="], 1, max_new_tokens=6, greedy=True)
+    r = generate(lm, TOK, ["1=", "2="], 1, SamplingParams(6, greedy=True))
     assert r.texts == ["12", "5"] and r.truncated.tolist() == [False, False]
     assert r.completion_mask.tolist() == [[1, 1, 1], [1, 1, 0]]  # the turn end is a completion token, as EOS
     assert r.ill_formed.tolist() == [False, False]
@@ -180,7 +183,7 @@ def test_non_finite_logits_stop_the_rollout_in_one_line():
             return out
 
     with pytest.raises(NonFiniteLogits, match=r"not finite \(NaN or inf\) in 1 of 2 rows"):
-        generate(NaNLM([tok("12"), tok("3")]), TOK, ["1=", "2="], 1, max_new_tokens=3,
+        generate(NaNLM([tok("12"), tok("3")]), TOK, ["1=", "2="], 1, SamplingParams(3),
                  generator=torch.Generator().manual_seed(0))
 
 

@@ -18,6 +18,7 @@ from gspo.config.loading import compose
 from gspo.models import adapters
 from gspo.models.build import build_model, char_tokenizer
 from gspo.rollout.generate import generate, token_logprobs
+from gspo.rollout.params import SamplingParams
 from gspo.rollout.sampler import Sampler, _Copy, old_logprobs_mode, separate
 from gspo.train.checks import check
 from gspo.train.moe_step import MoEStep
@@ -130,11 +131,12 @@ def test_top_p_ratios_carry_no_kept_mass_bias():
     only part of the mass (a renormalised log-prob would give rho = kept mass, TRL #6789)."""
     cfg = compose(["model=qwen3-tiny"])
     model = model_of(cfg)
-    r = generate(model, TOK, PROMPTS, 4, 6, temperature=1.0, top_p=0.5, generator=gens())
+    r = generate(model, TOK, PROMPTS, 4, SamplingParams(6, top_p=0.5), generator=gens())
     m = mismatch_metrics(token_logprobs(model, r)[0], r.sampler_logp, r.completion_mask, r.kept_mass)
     assert m["rollout/ratio_min"] == pytest.approx(1.0, abs=1e-4) and m["rollout/ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert 0.4 < m["rollout/top_p_kept_mass"] < 0.95
-    assert generate(model, TOK, PROMPTS, 4, 6, generator=gens()).kept_mass is None  # top_p 1: nothing cut
+    assert generate(model, TOK, PROMPTS, 4, SamplingParams(6),
+                    generator=gens()).kept_mass is None  # top_p 1: nothing cut
 
 
 def _moe_setup(replay: str):
@@ -145,7 +147,7 @@ def _moe_setup(replay: str):
     step = MoEStep.for_model(model, cfg, dist=None, old_pass=True)
     assert step.sample_kwargs() == {"capture_routing": True}
     with sampler.serve(model, None) as m:
-        ro = generate(m, TOK, PROMPTS, 4, 12, generator=gens(), **step.sample_kwargs())
+        ro = generate(m, TOK, PROMPTS, 4, SamplingParams(12, **step.sample_kwargs()), generator=gens())
     with step.old_pass(model, ro):
         token_logprobs(model, ro)
     return cfg, model, step, ro

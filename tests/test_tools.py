@@ -12,8 +12,10 @@ import torch
 from gspo.config.errors import ConfigError
 from gspo.models.build import char_tokenizer
 from gspo.rollout import chat
-from gspo.rollout.continuation import Continuation
-from gspo.rollout.multiturn import ToolUse, rollout
+from gspo.rollout.decoding import Continuation, Decoder
+from gspo.rollout.multiturn import ToolUse
+from gspo.rollout.params import SamplingParams
+from gspo.rollout.rollouts import rollout
 from gspo.tasks.tools import Toolbox
 
 REPO = Path(__file__).resolve().parent.parent
@@ -271,15 +273,21 @@ def test_a_template_that_cannot_close_a_tool_turn_is_refused_before_any_work(tmp
 # --------------------------------------------------------------------------- the driver, on a scripted engine
 
 
-class Scripted:
-    """An engine (the `continue_sequences` seam) that writes the given turns, log-prob -0.5 per token."""
+class Scripted(Decoder):
+    """A decoder that continues sequences with the given turns, log-prob -0.5 per token."""
 
     def __init__(self, tok, turns: list[str]):
         self.turns = [ids(tok, t) for t in turns]
         self.calls: list[tuple] = []
         self.stop = tok.eos_token_id
 
-    def continue_sequences(self, sequences, max_new_tokens, generators, **sampling):
+    def stop_ids(self, tokenizer):
+        return torch.tensor([self.stop])
+
+    def sample(self, *args):
+        raise NotImplementedError("a multi-turn rollout only continues sequences")
+
+    def continue_sequences(self, tokenizer, sequences, max_new_tokens, generators, params):
         self.calls.append((sequences, max_new_tokens))
         out = []
         for seq, m in zip(sequences, max_new_tokens):
@@ -298,7 +306,7 @@ CALL = '<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call><eos>'
 
 def test_a_trajectory_holds_the_models_tokens_and_the_tools_as_rendered(tok, tools):
     engine = Scripted(tok, [CALL, "5<eos>"])
-    r = rollout(engine, tok, ["2+3"], 1, 64, tools, keys=[(0,)])
+    r = rollout(engine, tok, ["2+3"], 1, SamplingParams(64), [(0,)], tools=tools)
     prompt = ids(tok, "<|system|>add,boom,hang,die,loud,leave,later<|user|>2+3<|assistant|>")
     reply = ids(tok, "<|tool|>5<|assistant|>")
     assert engine.calls[1][0] == [prompt + ids(tok, CALL) + reply]  # token in, token out: nothing re-rendered
@@ -323,20 +331,22 @@ def test_a_trajectory_holds_the_models_tokens_and_the_tools_as_rendered(tok, too
 def test_max_turns_budget_and_failures_end_or_shape_a_trajectory(tok, tools, tool_file):
     # the last allowed turn's calls are not run
     one = ToolUse(tools.specs, 1.0, 1)
-    r = rollout(Scripted(tok, [CALL]), tok, ["2+3"], 1, 64, one, keys=[(0,)])
+    r = rollout(Scripted(tok, [CALL]), tok, ["2+3"], 1, SamplingParams(64), [(0,)], tools=one)
     assert (r.turns.tolist(), r.tool_calls.tolist(), r.completion_mask.sum().item()) == ([1], [0], len(ids(tok, CALL)))
     # no room for the tool's reply and one more token: the call ran, the trajectory ends (as TRL rolls back)
     reply = len(ids(tok, "<|tool|>5<|assistant|>"))
-    r = rollout(Scripted(tok, [CALL]), tok, ["2+3"], 1, len(ids(tok, CALL)) + reply, tools, keys=[(0,)])
+    r = rollout(Scripted(tok, [CALL]), tok, ["2+3"], 1, SamplingParams(len(ids(tok, CALL)) + reply), [(0,)],
+                tools=tools)
     tail = r.input_ids.shape[1] - r.prompt_len
     assert (r.turns.tolist(), r.tool_calls.tolist(), tail) == ([1], [1], len(ids(tok, CALL)))
     # the budget runs out inside the second turn: truncated
-    r = rollout(Scripted(tok, [CALL, "555555555<eos>"]), tok, ["2+3"], 1, len(ids(tok, CALL)) + reply + 4, tools,
-                keys=[(0,)])
+    r = rollout(Scripted(tok, [CALL, "555555555<eos>"]), tok, ["2+3"], 1,
+                SamplingParams(len(ids(tok, CALL)) + reply + 4), [(0,)],
+                tools=tools)
     assert bool(r.truncated[0]) and r.completion_mask.sum().item() == len(ids(tok, CALL)) + 4
     # a malformed call and a raising tool: answered, counted, the model goes on
     bad = '<tool_call>{oops</tool_call><tool_call>{"name":"boom","arguments":{"x":1}}</tool_call><eos>'
-    r = rollout(Scripted(tok, [bad, "0<eos>"]), tok, ["2+3"], 1, 250, tools, keys=[(0,)])
+    r = rollout(Scripted(tok, [bad, "0<eos>"]), tok, ["2+3"], 1, SamplingParams(250), [(0,)], tools=tools)
     assert (r.turns.tolist(), r.tool_calls.tolist(), r.tool_errors.tolist()) == ([2], [2], [2])
     replies = [m["content"] for m in r.conversations[0] if m["role"] == "tool"]
     assert replies[0] == "{'error': 'no good'}" and replies[1].startswith("{'error': 'malformed tool call: not JSON")
@@ -345,7 +355,7 @@ def test_max_turns_budget_and_failures_end_or_shape_a_trajectory(tok, tools, too
 def test_the_rollout_metrics(tok, tools):
     from gspo.rollout.batch import tool_metrics
 
-    r = rollout(Scripted(tok, [CALL, "5<eos>"]), tok, ["2+3", "1+1"], 1, 64, tools, keys=[(0,), (1,)])
+    r = rollout(Scripted(tok, [CALL, "5<eos>"]), tok, ["2+3", "1+1"], 1, SamplingParams(64), [(0,), (1,)], tools=tools)
     m = tool_metrics(r)
     env = len(ids(tok, "<|tool|>5<|assistant|>"))
     assert m["rollout/turns_mean"] == 2.0 and m["rollout/tool_calls_mean"] == 1.0 and m["rollout/tool_errors_frac"] == 0
@@ -370,7 +380,8 @@ def test_dapos_overlong_penalty_counts_every_token_the_budget_counts(tok, tool_f
                    "algo.overlong_buffer=4", "rollout.prompts_per_step=1", "rollout.group_size=2",
                    "train.minibatches=1"])
     engine = Scripted(tok, [CALL, "5<eos>"])
-    batch, _ = collect(cfg, 1, lambda: contextlib.nullcontext(engine), tok, build_task(cfg.task), Share(0, 1), {})
+    batch, _ = collect(cfg, 1, lambda: contextlib.nullcontext(engine), tok, build_task(cfg.task), Share(0, 1),
+                       SamplingParams.of(cfg))
     assert (batch.rollout.attention_mask[:, batch.rollout.prompt_len:].sum(-1) == budget).all()
     assert batch.rollout.lengths.tolist() == [budget - reply] * 2 and not batch.rollout.truncated.any()
     assert batch.parts["overlong"].tolist() == [-1.0, -1.0]
@@ -378,6 +389,6 @@ def test_dapos_overlong_penalty_counts_every_token_the_budget_counts(tok, tool_f
 
 def test_prompts_are_rendered_with_the_tools_names(tok, tools):
     engine = Scripted(tok, ["7<eos>"])
-    rollout(engine, tok, [[{"role": "user", "content": "3+4"}]], 2, 8, tools, keys=[(0,)])
+    rollout(engine, tok, [[{"role": "user", "content": "3+4"}]], 2, SamplingParams(8), [(0,)], tools=tools)
     assert tok.decode(engine.calls[0][0][0]) == "<|system|>add,boom,hang,die,loud,leave,later<|user|>3+4<|assistant|>"
     assert len(engine.calls[0][0]) == 2  # G = 2 trajectories of the one prompt

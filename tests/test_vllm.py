@@ -30,6 +30,7 @@ from gspo.models import moe  # noqa: E402
 from gspo.models.build import build_model, char_tokenizer  # noqa: E402
 from gspo.rollout.engine import Engine, EngineProcess, spec  # noqa: E402
 from gspo.rollout.generate import stop_ids, token_logprobs  # noqa: E402
+from gspo.rollout.params import SamplingParams  # noqa: E402
 from gspo.rollout.slots import layout_of  # noqa: E402
 from gspo.train import checkpoint  # noqa: E402
 from gspo.train.trainer import train  # noqa: E402
@@ -85,7 +86,8 @@ def test_after_every_push_the_float32_engine_samples_from_the_trainers_weights(n
             perturb(model, update)
             process.load(model)
             gens = [torch.Generator().manual_seed(10 * update + i) for i in range(len(PROMPTS))]
-            r = front.sample_rollout(TOK, PROMPTS, 4, 8, 0.8, 1.0, False, gens, False, routing, 3)
+            r = front.sample(TOK, PROMPTS, 4, SamplingParams(8, temperature=0.8, capture_routing=routing, keep_topk=3),
+                             gens)
             with torch.no_grad(), moe.capture_routing(model, logprobs=True) if routing else nullcontext() as trace:
                 logp, _, _, top = token_logprobs(model, r, 0.8, topk=True)
             m = r.completion_mask.bool()
@@ -110,7 +112,7 @@ def test_at_top_p_below_1_the_engine_gives_the_log_probs_before_the_cut(tmp_path
     try:
         process.load(model)
         gens = [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
-        r = front.sample_rollout(TOK, PROMPTS, 4, 8, 1.0, 0.7, False, gens, False, False, 0)
+        r = front.sample(TOK, PROMPTS, 4, SamplingParams(8, top_p=0.7), gens)
         logp = token_logprobs(model, r, 1.0)[0]
         assert (logp - r.sampler_logp)[r.completion_mask.bool()].abs().max() < 1e-4
     finally:
@@ -128,8 +130,7 @@ def test_a_row_the_engine_cut_at_max_model_len_is_truncated_with_the_tokens_it_s
     try:
         process.load(model)
         gens = [torch.Generator().manual_seed(i) for i in range(4)]
-        r = front.sample_rollout(tok, ["1+2=", "12+34=", "9+9=", "70+80="], 8, 8, 0.8, 1.0, False, gens, False,
-                                 False, 0)
+        r = front.sample(tok, ["1+2=", "12+34=", "9+9=", "70+80="], 8, SamplingParams(8, temperature=0.8), gens)
     finally:
         process.close()
     m, cut, room = r.completion_mask.bool(), r.truncated, 10 - r.attention_mask[:, : r.prompt_len].sum(-1)
@@ -147,8 +148,8 @@ def test_the_engine_draws_the_same_tokens_whatever_the_batch(tmp_path):
     try:
         process.load(model)
         gens = lambda: [torch.Generator().manual_seed(100 + i) for i in range(len(PROMPTS))]  # noqa: E731
-        both = front.sample_rollout(TOK, PROMPTS, 4, 8, 0.8, 1.0, False, gens(), False, False, 0)
-        alone = front.sample_rollout(TOK, PROMPTS[2:3], 4, 8, 0.8, 1.0, False, gens()[2:3], False, False, 0)
+        both = front.sample(TOK, PROMPTS, 4, SamplingParams(8, temperature=0.8), gens())
+        alone = front.sample(TOK, PROMPTS[2:3], 4, SamplingParams(8, temperature=0.8), gens()[2:3])
         assert both.texts[8:12] == alone.texts
     finally:
         process.close()

@@ -3,7 +3,7 @@ checkpoint, a checkpoint directory or the warm-start base (the scoring itself: g
 
 from __future__ import annotations
 
-from gspo.train.heldout import evaluate, heldout_problems
+from gspo.train.heldout import eval_params, evaluate, heldout_problems
 
 DEFAULT_PASS_K = 4  # `gspo eval` estimates pass@4 unless eval.pass_k=K is given
 
@@ -61,10 +61,8 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     if pass_k is None:
         pass_k = cfg.eval.pass_k if any(o.startswith("eval.pass_k=") for o in overrides) else DEFAULT_PASS_K
     model, tokenizer = checkpoint.load_model(model_dir)  # a LoRA adapter loads onto the base it records
-    res = evaluate(model, tokenizer, task, problems, cfg.rollout.max_new_tokens,
-                   pass_k=pass_k, temperature=cfg.rollout.temperature, chat_template=cfg.model.use_chat_template,
-                   examples=examples, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p, key=(cfg.seed, "gspo-eval"),
-                   engine=cfg.rollout.engine, tools=ToolUse.of(cfg))
+    res = evaluate(model, tokenizer, task, problems, eval_params(cfg), pass_k=pass_k, examples=examples,
+                   timeout_s=cfg.reward.timeout_s, key=(cfg.seed, "gspo-eval"), tools=ToolUse.of(cfg))
     res["model"] = str(model_dir)
     res["task"] = cfg.task.name
     res["n"] = len(problems)  # what was scored, which a small held-out split makes fewer than task.eval_size

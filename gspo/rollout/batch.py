@@ -17,8 +17,9 @@ import torch
 
 from gspo.algos.shaping import dynamic_sampling, overlong_penalty
 from gspo.rollout import multiturn
-from gspo.rollout.generate import Rollout, cat_rollouts, generate
-from gspo.rollout.seeds import group_generator
+from gspo.rollout.generate import Rollout, cat_rollouts
+from gspo.rollout.params import SamplingParams
+from gspo.rollout.rollouts import rollout
 from gspo.tasks import Problem, timeouts
 from gspo.tasks.rewards import completion_ids, score, trainer_state
 
@@ -80,12 +81,13 @@ class Share:
 
 
 def collect(cfg, step: int, serve: Callable[[], AbstractContextManager], tokenizer, task, share: Share,
-            sample_kwargs: dict, agree: Optional[Callable[[bool], bool]] = None) -> tuple[Batch, dict]:
+            params: SamplingParams, agree: Optional[Callable[[bool], bool]] = None) -> tuple[Batch, dict]:
     """The scored rollout batch of `step` (refilled by dynamic sampling when the algorithm asks for it).
 
-    `serve()` enters a context that yields the model to sample with. Every rank draws the same prompt list
-    and samples its own share; each group samples with its own generator, keyed by (seed, step, draw,
-    prompt), so the completions depend neither on the number of ranks nor on where sampling runs.
+    `serve()` enters a context that yields the model (or decoder) to sample with, as `params` say. Every rank
+    draws the same prompt list and samples its own share; each group samples with its own generator, keyed by
+    (seed, step, draw, prompt), so the completions depend neither on the number of ranks nor on where sampling
+    runs.
     `agree(done)`: DAPO's refill, whether every rank is done (an all-reduce; None in one process).
     The rollout metrics (reward/*, response/*) are over everything sampled, the groups dynamic sampling
     dropped included, so every algorithm's reward/mean is over the same population.
@@ -98,20 +100,10 @@ def collect(cfg, step: int, serve: Callable[[], AbstractContextManager], tokeniz
         d = next(draws)
         rng = random.Random(f"{cfg.seed}-{step}-{d}")
         problems = task.sample_train(rng, cfg.rollout.prompts_per_step)[share.lo : share.hi]  # this rank's share
-        with serve() as sampling_model:
-            if tools is None:
-                gens = [group_generator(cfg.seed, step, d, i, share.device) for i in range(share.lo, share.hi)]
-                r = generate(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
-                             cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, generator=gens,
-                             chat_template=cfg.model.use_chat_template, compile=cfg.hardware.compile,
-                             engine=cfg.rollout.engine, keep_topk=cfg.rollout.keep_topk, **sample_kwargs)
-            else:  # trajectories with tool calls: each turn of each sample keyed as well (gspo/rollout/multiturn.py)
-                keys = [(cfg.seed, step, d, i) for i in range(share.lo, share.hi)]
-                r = multiturn.rollout(sampling_model, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size,
-                                      cfg.rollout.max_new_tokens, tools, temperature=cfg.rollout.temperature,
-                                      top_p=cfg.rollout.top_p, keys=keys, device=share.device,
-                                      compile=cfg.hardware.compile, engine=cfg.rollout.engine,
-                                      keep_topk=cfg.rollout.keep_topk, **sample_kwargs)
+        keys = [(cfg.seed, step, d, i) for i in range(share.lo, share.hi)]  # the prompts' places in the whole step
+        with serve() as sampler:  # with tools, each turn of each sample keyed as well (gspo/rollout/multiturn.py)
+            r = rollout(sampler, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size, params, keys,
+                        device=share.device, tools=tools)
         rows = [problems[i] for i in r.prompt_index.tolist()]
         r.prompt_index += share.lo  # index in the step's whole prompt list: keys the group's minibatch shuffle
         rewards, parts = timeouts.call(

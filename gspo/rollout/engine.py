@@ -27,8 +27,9 @@ from gspo.config import model_path
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.rollout.child import Child
-from gspo.rollout.continuation import Continuation
+from gspo.rollout.decoding import Continuation, Decoder
 from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
+from gspo.rollout.params import SamplingParams
 from gspo.rollout.sampler import Sampler, sampler_dtype
 from gspo.rollout.slots import PREFIX, layout_of, map_slot, shm_dir
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
@@ -129,8 +130,8 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
     return EngineSampler(process, stop.tolist())
 
 
-class Engine:
-    """What `generate()` samples with when the sampler is an inference engine: the same `Rollout`.
+class Engine(Decoder):
+    """An inference engine as a `Decoder` (gspo/rollout/decoding.py): the same `Rollout`, the same `Continuation`s.
 
     `backend` has `sample_ids(prompts, n, ...)` (gspo/rollout/vllm_engine.py): the engine in this process, or
     `EngineProcess` (the engine in its own)."""
@@ -138,10 +139,12 @@ class Engine:
     def __init__(self, backend, stop_ids: list[int]):
         self.backend, self.eos = backend, torch.tensor(stop_ids, dtype=torch.long)
 
-    def sample_rollout(self, tokenizer, prompts: list, group_size: int, max_new_tokens: int, temperature: float,
-                       top_p: float, greedy: bool, generator, chat_template: bool, capture_routing: bool,
-                       keep_topk: int) -> Rollout:
-        encoded = encode_prompts(tokenizer, prompts, chat_template)
+    def stop_ids(self, tokenizer) -> torch.Tensor:
+        return self.eos  # the ids the engine was started with
+
+    def sample(self, tokenizer, prompts: list, group_size: int, params: SamplingParams, generator) -> Rollout:
+        greedy, keep_topk = params.greedy, params.topk
+        encoded = encode_prompts(tokenizer, prompts, params.chat_template)
         # each prompt group's generator is keyed (gspo/rollout/seeds.py): its seed keys the engine's draws. vLLM
         # seeds sample j of a request seeded s with s + j: one generator for all the prompts gives them s + i * G
         if greedy or generator is None:
@@ -150,9 +153,9 @@ class Engine:
             seeds = [g.initial_seed() for g in generator]
         else:
             seeds = [generator.initial_seed() + i * group_size for i in range(len(encoded))]
-        got = self.backend.sample_ids(prompts=encoded, n=group_size, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p, greedy=greedy, seeds=seeds,
-                                      keep_topk=0 if greedy else keep_topk, routing=capture_routing)
+        got = self.backend.sample_ids(prompts=encoded, n=group_size, max_new_tokens=params.max_new_tokens,
+                                      temperature=params.temperature, top_p=params.top_p, greedy=greedy, seeds=seeds,
+                                      keep_topk=keep_topk, routing=params.capture_routing)
         pad = tokenizer.pad_token_id
         ids, mask = left_pad([e for e in encoded for _ in range(group_size)], pad)
         rows = got["tokens"]
@@ -172,7 +175,7 @@ class Engine:
             for i, (tid, tlp) in enumerate(got["topk"]):
                 top_ids[i, : len(tid)], top_lp[i, : len(tlp)] = torch.tensor(tid), torch.tensor(tlp)
         routing = None
-        if capture_routing:  # the engine's positions count from each row's first prompt token: shift past the padding
+        if params.capture_routing:  # the engine's positions count from each row's first prompt token: past the padding
             idx, lp = got["routing"]["indices"], got["routing"]["logprobs"]
             W = ids.shape[1] + T
             routing = (torch.full((len(rows), W, *idx.shape[2:]), -1, dtype=torch.long),
@@ -185,16 +188,16 @@ class Engine:
         return finish(tokenizer, ids, mask, out, self.eos, group_size, routing=routing, sampler_logp=logp,
                       topk_ids=top_ids, topk_logp=top_lp, limit=torch.tensor([len(t) for t in rows]))
 
-    def continue_sequences(self, sequences: list[list[int]], max_new_tokens: list[int], generators, *,
-                           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                           capture_routing: bool = False, keep_topk: int = 0) -> list:
-        """gspo/rollout/continuation.py's primitive (multi-turn rollouts): each sequence continued by at most its own
-        budget, one request each, seeded by its generator; routing from each sequence's first token (positions
-        the engine served from its prefix cache: -1, as they were recorded when first computed)."""
+    def continue_sequences(self, tokenizer, sequences: list[list[int]], max_new_tokens: list[int], generators,
+                           params: SamplingParams) -> list[Continuation]:
+        """Each sequence continued by at most its own budget, one request each, seeded by its generator; routing
+        from each sequence's first token (positions the engine served from its prefix cache: -1, as they were
+        recorded when first computed)."""
+        greedy, capture_routing = params.greedy, params.capture_routing
         seeds = None if greedy or generators is None else [g.initial_seed() for g in generators]
         got = self.backend.sample_ids(prompts=sequences, n=1, max_new_tokens=list(max_new_tokens),
-                                      temperature=temperature, top_p=top_p, greedy=greedy, seeds=seeds,
-                                      keep_topk=0 if greedy else keep_topk, routing=capture_routing)
+                                      temperature=params.temperature, top_p=params.top_p, greedy=greedy, seeds=seeds,
+                                      keep_topk=params.topk, routing=capture_routing)
         stops, out = set(self.eos.tolist()), []
         for i, (seq, tokens) in enumerate(zip(sequences, got["tokens"])):
             lp, top = got["logprobs"][i], got["topk"][i]

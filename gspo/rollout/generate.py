@@ -11,6 +11,7 @@ at O(T^2) cost.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from gspo.config.errors import ConfigError
 from gspo.models.logprobs import head_logprobs
 from gspo.rollout import fast_decode
+from gspo.rollout.params import SamplingParams
 
 
 @dataclass
@@ -127,13 +129,10 @@ class NonFiniteLogits(FloatingPointError):
     """The model's logits hold NaN or inf while sampling (a diverged policy, an overflow in low precision)."""
 
 
-def stop_ids(model, tokenizer) -> torch.Tensor:
-    """Every token id a completion ends at: the tokenizer's EOS and each id the model's generation config
-    lists (chat checkpoints end a turn with another token: Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`,
-    Phi-3's `<|end|>`), as `generate`, vLLM and verl stop. An inference engine (gspo/rollout/engine.py) stops at
-    the ids it was started with."""
-    if hasattr(model, "sample_rollout"):
-        return model.eos
+def stop_ids(model: torch.nn.Module, tokenizer) -> torch.Tensor:
+    """Every token id a completion of the torch `model` ends at: the tokenizer's EOS and each id the model's
+    generation config lists (chat checkpoints end a turn with another token: Gemma's `<end_of_turn>`, Llama 3's
+    `<|eot_id|>`, Phi-3's `<|end|>`), as `generate`, vLLM and verl stop. (A decoder's: `Decoder.stop_ids`.)"""
     return end_ids(tokenizer, getattr(model, "generation_config", None))
 
 
@@ -183,133 +182,182 @@ def encode_prompts(tokenizer, prompts: list, chat_template: bool = False,
 
 
 @torch.no_grad()
-def generate(
-    model,
-    tokenizer,
-    prompts: list,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    generator: Optional[torch.Generator | list[torch.Generator]] = None,
-    chat_template: bool = False,
-    capture_routing: bool = False,
-    compile: bool = False,
-    engine: str = "hf",
-    keep_topk: int = 0,
-    prompt_ids: Optional[list[list[int]]] = None,
-    limits: Optional[list[int]] = None,
-) -> Rollout:
-    """Sample `group_size` completions for each prompt (rows group-contiguous).
+def generate(model, tokenizer, prompts: Optional[list], group_size: int, params: SamplingParams,
+             generator: Optional[torch.Generator | list[torch.Generator]] = None, *,
+             prompt_ids: Optional[list[list[int]]] = None, limits: Optional[list[int]] = None) -> Rollout:
+    """Sample `group_size` completions for each prompt (rows group-contiguous) with the torch `model`, as `params`
+    says (gspo/rollout/decoding.py: `ModelDecoder` is this function behind the `Decoder` interface).
 
-    `generator` may be a list with one generator per prompt: each group then draws its
-    own noise, so its completions do not depend on the rest of the batch (how a prompt
-    sampled on rank r of W matches the same prompt sampled by one process).
-    `compile`: decode with a static KV cache through `torch.compile` (CUDA graphs on a
-    GPU), the way `generate(cache_implementation="static")` does; the prefill runs eager.
-    `engine` (`rollout.engine`): `hf` decodes through the model's forward; `fast` (and `auto`) through
-    gspo/rollout/fast_decode.py where it supports the model, sampling the same tokens; else `hf`.
-    `keep_topk` (`rollout.keep_topk`): also keep each position's k most likely tokens and their log-probs.
-    `model` may also be an inference engine (`rollout.engine=vllm`, gspo/rollout/engine.py): it samples the
-    same kind of Rollout by itself.
+    `generator` may be a list with one generator per prompt: each group then draws its own noise, so its
+    completions do not depend on the rest of the batch (how a prompt sampled on rank r of W matches the same
+    prompt sampled by one process). `params.compile`: decode with a static KV cache through `torch.compile` (CUDA
+    graphs on a GPU), as `generate(cache_implementation="static")` does; the prefill runs eager. `params.engine`:
+    `hf` decodes through the model's forward; `fast` (and `auto`) through gspo/rollout/fast_decode.py where it
+    supports the model, sampling the same tokens; else `hf`.
     `prompt_ids` (token ids, one list per prompt) stand in for `prompts`, rendered already; `limits` (one per
-    row, each <= max_new_tokens): a row ends after that many tokens, drawing only as many uniforms (how
+    row, each <= params.max_new_tokens): a row ends after that many tokens, drawing only as many uniforms (how
     `continue_sequences` gives each trajectory its own budget).
     """
-    if hasattr(model, "sample_rollout"):
-        return model.sample_rollout(tokenizer, prompts, group_size, max_new_tokens, temperature, top_p, greedy,
-                                    generator, chat_template, capture_routing, keep_topk)
     device = next(model.parameters()).device
-    eos, pad = stop_ids(model, tokenizer).to(device), tokenizer.pad_token_id
-    encoded = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts, chat_template)
+    eos, pad, T = stop_ids(model, tokenizer).to(device), tokenizer.pad_token_id, params.max_new_tokens
+    encoded = prompt_ids if prompt_ids is not None else encode_prompts(tokenizer, prompts, params.chat_template)
     ids, mask = left_pad([e for e in encoded for _ in range(group_size)], pad)
     ids, mask = ids.to(device), mask.to(device)
     n, p = ids.shape
-    out = torch.full((n, max_new_tokens), pad, dtype=torch.long, device=device)
-    sampler_logp = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)
-    kept = torch.ones((n, max_new_tokens), dtype=torch.float32, device=device) if top_p < 1.0 and not greedy else None
-    k = keep_topk if not greedy else 0
-    topk_ids = torch.zeros((n, max_new_tokens, k), dtype=torch.long, device=device) if k else None
-    topk_logp = torch.zeros((n, max_new_tokens, k), dtype=torch.float32, device=device) if k else None
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    nonfinite = torch.zeros(n, dtype=torch.bool, device=device)  # rows whose logits held NaN / inf
+    draws = _Draws.empty(n, T, params, pad, device)
     # one attention mask for the whole rollout, filled in as tokens arrive (no per-token re-allocation)
-    full_mask = torch.cat([mask, torch.ones((n, max_new_tokens), dtype=mask.dtype, device=device)], dim=1)
+    full_mask = torch.cat([mask, torch.ones((n, T), dtype=mask.dtype, device=device)], dim=1)
     # every row's random draws for the whole rollout at once (one call per group, not one per group per token)
-    u = None if greedy else _uniforms(n, max_new_tokens, generator, device, limits)
+    u = None if params.greedy else _uniforms(n, T, generator, device, limits)
     limit = None if limits is None else torch.tensor(limits, device=device)
-    # on a GPU, asking "all done?" every token stalls the launch queue: ask every few tokens
-    check_every = 1 if device.type == "cpu" else 8
-    trace = None
-    if capture_routing:
-        from gspo.models import moe
-
-        ctx = moe.capture_routing(model, logprobs=True)
-        trace = ctx.__enter__()
-    try:
-        cache, step_ids, pos = None, ids, position_ids(mask)
-        cache_kw = _cache_kwarg(model)
-        recurrent = False  # the cache holds only recurrent states (Mamba): the past is in the state, not the mask
-        decode, fast = model, max_new_tokens > 1 and fast_decode.resolve(engine, model, compile) == "fast"
-        # a group's G rows share their prompt: prefill it once. Not for a stateful model (Mamba: no key/value
-        # cache to repeat), nor while recording routing (the trace records every row's prefill)
-        share_prefill = group_size > 1 and not capture_routing and hasattr(model, "config") \
-            and not getattr(model, "_is_stateful", False) and model not in _UNSHARED_PREFILL
-        if compile:
-            cache, decode = _static_decoder(model, n, p + max_new_tokens)
-        for t in range(max_new_tokens):
-            # logits_to_keep=1: the prefill needs only its last position's logits (V per row, not P x V)
-            kwargs = {"input_ids": step_ids, "position_ids": pos, cache_kw: cache, "use_cache": True, "logits_to_keep": 1}
-            if fast and t > 0:  # gspo/rollout/fast_decode.py: one call per layer on the model's own weights
-                logits = decode.step(step_ids, pos, full_mask[:, : p + t]).float()
-            else:
-                if compile:  # static shapes: the whole mask (the causal mask hides the future), the cache slot to fill
-                    slots = torch.arange(p, device=device) if t == 0 else torch.full((1,), p + t - 1, device=device)
-                    res = (model if t == 0 else decode)(attention_mask=full_mask, cache_position=slots, **kwargs)
-                    cache, logits = returned_cache(res), res.logits[:, -1].float()
-                elif t == 0 and share_prefill and (shared := _prefill_once_per_group(model, kwargs, mask, group_size)):
-                    cache, logits = shared
-                else:  # a recurrent state takes the new token's mask column only (as generate() passes none)
-                    res = model(attention_mask=full_mask[:, p + t - 1 : p + t] if recurrent else full_mask[:, : p + t], **kwargs)
-                    cache, logits = returned_cache(res), res.logits[:, -1].float()
-                recurrent = cache is not None and all(getattr(cache, "is_linear", None) or [False])
-                if fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
-                    decode, cache = fast_decode.FastDecoder(model, cache, p + max_new_tokens), None
-            nonfinite |= ~torch.isfinite(logits).all(-1)  # checked once at the end: no sync per token on a GPU
-            if greedy:
-                nxt = _sample(logits, temperature, top_p, greedy, None)
-            else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
-                nxt, sampler_logp[:, t], mass, *top = _sample(logits, temperature, top_p, greedy, u[:, t],
-                                                              with_logp=True, keep_topk=k)
-                if top:
-                    topk_ids[:, t], topk_logp[:, t] = top
-                if kept is not None:
-                    kept[:, t] = mass
-            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            out[:, t] = nxt
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    check_every = 1 if device.type == "cpu" else 8  # on a GPU, asking "all done?" every token stalls the launch queue
+    with _routing_trace(model, params.capture_routing) as trace:
+        forward = _Forward(model, n, p + T, params)
+        logits = forward.prefill(ids, mask, full_mask, group_size)
+        for t in range(T):
+            nxt = draws.draw(t, logits, None if u is None else u[:, t], done)
             done |= torch.isin(nxt, eos) if limit is None else torch.isin(nxt, eos) | (limit <= t + 1)
-            if (t + 1) % check_every == 0 and bool(done.all()):
+            if t + 1 == T or (t + 1) % check_every == 0 and bool(done.all()):
                 break
-            if cache is None and not fast:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): run the whole sequence again
-                if capture_routing:
-                    raise ConfigError(f"{type(model).__name__} returns no KV cache: recording routing while sampling "
-                                      "needs one (set moe.routing_replay=none or R2, rollout.old_logprobs=recompute)")
-                step_ids, pos = torch.cat([ids, out[:, : t + 1]], 1), position_ids(full_mask[:, : p + t + 1])
-            else:
-                step_ids, pos = nxt[:, None], pos[:, -1:] + 1
-    finally:
-        if capture_routing:
-            ctx.__exit__(None, None, None)
-    if bool(nonfinite.any()):  # HF's sampler raises on these too: never train on tokens drawn from NaN
-        raise NonFiniteLogits(f"the sampler's logits were not finite (NaN or inf) in {int(nonfinite.sum())} of {n} "
-                              "rows; stopping before training on them")
+            logits = forward.step(nxt, ids, draws.out[:, : t + 1], full_mask[:, : p + t + 1])
+    draws.check_finite()
     width = t + 1
     routing = None if trace is None else trace.batch(n)  # the last sampled token was never routed: -1
-    return finish(tokenizer, ids, mask, out[:, :width], eos, group_size, routing=routing,
-                  sampler_logp=None if greedy else sampler_logp[:, :width], kept=None if kept is None else kept[:, :width],
-                  topk_ids=None if topk_ids is None else topk_ids[:, :width],
-                  topk_logp=None if topk_logp is None else topk_logp[:, :width], limit=limit)
+    return finish(tokenizer, ids, mask, draws.out[:, :width], eos, group_size, routing=routing, limit=limit,
+                  **draws.recorded(width))
+
+
+@contextlib.contextmanager
+def _routing_trace(model, capture: bool):
+    """MoE: the routing every position takes while sampling (gspo/models/moe.py), or None."""
+    if not capture:
+        yield None
+        return
+    from gspo.models import moe
+
+    with moe.capture_routing(model, logprobs=True) as trace:
+        yield trace
+
+
+class _Forward:
+    """The model's forward while decoding: the prefill of the prompts, then one step per sampled token, on the
+    model's KV cache (a static one under `params.compile`; gspo/rollout/fast_decode.py's under the fast engine)."""
+
+    def __init__(self, model, rows: int, length: int, params: SamplingParams):
+        self.model, self.decode, self.cache, self.params, self.length = model, model, None, params, length
+        self.cache_kw = _cache_kwarg(model)
+        self.fast = params.max_new_tokens > 1 and fast_decode.resolve(params.engine, model, params.compile) == "fast"
+        self.recurrent = False  # the cache holds only recurrent states (Mamba): the past is in the state, not the mask
+        if params.compile:
+            self.cache, self.decode = _static_decoder(model, rows, length)
+
+    def _kwargs(self, step_ids: torch.Tensor, pos: torch.Tensor) -> dict:
+        # logits_to_keep=1: the prefill needs only its last position's logits (V per row, not P x V)
+        return {"input_ids": step_ids, "position_ids": pos, self.cache_kw: self.cache, "use_cache": True,
+                "logits_to_keep": 1}
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, full_mask: torch.Tensor, group_size: int) -> torch.Tensor:
+        """The last prompt position's float32 logits (N, V); the cache filled with the prompts."""
+        model, p = self.model, ids.shape[1]
+        self.pos, kwargs = position_ids(mask), self._kwargs(ids, position_ids(mask))
+        # a group's G rows share their prompt: prefill it once. Not for a stateful model (Mamba: no key/value
+        # cache to repeat), nor while recording routing (the trace records every row's prefill)
+        share = group_size > 1 and not self.params.capture_routing and hasattr(model, "config") \
+            and not getattr(model, "_is_stateful", False) and model not in _UNSHARED_PREFILL
+        if self.params.compile:  # static shapes: the whole mask (the causal mask hides the future), the slots to fill
+            res = model(attention_mask=full_mask, cache_position=torch.arange(p, device=ids.device), **kwargs)
+            self.cache, logits = returned_cache(res), res.logits[:, -1].float()
+        elif share and (shared := _prefill_once_per_group(model, kwargs, mask, group_size)):
+            self.cache, logits = shared
+        else:
+            res = model(attention_mask=full_mask[:, :p], **kwargs)
+            self.cache, logits = returned_cache(res), res.logits[:, -1].float()
+        self.recurrent = self.cache is not None and all(getattr(self.cache, "is_linear", None) or [False])
+        if self.fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
+            self.decode, self.cache = fast_decode.FastDecoder(model, self.cache, self.length), None
+        return logits
+
+    def step(self, nxt: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The logits after feeding the tokens just sampled, `nxt` (N,); `out` (N, t) every token sampled so far,
+        `mask` (N, P + t) the attention mask up to them."""
+        if self.cache is None and not self.fast:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): all again
+            if self.params.capture_routing:
+                raise ConfigError(f"{type(self.model).__name__} returns no KV cache: recording routing while sampling "
+                                  "needs one (set moe.routing_replay=none or R2, rollout.old_logprobs=recompute)")
+            step_ids, self.pos = torch.cat([ids, out], 1), position_ids(mask)
+        else:
+            step_ids, self.pos = nxt[:, None], self.pos[:, -1:] + 1
+        if self.fast:  # gspo/rollout/fast_decode.py: one call per layer on the model's own weights
+            return self.decode.step(step_ids, self.pos, mask).float()
+        kwargs = self._kwargs(step_ids, self.pos)
+        if self.params.compile:
+            slot = torch.full((1,), mask.shape[1] - 1, device=mask.device)
+            res = self.decode(attention_mask=_padded(mask, self.length), cache_position=slot, **kwargs)
+        else:  # a recurrent state takes the new token's mask column only (as generate() passes none)
+            res = self.model(attention_mask=mask[:, -1:] if self.recurrent else mask, **kwargs)
+        self.cache = returned_cache(res)
+        self.recurrent = self.cache is not None and all(getattr(self.cache, "is_linear", None) or [False])
+        return res.logits[:, -1].float()
+
+
+def _padded(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The attention mask (N, t) as a static cache takes it: (N, length), ones after (the causal mask hides them)."""
+    return F.pad(mask, (0, length - mask.shape[1]), value=1)
+
+
+@dataclass
+class _Draws:
+    """The tokens drawn at each position (N, T) and what the sampler records of them: their log-probs, the mass
+    the nucleus kept (top_p < 1), each position's top-k (keep_topk)."""
+
+    out: torch.Tensor
+    logp: Optional[torch.Tensor]
+    kept: Optional[torch.Tensor]
+    topk_ids: Optional[torch.Tensor]
+    topk_logp: Optional[torch.Tensor]
+    nonfinite: torch.Tensor  # (N,) rows whose logits held NaN / inf
+    params: SamplingParams
+    pad: int
+
+    @staticmethod
+    def empty(n: int, T: int, params: SamplingParams, pad: int, device) -> "_Draws":
+        sampled, k = not params.greedy, params.topk
+        f32 = dict(dtype=torch.float32, device=device)
+        return _Draws(out=torch.full((n, T), pad, dtype=torch.long, device=device),
+                      logp=torch.zeros((n, T), **f32) if sampled else None,
+                      kept=torch.ones((n, T), **f32) if sampled and params.top_p < 1.0 else None,
+                      topk_ids=torch.zeros((n, T, k), dtype=torch.long, device=device) if k else None,
+                      topk_logp=torch.zeros((n, T, k), **f32) if k else None,
+                      nonfinite=torch.zeros(n, dtype=torch.bool, device=device), params=params, pad=pad)
+
+    def draw(self, t: int, logits: torch.Tensor, u: Optional[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
+        """Position t's tokens (N,) from `logits` (N, V) and the rows' uniforms `u` (pad where a row is done)."""
+        p = self.params
+        self.nonfinite |= ~torch.isfinite(logits).all(-1)  # checked once at the end: no sync per token on a GPU
+        if p.greedy:
+            nxt = _sample(logits, p.temperature, p.top_p, True, None)
+        else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
+            nxt, self.logp[:, t], mass, *top = _sample(logits, p.temperature, p.top_p, False, u, with_logp=True,
+                                                       keep_topk=p.topk)
+            if top:
+                self.topk_ids[:, t], self.topk_logp[:, t] = top
+            if self.kept is not None:
+                self.kept[:, t] = mass
+        nxt = torch.where(done, torch.full_like(nxt, self.pad), nxt)
+        self.out[:, t] = nxt
+        return nxt
+
+    def check_finite(self) -> None:
+        if bool(self.nonfinite.any()):  # HF's sampler raises on these too: never train on tokens drawn from NaN
+            raise NonFiniteLogits(f"the sampler's logits were not finite (NaN or inf) in {int(self.nonfinite.sum())} "
+                                  f"of {len(self.nonfinite)} rows; stopping before training on them")
+
+    def recorded(self, width: int) -> dict:
+        """`finish`'s per-token keywords, the first `width` positions."""
+        cut = lambda x: None if x is None else x[:, :width]  # noqa: E731
+        return dict(sampler_logp=cut(self.logp), kept=cut(self.kept), topk_ids=cut(self.topk_ids),
+                    topk_logp=cut(self.topk_logp))
 
 
 def finish(tokenizer, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, eos: torch.Tensor, group_size: int,
@@ -351,23 +399,44 @@ def finish(tokenizer, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, 
     width = ids.shape[1] + T
     if routing is not None:
         routing = tuple(_fit(x[:, :width], width, pad) for x, pad in zip(routing, (-1, 0.0)))
+    return assemble(ids, mask, out, comp_mask, comp_mask, truncated, texts, clean, ill_formed, group_size,
+                    tokenizer.pad_token_id, routing=routing, sampler_logp=sampler_logp, kept=kept, topk_ids=topk_ids,
+                    topk_logp=topk_logp)
+
+
+def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tail_ids: torch.Tensor, tail_mask: torch.Tensor,
+             model_mask: torch.Tensor, truncated: torch.Tensor, texts: list[str], clean_texts: list[str],
+             ill_formed: torch.Tensor, group_size: int, pad_id: int,
+             routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None, sampler_logp: Optional[torch.Tensor] = None,
+             kept: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
+             topk_logp: Optional[torch.Tensor] = None, **tool_fields) -> Rollout:
+    """Every sampled `Rollout` is made here (single-turn by `finish`, with tools by gspo/rollout/multiturn.py), so
+    what the sampler recorded means one thing in both: prompt_ids / prompt_mask (N, P) left-padded; tail_ids /
+    tail_mask (N, T) every token after the prompt (the tools' too); model_mask (N, T) float, 1 on the tokens the
+    model sampled. The per-token records (N, T[, k]) are kept on the model's tokens only: log-probs and top-k 0,
+    kept mass 1 elsewhere; a record that is None (greedy, an engine that gave none) stays None, never made up.
+    routing: (expert ids (N, P+T, L, k), router log-probs (N, P+T, L, E)) or None. `tool_fields`: the
+    conversations and counts of trajectories with tools."""
+    T = model_mask.shape[1]
+    on = model_mask.bool()
     return Rollout(
-        input_ids=torch.cat([ids, out], 1),
-        attention_mask=torch.cat([mask, comp_mask.long()], 1),
-        completion_mask=comp_mask,
+        input_ids=torch.cat([prompt_ids, tail_ids], 1),
+        attention_mask=torch.cat([prompt_mask, tail_mask.long()], 1),
+        completion_mask=model_mask,
         truncated=truncated,
-        prompt_len=ids.shape[1],
+        prompt_len=prompt_ids.shape[1],
         texts=texts,
-        prompt_index=torch.arange(len(ids) // group_size).repeat_interleave(group_size),
-        pad_id=tokenizer.pad_token_id,
+        prompt_index=torch.arange(len(prompt_ids) // group_size).repeat_interleave(group_size),
+        pad_id=pad_id,
         routing=None if routing is None else routing[0],
         router_logp=None if routing is None else routing[1],
         ill_formed=ill_formed,
-        clean_texts=clean,
-        sampler_logp=None if sampler_logp is None else sampler_logp[:, :T] * comp_mask,
-        kept_mass=None if kept is None else torch.where(comp_mask.bool(), kept[:, :T], 1.0),
-        topk_ids=None if topk_ids is None else topk_ids[:, :T] * comp_mask.long()[..., None],
-        topk_logp=None if topk_logp is None else topk_logp[:, :T] * comp_mask[..., None],
+        clean_texts=clean_texts,
+        sampler_logp=None if sampler_logp is None else sampler_logp[:, :T] * model_mask,
+        kept_mass=None if kept is None else torch.where(on, kept[:, :T], 1.0),
+        topk_ids=None if topk_ids is None else topk_ids[:, :T] * on.long()[..., None],
+        topk_logp=None if topk_logp is None else topk_logp[:, :T] * model_mask[..., None],
+        **tool_fields,
     )
 
 

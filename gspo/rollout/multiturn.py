@@ -3,8 +3,9 @@
 A trajectory is prompt -> model turn -> tool result(s) -> model turn ... until the model stops calling tools,
 `rollout.max_turns` model turns are done, or its token budget (`rollout.max_new_tokens`, everything after the
 prompt: the model's tokens and the tools', as TRL's `max_completion_length`) runs out. Token in, token out: the
-model's tokens are the ones sampled (gspo/rollout/continuation.py continues the token sequences themselves, never
-a re-rendered text), the tools' replies are appended as the chat template renders them (gspo/rollout/chat.py).
+model's tokens are the ones sampled (a decoder's `continue_sequences`, gspo/rollout/decoding.py, continues the token
+sequences themselves, never a re-rendered text), the tools' replies are appended as the chat template renders them
+(gspo/rollout/chat.py).
 
 The result is a `Rollout` like a single-turn one, so everything downstream is unchanged: `input_ids` and
 `attention_mask` hold the whole trajectory, `completion_mask` is 1 on the model's tokens only (every loss, KL,
@@ -32,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from gspo.rollout import chat
-from gspo.rollout.continuation import Continuation, continue_sequences
-from gspo.rollout.generate import Rollout, encode_prompts, stop_ids
+from gspo.rollout.decoding import Continuation, Decoder
+from gspo.rollout.generate import Rollout, assemble, encode_prompts
+from gspo.rollout.params import SamplingParams
 from gspo.rollout.seeds import keyed_generator
 from gspo.tasks.tools import Toolbox, specs_of, toolbox
 
@@ -106,36 +108,32 @@ class _Trajectory:
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, prompts: list, group_size: int, max_new_tokens: int, tools: ToolUse, *,
-            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, keys: Optional[list[tuple]] = None,
-            purpose: str = "sample", device: Any = "cpu", capture_routing: bool = False, compile: bool = False,
-            engine: str = "hf", keep_topk: int = 0) -> Rollout:
-    """`group_size` trajectories for each prompt (rows group-contiguous), as a Rollout (module docstring).
+def trajectories(decoder: Decoder, tokenizer, prompts: list, group_size: int, params: SamplingParams, tools: ToolUse,
+                 keys: Optional[list[tuple]] = None, purpose: str = "sample", device: Any = "cpu") -> Rollout:
+    """`group_size` trajectories for each prompt (rows group-contiguous), as a Rollout (module docstring); what
+    gspo/rollout/rollouts.py's `rollout` runs with tools.
 
-    `keys`: one per prompt (None when `greedy`): sample j's turn k draws from keyed_generator(*keys[g], j, k,
-    purpose=purpose) on `device`. Prompts (strings or chat messages) are rendered with the chat template and
-    the tools' schemas. The other arguments are `generate`'s.
+    `params.max_new_tokens` budgets every token after the prompt. `keys`: one per prompt (None when greedy): sample
+    j's turn k draws from keyed_generator(*keys[g], j, k, purpose=purpose) on `device`. Prompts (strings or chat
+    messages) are rendered with the chat template and the tools' schemas.
     """
-    box = tools.box
-    stops = set(stop_ids(model, tokenizer).tolist())
+    box, budget = tools.box, params.max_new_tokens
+    stops = set(decoder.stop_ids(tokenizer).tolist())
     chat.check_template(tokenizer, stops)
     special = set(tokenizer.all_special_ids) - stops
-    k = 0 if greedy else keep_topk
+    k = params.topk
     rows = [_Trajectory(p) for p in encode_prompts(tokenizer, prompts, True, box.schemas) for _ in range(group_size)]
     for turn in range(tools.max_turns):
         active = [i for i, r in enumerate(rows) if not r.done]
         if not active:
             break
-        gens = None if greedy else [keyed_generator(*keys[i // group_size], i % group_size, turn, purpose=purpose,
-                                                    device=device) for i in active]
-        outs = continue_sequences(model, tokenizer, [rows[i].ids for i in active],
-                                  [max_new_tokens - len(rows[i].tail) for i in active], gens, temperature=temperature,
-                                  top_p=top_p, greedy=greedy, capture_routing=capture_routing, compile=compile,
-                                  engine=engine, keep_topk=k)
+        gens = None if params.greedy else [keyed_generator(*keys[i // group_size], i % group_size, turn,
+                                                           purpose=purpose, device=device) for i in active]
+        outs = decoder.continue_sequences(tokenizer, [rows[i].ids for i in active],
+                                          [budget - len(rows[i].tail) for i in active], gens, params)
         for i, c in zip(active, outs):
-            _model_turn(rows[i], c, tokenizer, box, stops, special, k, last=turn == tools.max_turns - 1,
-                        budget=max_new_tokens)
-    return _as_rollout(rows, tokenizer, group_size, len(prompts), capture_routing, device)
+            _model_turn(rows[i], c, tokenizer, box, stops, special, k, last=turn == tools.max_turns - 1, budget=budget)
+    return _as_rollout(rows, tokenizer, group_size, params.capture_routing, device)
 
 
 def _model_turn(row: _Trajectory, c: Continuation, tokenizer, box: Toolbox, stops: set[int], special: set[int],
@@ -174,7 +172,7 @@ def _model_turn(row: _Trajectory, c: Continuation, tokenizer, box: Toolbox, stop
     row.messages += replies
 
 
-def _as_rollout(rows: list[_Trajectory], tokenizer, group_size: int, n_prompts: int, capture_routing: bool,
+def _as_rollout(rows: list[_Trajectory], tokenizer, group_size: int, capture_routing: bool,
                 device) -> Rollout:
     """The trajectories as one Rollout: prompts left-padded to P columns, tails right-padded to T. The sampler's
     log-probs, kept mass and top-k are the batch's only where every row has them (as a single-turn rollout's)."""
@@ -202,27 +200,16 @@ def _as_rollout(rows: list[_Trajectory], tokenizer, group_size: int, n_prompts: 
     if all(r.topk is not None for r in rows):  # (None: rollout.keep_topk off, or a turn the sampler kept none of)
         topk_ids = torch.stack([F.pad(torch.cat([c[0] for c in r.topk]), (0, 0, 0, T - len(r.tail))) for r in rows])
         topk_logp = torch.stack([F.pad(torch.cat([c[1] for c in r.topk]), (0, 0, 0, T - len(r.tail))) for r in rows])
-        topk_logp = topk_logp * mine[..., None]
-    logp = None if any(r.logp is None for r in rows) else tails([r.logp for r in rows], 0.0) * mine
-    kept = None if any(r.kept is None for r in rows) else torch.where(mine.bool(), tails([r.kept for r in rows], 1.0), 1.0)
+    logp = None if any(r.logp is None for r in rows) else tails([r.logp for r in rows], 0.0)
+    kept = None if any(r.kept is None for r in rows) else tails([r.kept for r in rows], 1.0)
     texts = [r.answer for r in rows]
-    return Rollout(
-        input_ids=torch.cat([prompts, tails([r.tail for r in rows], pad, torch.long)], 1).to(device),
-        attention_mask=torch.cat([prompt_mask, tail_mask], 1).to(device),
-        completion_mask=mine.to(device),
-        truncated=torch.tensor([r.truncated for r in rows]).to(device),
-        prompt_len=P,
-        texts=texts,
-        prompt_index=torch.arange(n_prompts).repeat_interleave(group_size),
-        pad_id=pad,
-        routing=routing,
-        router_logp=router_logp,
-        ill_formed=torch.tensor([r.ill_formed for r in rows]),
-        clean_texts=list(texts),
-        sampler_logp=None if logp is None else logp.to(device),
-        kept_mass=None if kept is None else kept.to(device),
-        topk_ids=None if topk_ids is None else topk_ids.to(device),
-        topk_logp=None if topk_logp is None else topk_logp.to(device),
+    moved = lambda x: None if x is None else x.to(device)  # noqa: E731
+    return assemble(
+        prompts.to(device), prompt_mask.to(device), tails([r.tail for r in rows], pad, torch.long).to(device),
+        tail_mask.to(device), mine.to(device), torch.tensor([r.truncated for r in rows]).to(device), texts, list(texts),
+        torch.tensor([r.ill_formed for r in rows]), group_size, pad,
+        routing=None if routing is None else (routing, router_logp), sampler_logp=moved(logp), kept=moved(kept),
+        topk_ids=moved(topk_ids), topk_logp=moved(topk_logp),
         conversations=[r.messages for r in rows],
         turns=torch.tensor([r.turns for r in rows]),
         tool_calls=torch.tensor([r.calls for r in rows]),

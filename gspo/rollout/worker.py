@@ -25,6 +25,7 @@ def start(spec: dict):
 
     from gspo.config.errors import tidy_warnings
     from gspo.rollout.batch import Share, collect
+    from gspo.rollout.params import SamplingParams
     from gspo.rollout.slots import map_slot
     from gspo.tasks import build_task
 
@@ -74,7 +75,7 @@ def start(spec: dict):
         use(path, version)
         with torch.no_grad():
             batch, metrics = collect(cfg, step, lambda: contextlib.nullcontext(sampler), tokenizer, task, share,
-                                     spec["sample_kwargs"])
+                                     SamplingParams.of(cfg, **spec["sample_kwargs"]))
         timing = {"time/rollout_s": time.time() - t0, "time/worker_idle_s": t0 - idle_from[0],
                   "memory/worker_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         idle_from[0] = time.time()  # from here: a large batch's send waits until the trainer reads it

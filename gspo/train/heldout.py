@@ -4,17 +4,17 @@ finished run."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import comb
 from typing import Optional
 
 import torch
 
-from gspo.rollout import multiturn
-from gspo.rollout.generate import generate
 from gspo.rollout.multiturn import ToolUse
+from gspo.rollout.params import SamplingParams
+from gspo.rollout.rollouts import rollout
 from gspo.tasks import Problem, Task, timeouts
 from gspo.tasks.base import judge_all
-from gspo.rollout.seeds import keyed_generator
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -25,51 +25,52 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def eval_params(cfg) -> SamplingParams:
+    """The held-out evaluation's sampling: the training sampler's length, temperature, top-p, chat template and
+    engine (greedy for accuracy, sampled for pass@k); no top-k record, no compiled decode."""
+    return SamplingParams.of(cfg, keep_topk=0, compile=False)
+
+
 @torch.no_grad()
 def evaluate(
-    model,
+    sampler,
     tokenizer,
     task: Task,
     problems: list[Problem],
-    max_new_tokens: int,
+    params: SamplingParams,
     pass_k: int = 0,
-    temperature: float = 1.0,
-    chat_template: bool = False,
     batch_size: int = 256,
     examples: int = 0,
     timeout_s: float = 0.0,
-    top_p: float = 1.0,
     key: tuple = (),
-    engine: str = "hf",
     tools: Optional[ToolUse] = None,
 ) -> dict:
-    """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0).
+    """Greedy accuracy on `problems` (and pass@k from n = 2k samples when pass_k > 0), sampled by `sampler` (a
+    torch model or a decoder) as `params` say (training and `gspo eval`: `eval_params(cfg)`; the warm start's
+    stopping check keeps the `hf` engine, so cached bases stay what they were).
 
     `timeout_s`: the task's verifier may take this long on a batch (`reward.timeout_s`; 0 = no limit).
-    pass@k samples at `temperature` and `top_p` (the training sampler's), each problem from a generator
-    of its own keyed by `key` (the trainer's: seed and step) and the prompt: the estimate is a function
-    of the seed, whatever the batching or the number of ranks. `engine`: the decode engine
-    (training and `gspo eval` pass `rollout.engine`: the fast one where it supports the model, the same
-    tokens as `hf`; the warm start's stopping check keeps `hf`, so cached bases stay what they were).
+    pass@k samples at `params.temperature` and `params.top_p` (the training sampler's), each problem from a
+    generator of its own keyed by `key` (the trainer's: seed and step) and the prompt: the estimate is a function
+    of the seed, whatever the batching or the number of ranks.
     `tools` (`rollout.tools`): whole trajectories with tool calls, judged on their last assistant message;
     adds eval/turns_mean, eval/tool_calls_mean and the task's conversation parts (the calculator's
     eval/correct_call), and the examples show the conversations.
     Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
     """
+    model = sampler if isinstance(sampler, torch.nn.Module) else None  # put in eval mode while evaluating
+
     def sample(prompts: list, n: int, greedy: bool, keys: Optional[list] = None):
-        if tools is not None:
-            return multiturn.rollout(model, tokenizer, prompts, n, max_new_tokens, tools, temperature=temperature,
-                                     top_p=top_p, greedy=greedy, keys=keys, purpose="eval_passk", engine=engine)
-        gens = None if keys is None else [keyed_generator(*k, purpose="eval_passk") for k in keys]
-        return generate(model, tokenizer, prompts, n, max_new_tokens, temperature=temperature, top_p=top_p,
-                        greedy=greedy, generator=gens, chat_template=chat_template, engine=engine)
+        return rollout(sampler, tokenizer, prompts, n, replace(params, greedy=greedy), keys, purpose="eval_passk",
+                       tools=tools)
 
     def verdicts(r, chunk_problems) -> list:  # one problem per completion
         return timeouts.call(lambda: judge_all(task, r.texts, chunk_problems, [bool(b) for b in r.ill_formed.tolist()]),
                              timeout_s, f"the task's verifier on {len(r.texts)} held-out completions")
 
-    was_training = model.training
-    model.eval()
+    was_training = model is not None and model.training
+    if model is not None:
+        model.eval()
     correct, formed, lengths, shown, extra = [], [], [], [], {}
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
@@ -103,7 +104,8 @@ def evaluate(
         out[f"eval/pass@{pass_k}"] = sum(scores) / max(1, len(scores))
     if examples:
         out["examples"] = shown
-    model.train(was_training)
+    if model is not None:
+        model.train(was_training)
     return out
 
 

@@ -26,6 +26,7 @@ from gspo.rollout import engine
 from gspo.rollout.batch import Share, collect
 from gspo.rollout.generate import stop_ids
 from gspo.rollout.multiturn import ToolUse
+from gspo.rollout.params import SamplingParams
 from gspo.rollout.sampler import Sampler, old_logprobs_mode, sampler_dtype, separate
 from gspo.rollout.source import Inline, describe, pending_of
 from gspo.rollout.workers import WorkerPool
@@ -34,7 +35,7 @@ from gspo.tasks.rewards import probe
 from gspo.train import checkpoint, distributed
 from gspo.train.checks import warn_task_on_chat_model
 from gspo.train.critic import Critic
-from gspo.train.heldout import evaluate, heldout_problems
+from gspo.train.heldout import eval_params, evaluate, heldout_problems
 from gspo.train.logging import MetricsLogger
 from gspo.train.moe_step import MoEStep
 from gspo.train.preemption import Stopped, resume_command
@@ -164,9 +165,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop=None) -> Setup:
             sampler.close()
         raise
     ev = lambda step: dist.evaluate(lambda problems: evaluate(  # noqa: E731  (each rank scores a share)
-        model, tokenizer, task, problems, cfg.rollout.max_new_tokens, cfg.eval.pass_k, cfg.rollout.temperature,
-        cfg.model.use_chat_template, timeout_s=cfg.reward.timeout_s, top_p=cfg.rollout.top_p,
-        key=(cfg.seed, step), engine=cfg.rollout.engine, tools=ToolUse.of(cfg)), eval_problems, model)
+        model, tokenizer, task, problems, eval_params(cfg), cfg.eval.pass_k, timeout_s=cfg.reward.timeout_s,
+        key=(cfg.seed, step), tools=ToolUse.of(cfg)), eval_problems, model)
     summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     return Setup(dist, dtype, summary, start, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, ref_sync=ref_sync, teacher=teacher, critic=critic, opt=opt, sched=sched,
@@ -182,7 +182,7 @@ def _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir):
     if not r.workers:
         agree = dist.all_true if dist.world > 1 else None
         step_batch = lambda step: collect(cfg, step, lambda: sampler.serve(model, dist), tokenizer, task,  # noqa: E731
-                                          share, moe_step.sample_kwargs(), agree)
+                                          share, SamplingParams.of(cfg, **moe_step.sample_kwargs()), agree)
         return Inline(step_batch, sampler, r.staleness, cfg.train.steps, r.worker_threads)
     threads = worker_threads(cfg, dist.world)
     spec = {"config": OmegaConf.to_container(cfg, resolve=True), "base_dir": str(base_dir), "threads": threads,

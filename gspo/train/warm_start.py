@@ -27,6 +27,7 @@ from gspo.models.moe import is_moe
 from gspo.rollout.chat import render_reference
 from gspo.rollout.generate import encode_prompts
 from gspo.rollout.multiturn import ToolUse
+from gspo.rollout.params import SamplingParams
 from gspo.tasks.tools import specs_of
 from gspo.train.heldout import evaluate
 from gspo.train.preemption import Stopped
@@ -222,6 +223,6 @@ def _accuracy_check(model, tokenizer, task, wcfg, tools: Optional[ToolUse] = Non
     width = max(len(ids) - learn.index(1) for ids, learn in (_reference(tokenizer, task, p, tools) for p in problems))
 
     def check() -> float:
-        return evaluate(model, tokenizer, task, problems, max_new_tokens=width, tools=tools)["eval/accuracy"]
+        return evaluate(model, tokenizer, task, problems, SamplingParams(width), tools=tools)["eval/accuracy"]
 
     return check
