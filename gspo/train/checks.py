@@ -99,7 +99,7 @@ def check(cfg: Any) -> None:
 def used_only_when() -> dict[str, tuple[Callable[[Any], bool], str]]:
     """`gspo.config.checks.USED_ONLY_WHEN` and the loss registry's part of it: an `algo` key that only some losses
     name among their settings is read only under those losses."""
-    def rule(key: str, names: list[str]) -> tuple[Callable[[Any], bool], str]:
+    def rule(names: list[str]) -> tuple[Callable[[Any], bool], str]:
         return (lambda c: c.algo.loss in names), f"only the {', '.join(names)} loss reads it"
 
-    return USED_ONLY_WHEN | {f"algo.{k}": rule(k, readers(k)) for k in ALGO_KEYS if readers(k)}
+    return USED_ONLY_WHEN | {f"algo.{k}": rule(readers(k)) for k in ALGO_KEYS if readers(k)}
