@@ -16,7 +16,7 @@ import typer
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from gspo.config.checks import check_machine, ignored_override
+from gspo.config.checks import check_machine, ignored_override, run_config_file
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.loading import (_explain, compose, load_run_config, quote_tool_lists, resume_overrides, resume_target,
                                  sweep_combinations)
@@ -117,15 +117,15 @@ def _runs_here(overrides: list[str]) -> bool:
 
 def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: bool) -> list:
     """Every check that needs no work, for each job; raises ConfigError. Returns the jobs' configs."""
-    from gspo.train.checks import check  # imports torch and the registries: not for `gspo --help`
+    from gspo.train.checks import check, used_only_when  # imports torch and the registries: not for `gspo --help`
     from gspo.train.distributed import check as check_distributed
 
     resume = resume_target(overrides)
     if resume and multirun:
         raise ConfigError(f"resume={resume}: resume continues one run; it cannot be swept (-m). "
                           "Resume each run with its own `gspo train resume=DIR`")
-    if resume and not (Path(resume) / "config.yaml").is_file():
-        raise ConfigError(f"resume={resume}: not a gspo run directory (no config.yaml there)")
+    if resume:
+        run_config_file(resume, "resume")
     if resume:  # the run's own config, with the KEY=VALUE overrides it accepts
         rundir.check_free(resume)  # not while the run is alive
         cfgs = [load_run_config(resume, resume_overrides(overrides))]
@@ -135,7 +135,7 @@ def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: b
         cfgs = [compose(combo) for combo in (sweep_combinations(overrides) if multirun else [overrides])]
     if not resume:  # a key the chosen options never read: refuse, rather than train on something else in silence
         for o in overrides:
-            problem = ignored_override(cfgs, o)
+            problem = ignored_override(cfgs, o, used_only_when())
             if problem:
                 raise ConfigError(problem)
     machine = _runs_here(overrides) and not _PRINT_ONLY_FLAGS.intersection(hydra_flags)

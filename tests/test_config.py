@@ -290,3 +290,74 @@ def test_a_resume_target_with_an_unreadable_config_is_one_line(tmp_path):
     assert out.count("\n") == 1 and "config.yaml: unreadable" in out, out
     (tmp_path / "config.yaml").write_text("- a list\n")
     assert "not a gspo config" in _error(["train", f"resume={tmp_path}"])
+
+
+# --------------------------------------------------------------------------- one place per key
+
+
+def test_every_rule_names_a_key_of_the_schema():
+    """CHOICES, RULES and USED_ONLY_WHEN (with the loss registry's part) speak of the schema's keys only: a key
+    renamed in the schema cannot leave a rule behind that checks nothing."""
+    from gspo.config.checks import CHOICES, RULES
+    from gspo.config.schema import leaf_keys
+    from gspo.train.checks import used_only_when
+
+    keys = leaf_keys()
+    for rule in (*CHOICES, *RULES, *used_only_when()):
+        prefix = rule.endswith((".", "_"))  # a rule for every key it starts
+        assert (rule in keys) if not prefix else any(k.startswith(rule) for k in keys), rule
+
+
+def test_the_loss_keyword_defaults_are_the_schemas():
+    from gspo.algos.losses import ALGO_KEYS, Hyper
+    from gspo.config.schema import AlgoConfig
+
+    assert len(ALGO_KEYS) > 20
+    assert {k: getattr(Hyper(), k) for k in ALGO_KEYS} == {k: getattr(AlgoConfig(), k) for k in ALGO_KEYS}
+
+
+@pytest.mark.parametrize("key,value", [("eps_low", -0.1), ("clip_ratio_c", 0.5), ("tau_neg", 0.0), ("beta", -0.01),
+                                       ("kl_estimator", "k4"), ("agg", "sum"), ("dro_beta", 0.0)])
+def test_policy_loss_and_the_config_refuse_a_value_in_the_same_words(key, value):
+    """One rule per key, run on a config and on `policy_loss`'s keywords alike."""
+    import torch
+
+    from gspo.algos.losses import policy_loss
+
+    with pytest.raises(ConfigError) as from_config:
+        compose([f"algo.{key}={value}"])
+    x = torch.zeros(2, 3)
+    with pytest.raises(ConfigError) as from_loss:
+        policy_loss("grpo", x, x, torch.zeros(2), torch.ones(2, 3), max_tokens=3, **{key: value})
+    assert str(from_loss.value) == str(from_config.value)
+
+
+def test_what_a_loss_reads_is_asked_of_its_registry_entry(monkeypatch):
+    """A new loss that reads the sampler's top-k and a setting of its own needs no name test anywhere: the checks
+    ask its LossSpec for the top-k, and `gspo train` says a setting of it is ignored under another loss."""
+    from gspo.algos import losses
+    from gspo.config.checks import ignored_override
+    from gspo.train.checks import used_only_when
+
+    monkeypatch.setitem(losses.LOSSES, "topk_too", losses.LossSpec(losses.LOSSES["dppo_topk"].fn, "token_mean",
+                                                                   False, False, ("topk_divergence", "tau_pos"),
+                                                                   topk=True))
+    with pytest.raises(ConfigError, match=r"algo.loss=topk_too needs the sampler's top-k .* rollout.keep_topk=K"):
+        check(compose(["algo.loss=topk_too"]))
+    check(compose(["algo.loss=topk_too", "rollout.keep_topk=2"]))
+    assert "only the dppo_topk, topk_too loss" in ignored_override([compose([])], "algo.topk_divergence=kl",
+                                                                   used_only_when())
+    assert "sapo, topk_too" in ignored_override([compose([])], "algo.tau_pos=2", used_only_when())
+    assert ignored_override([compose(["algo.loss=topk_too"])], "algo.tau_pos=2", used_only_when()) is None
+    with pytest.raises(ConfigError, match="algo.loss=dppo_topk needs the sampler's top-k"):
+        check(compose(["algo=dppo_topk", "rollout.keep_topk=0"]))
+
+
+def test_a_resume_target_is_checked_by_one_function_in_the_same_words(tmp_path):
+    from gspo.config.loading import load_run_config
+
+    with pytest.raises(ConfigError, match=f"^resume={tmp_path}: not a gspo run directory"):
+        compose([f"resume={tmp_path}"])
+    with pytest.raises(ConfigError, match=f"^{tmp_path}: not a gspo run directory"):
+        load_run_config(tmp_path)
+    assert "resume=" + str(tmp_path) + ": not a gspo run directory" in _error(["train", f"resume={tmp_path}"])

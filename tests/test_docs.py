@@ -106,3 +106,31 @@ def test_every_script_the_docs_name_exists():
     named = {m for path in DOCS for m in re.findall(r"scripts/[\w.-]+\.(?:py|sh|sbatch)", path.read_text())}
     assert named, "no script named: the pattern is wrong"
     assert sorted(n for n in named if not (REPO / n).is_file()) == []
+
+
+# --------------------------------------------------------------------------- contracts.md against the schema and registries
+
+CONTRACTS = (REPO / "docs" / "contracts.md").read_text()
+
+
+def test_contracts_names_every_config_key():
+    """Section 2 of contracts.md holds every key of the schema, as `key` or under a `group.*` it names."""
+    def named(key: str) -> bool:
+        parents = [key.rsplit(".", n)[0] for n in range(1, key.count(".") + 1)]
+        return f"`{key}`" in CONTRACTS or any(f"`{p}.*`" in CONTRACTS for p in parents)
+
+    from gspo.config.schema import leaf_keys
+
+    assert len(leaf_keys()) > 100  # (the walk finds the nested groups' keys)
+    assert [k for k in leaf_keys() if not named(k)] == []
+
+
+def test_contracts_lists_every_registered_loss():
+    """Section 5's list of `policy_loss` names is the registry's, and the `algo.delta` row's the clipped losses'."""
+    from gspo.algos.losses import clipped_losses, loss_names
+
+    block = CONTRACTS[CONTRACTS.index("# name:"):CONTRACTS.index("(gspo.algos.losses.loss_names())")]
+    assert sorted(re.findall(r'"(\w+)"', block)) == loss_names()
+    row = next(line for line in CONTRACTS.splitlines() if line.startswith("| `algo.delta` |"))
+    listed = re.findall(r"`(\w+)`", row.split("PPO's clip (")[1].split(")")[0])
+    assert sorted(listed) == clipped_losses()

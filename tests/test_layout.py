@@ -157,3 +157,46 @@ def test_the_sampling_checks_see_what_they_look_for():
                      "class B:\n    def g(self):\n        return hasattr(self, 'weight') and Rollout(2)\n")
     assert _calls(tree, _hasattr_on_a_decoder_method) == [("f", 2)]
     assert _calls(tree, _builds_a_rollout) == [("f", 3), ("B.g", 6)]
+
+# --------------------------------------------------------------------------- the loop never knows the loss
+
+ALGOS = ROOT / "algos"
+CLI = ROOT.parent / "cli"
+
+
+def _loss_name_tests(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines that compare something named `loss` (`cfg.algo.loss`, `loss_name`) with a registered loss's name, or
+    a collection of them (`algo.loss == "rspo"`, `loss in ("sapo", "dro")`)."""
+    def about_loss(e: ast.expr) -> bool:
+        return (isinstance(e, ast.Attribute) and "loss" in e.attr) or (isinstance(e, ast.Name) and "loss" in e.id)
+
+    def a_name(e: ast.expr) -> bool:
+        if isinstance(e, (ast.Tuple, ast.List, ast.Set)):
+            return any(a_name(x) for x in e.elts)
+        return isinstance(e, ast.Constant) and e.value in names
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(about_loss(e) for e in sides) and any(a_name(e) for e in sides):
+                found.append(node.lineno)
+    return found
+
+
+def test_nothing_outside_the_losses_tests_a_loss_by_name():
+    """What a loss reads (its settings, the batch's top-k log-probs, the router shift) and what it allows (`delta`)
+    is its LossSpec's to say: the loop, the checks and the CLI ask the registry, never `algo.loss == NAME`."""
+    from gspo.algos.losses import loss_names
+
+    names = set(loss_names())
+    files = [p for p in [*ROOT.rglob("*.py"), *CLI.rglob("*.py")] if ALGOS not in p.parents]
+    found = [f"{p.relative_to(ROOT.parent)}:{line}" for p in files
+             for line in _loss_name_tests(ast.parse(p.read_text()), names)]
+    assert found == [], f"a loss tested by its name (ask its LossSpec instead): {found}"
+
+
+def test_the_loss_name_scan_sees_a_name_test():
+    planted = ast.parse('if cfg.algo.loss == "rspo":\n    pass\n'
+                        'x = loss_name in ("sapo", "dro")\ny = cfg.algo.advantage == "grpo"\nz = mode == "grpo"\n')
+    assert _loss_name_tests(planted, {"rspo", "sapo", "dro", "grpo"}) == [1, 3]

@@ -556,7 +556,7 @@ def test_every_algo_preset_fits_the_schema_and_the_registries():
         cfg = OmegaConf.merge(OmegaConf.structured(AlgoConfig), raw)  # unknown key -> error
         assert cfg.name == p.stem and cfg.loss in LOSSES and cfg.advantage in [*ADVANTAGES, GAE]
         hyper = {k: cfg[k] for k in HYPER_NAMES if k in cfg}
-        if cfg.loss == "dppo_topk":  # the sampler's top-2 and the policy's log-probs of them
+        if LOSSES[cfg.loss].topk:  # (dppo_topk) the sampler's top-2 and the policy's log-probs of them
             hyper |= {"topk_old_logp": torch.stack([old, old - 1.0], -1), "topk_logp": torch.stack([logp, logp - 1.0], -1)}
         loss, _ = policy_loss(cfg.loss, logp, old, a, mask, max_tokens=8, ref_logp=old, **hyper)
         assert torch.isfinite(loss)

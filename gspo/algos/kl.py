@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from gspo.config.checks import CHOICES
 from gspo.config.errors import ConfigError
 
-KL_KINDS = ("k1", "k2", "k3")
+KL_KINDS = CHOICES["algo.kl_estimator"]  # the schema's (k1, k2, k3)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

@@ -25,50 +25,60 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from gspo.algos.kl import KL_KINDS, kl_penalty
+from gspo.algos.kl import kl_penalty
+from gspo.config.checks import CHOICES, check_keys
 from gspo.config.errors import ConfigError
+from gspo.config.schema import AlgoConfig
 
-AGG_MODES = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "seq_mean_token_sum")
+AGG_MODES = tuple(m for m in CHOICES["algo.agg"] if m is not None)  # the schema's, None (the loss's own) aside
 LOG_1E8 = math.log(1e-8)  # VESPO's floor on its log sequence weight (TRL's clamp)
+
+
+_ALGO = AlgoConfig()  # the schema's defaults: a setting read from `algo.<name>` has its default there, and only there
 
 
 @dataclass(frozen=True)
 class Hyper:
-    """Keyword hyper-parameters of `policy_loss` (one set for every loss; each uses what it needs)."""
+    """Keyword hyper-parameters of `policy_loss` (one set for every loss; each uses what it needs).
 
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low (GMPO: log-ratio at -eps_low)
-    eps_high: float = 0.2  # ratio clipped above at 1 + eps_high (GMPO: log-ratio at +eps_high)
-    clip_ratio_c: Optional[float] = None  # dual clip for A < 0 (arXiv 1912.09729); None = off
-    delta: Optional[float] = None  # two-sided clip (INTELLECT-2, TRL's delta): unclipped ratio capped at delta; None: off
-    agg: Optional[str] = None  # aggregation override; None = the loss's own
+    A field named as a key of `algo` (ALGO_KEYS) is that key: its meaning, default and allowed values are the
+    schema's (gspo/config/schema.py, gspo/config/checks.py). The others come from the batch or the trainer.
+    """
+
+    eps_low: float = _ALGO.eps_low  # ratio clipped below at 1 - eps_low (GMPO: log-ratio at -eps_low)
+    eps_high: float = _ALGO.eps_high  # ratio clipped above at 1 + eps_high (GMPO: log-ratio at +eps_high)
+    clip_ratio_c: Optional[float] = _ALGO.clip_ratio_c  # dual clip for A < 0 (arXiv 1912.09729); None = off
+    delta: Optional[float] = _ALGO.delta  # two-sided clip (INTELLECT-2): unclipped ratio capped at delta; None: off
+    agg: Optional[str] = _ALGO.agg  # aggregation override; None = the loss's own
     max_tokens: Optional[int] = None  # seq_mean_token_sum_norm constant (Dr. GRPO: generation cap)
-    tau_pos: float = 1.0  # SAPO gate temperature for A > 0
-    tau_neg: float = 1.05  # SAPO gate temperature for A <= 0
+    tau_pos: float = _ALGO.tau_pos  # SAPO gate temperature for A > 0
+    tau_neg: float = _ALGO.tau_neg  # SAPO gate temperature for A <= 0
     ref_logp: Optional[Tensor] = None  # (B, T) reference-model log-probs for the KL term
-    beta: float = 0.0  # KL coefficient; 0 = no KL term
-    kl_estimator: str = "k3"  # k1 | k2 | k3
+    beta: float = _ALGO.beta  # KL coefficient; 0 = no KL term
+    kl_estimator: str = _ALGO.kl_estimator  # k1 | k2 | k3
     router_shift: Optional[Tensor] = None  # (B, T) RSPO router-shift factor; None = ones
-    router_shift_floor: float = 0.0  # RSPO lower bound of the factor
+    router_shift_floor: float = _ALGO.router_shift_floor  # RSPO lower bound of the factor
     is_weight: Optional[Tensor] = None  # (B, T) truncated IS weights of the sampler/trainer mismatch (TIS); None = ones
     keep: Optional[Tensor] = None  # (B, T) 0/1: the tokens the policy term trains on (top_entropy_quantile); None = all
-    clip_cov_ratio: float = 2e-4  # Clip-Cov: share of tokens whose gradient is cut (at least one)
-    clip_cov_lb: float = 1.0  # Clip-Cov: only tokens with covariance in (lb, ub) are candidates
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-3  # KL-Cov: share of tokens (top covariance, at least one) given the |d_t| penalty
-    kl_cov_coef: float = 1.0  # KL-Cov: coefficient of that penalty
+    clip_cov_ratio: float = _ALGO.clip_cov_ratio  # Clip-Cov: share of tokens whose gradient is cut (at least one)
+    clip_cov_lb: float = _ALGO.clip_cov_lb  # Clip-Cov: only tokens with covariance in (lb, ub) are candidates
+    clip_cov_ub: float = _ALGO.clip_cov_ub
+    kl_cov_ratio: float = _ALGO.kl_cov_ratio  # KL-Cov: share of tokens (top covariance, at least one) given |d_t|
+    kl_cov_coef: float = _ALGO.kl_cov_coef  # KL-Cov: coefficient of that penalty
     generator: Optional[torch.Generator] = None  # Clip-Cov's random pick (a CPU generator); None = torch's global one
     topk_old_logp: Optional[Tensor] = None  # (B, T, k) DPPO top-k: the sampler's log-probs of its k most likely tokens
     topk_logp: Optional[Tensor] = None  # (B, T, k) the policy's log-probs of the same tokens (no grad needed)
-    topk_divergence: str = "tv"  # DPPO top-k: tv | kl
-    vespo_k_pos: float = 2.0  # VESPO: power k of the Gamma kernel for A >= 0 (TRL's default; the paper's c1)
-    vespo_lambda_pos: float = 3.0  # VESPO: decay lambda for A >= 0 (the paper's c2)
-    vespo_k_neg: float = 3.0  # VESPO: k for A < 0
-    vespo_lambda_neg: float = 2.0  # VESPO: lambda for A < 0
-    dro_beta: float = 0.05  # DRO: coefficient of the quadratic log-ratio penalty (verl's dro_beta)
-    m2_threshold: float = 0.04  # M2PO: the mean squared log-ratio the kept tokens may have (AReaL's m2_threshold)
+    topk_divergence: str = _ALGO.topk_divergence  # DPPO top-k: tv | kl
+    vespo_k_pos: float = _ALGO.vespo_k_pos  # VESPO: power k of the Gamma kernel for A >= 0 (the paper's c1)
+    vespo_lambda_pos: float = _ALGO.vespo_lambda_pos  # VESPO: decay lambda for A >= 0 (the paper's c2)
+    vespo_k_neg: float = _ALGO.vespo_k_neg  # VESPO: k for A < 0
+    vespo_lambda_neg: float = _ALGO.vespo_lambda_neg  # VESPO: lambda for A < 0
+    dro_beta: float = _ALGO.dro_beta  # DRO: coefficient of the quadratic log-ratio penalty (verl's dro_beta)
+    m2_threshold: float = _ALGO.m2_threshold  # M2PO: the mean squared log-ratio the kept tokens may have
 
 
 HYPER_NAMES = tuple(f.name for f in fields(Hyper))
+ALGO_KEYS = tuple(n for n in HYPER_NAMES if hasattr(_ALGO, n))  # the fields that are `algo.<same name>`
 
 
 @dataclass
@@ -94,27 +104,33 @@ class LossSpec:
     ppo_clip: bool  # PPO's min(r A, clip(r) A) (`_ppo_clip`): the losses the two-sided clip `delta` applies to
     settings: tuple[str, ...] = ()  # the loss's own keys: fields of `Hyper`, read from `algo.<same name>`
     is_weight_in_ratio: bool = False  # the mismatch weight enters the loss's own ratio (VESPO), not multiplies it
+    # what it reads from the batch beyond log-probs, advantages and mask (the trainer computes it for such a loss only)
+    topk: bool = False  # the sampler's top-k log-probs and the policy's of those tokens (rollout.keep_topk)
+    router_shift: bool = False  # the MoE router-shift factor (`Hyper.router_shift`; RSPO)
 
 
 LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, *, agg: str, seq_ratio: bool = False, ppo_clip: bool = False,
-                  settings: tuple[str, ...] = (), is_weight_in_ratio: bool = False) -> Callable[[LossFn], LossFn]:
+                  settings: tuple[str, ...] = (), is_weight_in_ratio: bool = False, topk: bool = False,
+                  router_shift: bool = False) -> Callable[[LossFn], LossFn]:
     """Decorator: add a loss to the registry under `name` with its default aggregation; `ppo_clip`: its objective
-    is PPO's clipped one (`_ppo_clip`), which the two-sided clip `delta` acts on; `settings`: the `Hyper` fields
-    only this loss reads (the trainer passes them from `algo.<name>`); `is_weight_in_ratio`: the loss folds the
-    mismatch corrections' weight (`Hyper.is_weight`) into its own ratio instead of being multiplied by it."""
+    is PPO's clipped one (`_ppo_clip`), which the two-sided clip `delta` acts on; `settings`: the `algo` keys
+    only this loss reads (fields of `Hyper` named as in ALGO_KEYS; `hyper_of` passes them, and a command line that
+    sets one for another loss is told it would be ignored); `is_weight_in_ratio`: the loss folds the mismatch
+    corrections' weight (`Hyper.is_weight`) into its own ratio instead of being multiplied by it; `topk`,
+    `router_shift`: what it reads from the batch (LossSpec), which the trainer and the checks ask here."""
     if agg not in AGG_MODES:
         raise ValueError(f"loss {name!r}: unknown aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
-    unknown = [k for k in settings if k not in HYPER_NAMES]
+    unknown = [k for k in settings if k not in ALGO_KEYS]
     if unknown:
-        raise ValueError(f"loss {name!r}: settings {unknown} are not fields of Hyper")
+        raise ValueError(f"loss {name!r}: settings {unknown} are not algo keys that are fields of Hyper")
 
     def decorator(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered (by {LOSSES[name].fn.__name__})")
-        LOSSES[name] = LossSpec(fn, agg, seq_ratio, ppo_clip, tuple(settings), is_weight_in_ratio)
+        LOSSES[name] = LossSpec(fn, agg, seq_ratio, ppo_clip, tuple(settings), is_weight_in_ratio, topk, router_shift)
         return fn
 
     return decorator
@@ -135,6 +151,30 @@ def get_loss(name: str) -> LossSpec:
     if name not in LOSSES:
         raise ConfigError(f"unknown policy loss {name!r}; valid: {', '.join(loss_names())}")
     return LOSSES[name]
+
+
+def readers(setting: str) -> list[str]:
+    """The losses that name `setting` (an `algo` key) among their own settings, sorted ([] for a shared key)."""
+    return sorted(n for n, spec in LOSSES.items() if setting in spec.settings)
+
+
+def hyper_of(algo) -> dict:
+    """The `policy_loss` keywords an `algo` config gives its loss `algo.loss`: the keys every loss shares and the
+    loss's own settings, each read from `algo.<same name>` (the trainer adds what comes from elsewhere)."""
+    spec = get_loss(algo.loss)
+    return {k: algo[k] for k in ALGO_KEYS if k in spec.settings or not readers(k)}
+
+
+def check_hyper(name: str, hyper: dict) -> None:
+    """Refuse, in one line, `hyper` that loss `name` cannot take: the schema's rules for the `algo` keys among them
+    (gspo/config/checks.py, the ones a config is checked with), and the two-sided clip on a loss without PPO's clip.
+    `gspo.train.checks.check` runs it on a config, `policy_loss` on its arguments."""
+    check_keys({f"algo.{k}": v for k, v in hyper.items() if k in ALGO_KEYS})
+    delta = hyper.get("delta")
+    if delta is not None and not get_loss(name).ppo_clip:
+        raise ConfigError(f"algo.delta={delta} caps the unclipped ratio of PPO's clipped objective, which "
+                          f"algo.loss={name} does not have: delta acts on a PPO clip and loss {name!r} has none. "
+                          f"It applies to {', '.join(clipped_losses())}")
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -309,7 +349,7 @@ def sapo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
     return Terms(gate * adv, w, _no_clip(w), _no_clip(w))  # J = f(w_{i,t}) A
 
 
-@register_loss("rspo", agg="seq_mean_token_mean", ppo_clip=True, settings=("router_shift_floor",))
+@register_loss("rspo", agg="seq_mean_token_mean", ppo_clip=True, settings=("router_shift_floor",), router_shift=True)
 def rspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """RSPO, arXiv 2510.23027: GRPO's token ratio rescaled by the router-shift factor before clipping.
 
@@ -415,7 +455,7 @@ def topk_divergence(topk_old_logp: Tensor, topk_logp: Tensor, kind: str = "tv") 
     raise ConfigError(f"topk_divergence={kind!r}: must be tv or kl")
 
 
-@register_loss("dppo_topk", agg="seq_mean_token_sum_norm", settings=("topk_divergence",))
+@register_loss("dppo_topk", agg="seq_mean_token_sum_norm", settings=("topk_divergence",), topk=True)
 def dppo_topk(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """DPPO-TopK, arXiv 2602.04879: the trust region is the divergence (TV or KL, `topk_divergence`) between the
     sampler's distribution on its top-k tokens plus the rest and the policy's on the same buckets
@@ -563,28 +603,12 @@ def m2po(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) ->
 # --------------------------------------------------------------------------- entry point
 
 
-def _parse_hyper(hyper: dict) -> Hyper:
+def _parse_hyper(name: str, hyper: dict) -> Hyper:
     unknown = sorted(set(hyper) - set(HYPER_NAMES))
     if unknown:
         raise TypeError(f"policy_loss got unknown hyper-parameter(s) {unknown}; valid: {', '.join(HYPER_NAMES)}")
-    h = Hyper(**hyper)
-    if h.eps_low < 0 or h.eps_high < 0:
-        raise ConfigError(f"eps_low and eps_high must be >= 0, got {h.eps_low}, {h.eps_high}")
-    if h.clip_ratio_c is not None and h.clip_ratio_c <= 1.0:
-        raise ConfigError(f"clip_ratio_c (dual clip) must be > 1, got {h.clip_ratio_c}")
-    if h.delta is not None and h.delta <= 1.0:
-        raise ConfigError(f"delta (two-sided clip) must be > 1, got {h.delta}")
-    if h.tau_pos <= 0 or h.tau_neg <= 0:
-        raise ConfigError(f"SAPO temperatures must be > 0, got tau_pos={h.tau_pos}, tau_neg={h.tau_neg}")
-    if h.beta < 0:
-        raise ConfigError(f"beta must be >= 0, got {h.beta}")
-    if not (0 < h.clip_cov_ratio <= 1 and 0 < h.kl_cov_ratio <= 1):
-        raise ConfigError(f"clip_cov_ratio and kl_cov_ratio must be in (0, 1], got {h.clip_cov_ratio}, {h.kl_cov_ratio}")
-    if h.kl_estimator not in KL_KINDS:
-        raise ConfigError(f"unknown KL estimator {h.kl_estimator!r}; valid: {', '.join(KL_KINDS)}")
-    if h.dro_beta <= 0 or h.m2_threshold <= 0:
-        raise ConfigError(f"dro_beta and m2_threshold must be > 0, got {h.dro_beta}, {h.m2_threshold}")
-    return h
+    check_hyper(name, hyper)  # (the defaults are the schema's, valid by its own test)
+    return Hyper(**hyper)
 
 
 def _check_shapes(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, h: Hyper) -> None:
@@ -614,14 +638,9 @@ def policy_loss(
     with the KL term on, kl/ref (k3 to the reference); clip/frac_dual when dual clip is on.
     """
     spec = get_loss(name)
-    h = _parse_hyper(hyper)
-    if h.delta is not None and not spec.ppo_clip:
-        raise ConfigError(f"delta (the two-sided clip) caps the unclipped ratio of PPO's clipped objective; loss "
-                          f"{name!r} has none. Losses it applies to: {', '.join(clipped_losses())}")
+    h = _parse_hyper(name, hyper)  # (agg among them: one of AGG_MODES)
     _check_shapes(logp, old_logp, advantages, mask, h)
     agg = h.agg if h.agg is not None else spec.agg
-    if agg not in AGG_MODES:
-        raise ConfigError(f"unknown aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
     if spec.seq_ratio and agg == "token_mean":
         warnings.warn(
             f"loss {name!r} has one ratio per sequence; agg='token_mean' weights each sequence by its length "

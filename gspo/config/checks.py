@@ -204,9 +204,6 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if cfg.algo.overlong_buffer > r.max_new_tokens:
         return (f"algo.overlong_buffer={cfg.algo.overlong_buffer}: must be at most rollout.max_new_tokens="
                 f"{r.max_new_tokens} (the punishment starts max_new_tokens - overlong_buffer tokens in)")
-    if cfg.algo.loss == "dppo_topk" and not r.keep_topk:
-        return ("algo.loss=dppo_topk needs the sampler's top-k log-probs at every position: set rollout.keep_topk=K "
-                "(e.g. 20, as many as vLLM returns)")
     if r.staleness > cfg.train.steps:
         return (f"rollout.staleness={r.staleness}: must be at most train.steps={cfg.train.steps} (every batch would "
                 "be sampled by the initial policy)")
@@ -252,14 +249,7 @@ def check_values(cfg: Any) -> None:
         raise ConfigError("model=hf needs model.path=DIR: a local Hugging Face checkpoint directory")
     if missing:
         raise ConfigError(f"missing required value(s): {', '.join(missing)} (set them as KEY=VALUE)")
-    for key, valid in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in valid:
-            raise ConfigError(f"{key}={value}: must be one of {', '.join(map(str, valid))}")
-    for key, (ok, allowed, why) in RULES.items():
-        value = OmegaConf.select(cfg, key)
-        if value is not None and not ok(value):
-            raise ConfigError(f"{key}={value}: must be {allowed}" + (f" ({why})" if why else ""))
+    check_keys({key: OmegaConf.select(cfg, key) for key in (*CHOICES, *RULES)})
     problem = model_dir_problem(cfg.model.path) if cfg.model.arch == "hf" else None
     if problem:
         raise ConfigError(f"model.path={cfg.model.path}: {problem}")
@@ -272,8 +262,29 @@ def check_values(cfg: Any) -> None:
     problem = _cross_checks(cfg)
     if problem:
         raise ConfigError(problem)
-    if cfg.resume and not (Path(cfg.resume) / "config.yaml").is_file():
-        raise ConfigError(f"resume={cfg.resume}: not a gspo run directory (no config.yaml there)")
+    if cfg.resume:
+        run_config_file(cfg.resume, "resume")
+
+
+def check_keys(values: dict[str, Any]) -> None:
+    """Refuse the first of `values` (dotted key -> value) outside its CHOICES or RULES, in one line; keys with
+    neither pass. The one place these rules run: `check_values` on a whole config, `gspo.algos.losses.check_hyper`
+    on a loss's keyword arguments."""
+    for key, value in values.items():
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ConfigError(f"{key}={value}: must be one of {', '.join(map(str, CHOICES[key]))}")
+        if key in RULES and value is not None and not RULES[key][0](value):
+            _, allowed, why = RULES[key]
+            raise ConfigError(f"{key}={value}: must be {allowed}" + (f" ({why})" if why else ""))
+
+
+def run_config_file(run_dir: str | Path, key: str = "") -> Path:
+    """RUN_DIR/config.yaml, or a ConfigError naming the directory (as `key=RUN_DIR` when a key gave it) when it is
+    not a gspo run directory."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{f'{key}=' if key else ''}{run_dir}: not a gspo run directory (no config.yaml there)")
+    return path
 
 
 def check_machine(cfg: Any) -> None:
@@ -361,15 +372,7 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.tis_cap": (lambda c: c.rollout.tis != "none", "TIS is off: set rollout.tis=token or sequence"),
     "rollout.mask_low": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token, geometric, ..."),
     "rollout.mask_high": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token, geometric, ..."),
-    "algo.tau_pos": (lambda c: c.algo.loss == "sapo", "only the sapo loss has gate temperatures"),
-    "algo.tau_neg": (lambda c: c.algo.loss == "sapo", "only the sapo loss has gate temperatures"),
-    "algo.router_shift_floor": (lambda c: c.algo.loss == "rspo", "only the rspo loss reads it"),
-    "algo.clip_cov_": (lambda c: c.algo.loss == "clip_cov", "only the clip_cov loss reads it"),
-    "algo.kl_cov_": (lambda c: c.algo.loss == "kl_cov", "only the kl_cov loss reads it"),
-    "algo.topk_divergence": (lambda c: c.algo.loss == "dppo_topk", "only the dppo_topk loss reads it"),
-    "algo.vespo_": (lambda c: c.algo.loss == "vespo", "only the vespo loss reads it"),
-    "algo.dro_beta": (lambda c: c.algo.loss == "dro", "only the dro loss reads it"),
-    "algo.m2_threshold": (lambda c: c.algo.loss == "m2po", "only the m2po loss reads it"),
+    # (the keys only some losses read: their LossSpec names them, gspo.train.checks.used_only_when adds them)
     "algo.passk_k": (lambda c: c.algo.advantage == "passk", "only the passk advantage reads it"),
     "algo.whiten": (lambda c: c.algo.advantage.startswith("reinforce_plus_plus") or c.algo.advantage == "gdpo",
                     "only the reinforce_plus_plus and gdpo advantages read it"),
@@ -396,12 +399,14 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def ignored_override(cfgs: list, override: str) -> Optional[str]:
+def ignored_override(cfgs: list, override: str,
+                     rules: Optional[dict[str, tuple[Callable[[Any], bool], str]]] = None) -> Optional[str]:
     """Why the command-line override `KEY=VALUE` would be ignored by every one of `cfgs` (the jobs of a run or
-    sweep), or None when some job reads it."""
+    sweep), or None when some job reads it. `rules`: USED_ONLY_WHEN, or that and the registries' own
+    (`gspo.train.checks.used_only_when`)."""
     key = override.partition("=")[0].lstrip("+~")
-    rule = next((r for k, r in USED_ONLY_WHEN.items() if key == k or (k.endswith((".", "_")) and key.startswith(k))),
-                None)
+    rule = next((r for k, r in (USED_ONLY_WHEN if rules is None else rules).items()
+                 if key == k or (k.endswith((".", "_")) and key.startswith(k))), None)
     if rule is None or "=" not in override:
         return None
     used, why = rule

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from gspo.config.checks import check_values
+from gspo.config.checks import check_values, run_config_file
 from gspo.config.errors import ConfigError
 from gspo.config.schema import (
     CONF_DIR,
@@ -104,9 +104,7 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     """
     from omegaconf import DictConfig, OmegaConf
 
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir}: not a gspo run directory (no config.yaml there)")
+    path = run_config_file(run_dir)
     try:
         saved = OmegaConf.load(path)
     except Exception as e:  # not YAML, or not a mapping

@@ -315,6 +315,17 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
+def leaf_keys(node: type = Config, prefix: str = "") -> list[str]:
+    """Every leaf key of a schema node, dotted (`algo.critic.lr`): what docs/contracts.md and the rules in
+    gspo/config/checks.py are tested against."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(node)
+    return [k for f in dataclasses.fields(node) for k in (
+        leaf_keys(hints[f.name], f"{prefix}{f.name}.") if dataclasses.is_dataclass(hints[f.name]) else [prefix + f.name])]
+
+
 def group_options(group: str) -> list[str]:
     """The options of a config group: the YAML files in conf/<group>/."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))

@@ -9,12 +9,12 @@ prints it and exits 2). `gspo train` runs it for every job of a sweep before Hyd
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from gspo.algos.advantages import ADVANTAGES
-from gspo.algos.losses import LOSSES, clipped_losses
+from gspo.algos.losses import ALGO_KEYS, LOSSES, check_hyper, hyper_of, readers
 from gspo.algos.value import GAE
-from gspo.config.checks import check_values
+from gspo.config.checks import USED_ONLY_WHEN, check_values
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.rollout.engine import check as check_engine
@@ -52,9 +52,10 @@ def check(cfg: Any) -> None:
                           ("reward.name", [*rewards.REWARDS, *rewards.FUNCTIONS])):
         if OmegaConf.select(cfg, key) not in registry:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: must be one of {', '.join(sorted(registry))}")
-    if cfg.algo.delta is not None and not LOSSES[cfg.algo.loss].ppo_clip:
-        raise ConfigError(f"algo.delta={cfg.algo.delta} caps the unclipped ratio of PPO's clipped objective, which "
-                          f"algo.loss={cfg.algo.loss} does not have; it applies to {', '.join(clipped_losses())}")
+    check_hyper(cfg.algo.loss, hyper_of(cfg.algo))  # what the loss adds to the schema's rules (algo.delta)
+    if LOSSES[cfg.algo.loss].topk and not cfg.rollout.keep_topk:
+        raise ConfigError(f"algo.loss={cfg.algo.loss} needs the sampler's top-k log-probs at every position: set "
+                          "rollout.keep_topk=K (e.g. 20, as many as vLLM returns)")
     if getattr(TASKS[cfg.task.name], "prompts", "characters") == "chat" and cfg.model.arch != "hf":
         raise ConfigError(f"task={cfg.task.name} asks questions in natural language of a pretrained chat model, and "
                           f"model={cfg.model.name} is one of gspo's tiny character-level models: use model=smollm2 "
@@ -93,3 +94,12 @@ def check(cfg: Any) -> None:
         if cfg.algo.filter_metric not in signals:
             raise ConfigError(f"algo.filter_metric={cfg.algo.filter_metric}: must be one of {', '.join(signals)} "
                               "(what must differ within a group for dynamic sampling to keep it)")
+
+
+def used_only_when() -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """`gspo.config.checks.USED_ONLY_WHEN` and the loss registry's part of it: an `algo` key that only some losses
+    name among their settings is read only under those losses."""
+    def rule(names: list[str]) -> tuple[Callable[[Any], bool], str]:
+        return (lambda c: c.algo.loss in names), f"only the {', '.join(names)} loss reads it"
+
+    return USED_ONLY_WHEN | {f"algo.{k}": rule(readers(k)) for k in ALGO_KEYS if readers(k)}

@@ -31,6 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from gspo.algos.losses import get_loss
 from gspo.algos.mismatch import routing_mismatch
 from gspo.models import moe
 from gspo.rollout.generate import Rollout, position_ids
@@ -121,7 +122,7 @@ class _MoE(MoEStep):
     def __init__(self, model: torch.nn.Module, cfg, dist, old_pass: bool):
         self.dist, self.use_old_pass = dist, old_pass
         self.replay = cfg.moe.routing_replay
-        self.rspo = cfg.algo.loss == "rspo"
+        self.rspo = get_loss(cfg.algo.loss).router_shift  # the loss reads the router-shift factor (RSPO)
         self.aux_coef = float(cfg.model.router_aux_loss_coef)
         self.stats_every = int(cfg.moe.stats_every)
         self.stats_rows_per_group = int(cfg.moe.stats_rows_per_group)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo.algos.distill import distill_metrics, reverse_kl_term
 from gspo.algos.entropy import entropy_bonus, high_entropy_mask
-from gspo.algos.losses import aggregate_denominator, get_loss, policy_loss
+from gspo.algos.losses import aggregate_denominator, get_loss, hyper_of, policy_loss
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.processes import die_with_parent
@@ -197,13 +197,11 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
     corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
     spec = get_loss(algo.loss)
     agg = algo.agg or spec.agg
-    hyper = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c, delta=algo.delta,
-                 agg=algo.agg, max_tokens=cfg.rollout.max_new_tokens,
-                 beta=0.0 if algo.kl_in_reward else algo.beta,  # the KL is in the loss, or already in the reward
-                 kl_estimator=algo.kl_estimator, **{k: algo[k] for k in spec.settings})  # the loss's own keys
+    hyper = hyper_of(algo) | dict(max_tokens=cfg.rollout.max_new_tokens,  # the loss's keys from algo.*, and
+                                  beta=0.0 if algo.kl_in_reward else algo.beta)  # the KL in the loss or the reward
     gather = lambda x: dist.all_gather_rows(x)[0]  # noqa: E731  (every rank's tokens: the one-process minibatch's)
     model.train()
-    topk = algo.loss == "dppo_topk"
+    topk = spec.topk  # a loss that reads the sampler's top-k (DPPO-TopK) also reads the policy's log-probs of them
     per_mb: dict[str, list[float]] = {"train/lr": [s.sched.get_last_lr()[0]]}  # the rate this step's updates use
     # the policy's optimizer updates before this step's: the schedule counts the steps it trained (not a critic's
     # warm-up), each of `train.minibatches` updates
@@ -211,7 +209,6 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
     for i, rows in enumerate(parts):
         sub, m = ro.select(rows), mask[rows]
         with s.moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
-            # DPPO-TopK also reads the policy's log-probs of the sampler's top-k tokens (rollout.keep_topk)
             logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk)
             is_weight, corr = correction_weights(corrections, MismatchBatch(
                 old_logp[rows], behaviour[rows], m, adv[rows], logp.detach()), cfg.rollout)
