@@ -101,3 +101,20 @@ def test_the_check_sees_upward_and_sideways_imports(tmp_path):
     imports = _imports(planted)
     assert imports == {"gspo.config.errors", "gspo.models.moe", "gspo.train.trainer"}
     assert _upward("gspo.algos.x", imports) == ["gspo.models.moe", "gspo.train.trainer"]
+
+
+def test_every_batch_source_has_the_protocols_methods():
+    """`Inline` and `WorkerPool` are what gspo.train.components.BatchSource says a batch source is: the same
+    methods with the same parameters (a Protocol is not checked at run time; this is the check)."""
+    import inspect
+
+    from gspo.rollout.source import Inline
+    from gspo.rollout.workers import WorkerPool
+    from gspo.train.components import BatchSource
+
+    methods = [n for n, f in vars(BatchSource).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert sorted(methods) == ["batch", "close", "pending", "start", "updated"]
+    for source in (Inline, WorkerPool):
+        for name in methods:
+            want = list(inspect.signature(getattr(BatchSource, name)).parameters)
+            assert list(inspect.signature(getattr(source, name)).parameters) == want, (source.__name__, name)
