@@ -294,6 +294,14 @@ class Dist:
         tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
         return int(t.item())
 
+    def gather_objects(self, obj) -> Optional[list]:
+        """Every rank's picklable `obj`, in rank order, on rank 0 (a collective: every rank calls it); None elsewhere."""
+        if self.world == 1:
+            return [obj]
+        everyone = [None] * self.world
+        tdist.gather_object(obj, everyone if self.is_main else None, dst=0)
+        return everyone if self.is_main else None
+
     def reduce_metrics(self, metrics: dict, rows: int) -> dict:
         """Step metrics over ranks: mean, min for *_min, max for *_max and time/*, sum for throughput/*.
 
@@ -359,14 +367,6 @@ class Dist:
         optim_state = None if opt is None else get_optimizer_state_dict(model, opt, options=opts)
         tied = _tied_aliases(model)  # e.g. lm_head.weight = embed_tokens.weight: saved once, as HF does
         return {k: v for k, v in model_state.items() if k not in tied}, optim_state
-
-    def gather_objects(self, obj) -> Optional[list]:
-        """Every rank's picklable `obj`, in rank order, on rank 0 (a collective: every rank calls it); None elsewhere."""
-        if self.world == 1:
-            return [obj]
-        everyone = [None] * self.world
-        tdist.gather_object(obj, everyone if self.is_main else None, dst=0)
-        return everyone if self.is_main else None
 
 
 def _tied_aliases(model) -> set[str]:
