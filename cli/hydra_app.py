@@ -47,7 +47,7 @@ def hydra_train(cfg: DictConfig) -> float:
 
 
 def _train_job(cfg: DictConfig, hc) -> float:
-    from gspo.train import distributed, preemption, resume, rundir, sweep
+    from gspo.train import checkpointer, distributed, launcher, preemption, resume, rundir, sweep
     from gspo.train.trainer import train
 
     run_dir, before = Path(hc.runtime.output_dir), None
@@ -69,23 +69,23 @@ def _train_job(cfg: DictConfig, hc) -> float:
     elif preemption.resume_requeued(run_dir):  # SLURM requeued this run (preempted): continue it
         print(f"gspo: requeued job: resuming {run_dir}", flush=True)
         cfg.resume = str(run_dir)
-    elif distributed.is_main_process():  # a new run: never into a directory that holds one
+    elif launcher.is_main_process():  # a new run: never into a directory that holds one
         rundir.check_new(run_dir, "hydra.run.dir")
-    launch = distributed.needs_launch(cfg.hardware)  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
+    launch = launcher.needs_launch(cfg.hardware)  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
     if not launch:  # one process, or a worker of a torchrun started by hand (every rank takes rank 0's directory)
-        run_dir = distributed.shared_run_dir(run_dir, cfg.hardware)
-    with rundir.lock(run_dir) if distributed.is_main_process() else contextlib.nullcontext():
-        if before is not None and distributed.is_main_process():
-            resume.record(run_dir, before, cfg, resume.next_step(run_dir))  # e.g. train.steps, from step N on
+        run_dir = launcher.shared_run_dir(run_dir, cfg.hardware)
+    with rundir.lock(run_dir) if launcher.is_main_process() else contextlib.nullcontext():
+        if before is not None and launcher.is_main_process():
+            resume.record(run_dir, before, cfg, checkpointer.next_step(run_dir))  # e.g. train.steps, from step N on
         if launch:  # a worker's failure comes back as one line (gspo/train/failures.py)
-            summary = distributed.launch(cfg, run_dir)
+            summary = launcher.launch(cfg, run_dir)
         else:
             summary = train(cfg, run_dir)
     if not launch:
         distributed.shutdown()  # ranks leave the process group together (no-op in one process)
     if summary.get("status") in preemption.EXIT_CODES:  # stopped by a signal: the line saying how to resume is out
         raise SystemExit(preemption.EXIT_CODES[summary["status"]])
-    if not distributed.is_main_process():
+    if not launcher.is_main_process():
         return float("nan")
     base, final = summary.get("base_accuracy"), summary.get("final_accuracy")
     if base is not None and final is not None:

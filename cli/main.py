@@ -158,7 +158,7 @@ def _sweep_jobs(overrides: list[str], cfgs: list) -> tuple[list[str], list[str]]
 
 def distributed_main() -> bool:
     """This process speaks for the run (not a rank > 0 of a torchrun started by hand)."""
-    from gspo.train.distributed import is_main_process
+    from gspo.train.launcher import is_main_process
 
     return is_main_process()
 

@@ -8,6 +8,6 @@ below it (tests/test_layout.py keeps this true):
   algos     the equations: losses, advantages, KL, shaping, mismatch corrections  } none of them
   models    building and loading models, LoRA, MoE routing and replay, log-probs  } imports another
   rollout   sampling G completions per prompt: the decode loop, its engines, the sampler copy
-  train     the loop and what it needs: set-up, warm start, checkpoints, distributed, logging
+  train     the loop and what it needs: set-up, warm start, checkpointer, evaluator, ranks, launcher, logging
   results   reading finished runs: `gspo eval`, `gspo compare`, statistics, tables, figures
 """

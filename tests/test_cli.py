@@ -87,7 +87,7 @@ def test_a_workers_failure_is_one_line(error, code, in_tmp, monkeypatch, cache_d
     def launch(cfg, run_dir):
         raise (ConfigError if error == "config" else RunFailed)("rank 1, step 2: boom")
 
-    monkeypatch.setattr("gspo.train.distributed.launch", launch)
+    monkeypatch.setattr("gspo.train.launcher.launch", launch)
     res = runner.invoke(app, ["train", "hardware=cpu-ddp", *tiny(cache_dir)])
     assert res.exit_code == code and "Traceback" not in res.output
     assert [x for x in res.output.splitlines() if x.strip()] == ["gspo: error: rank 1, step 2: boom"]

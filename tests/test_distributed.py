@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.tasks import build_task
-from gspo.train import checkpoint, distributed
+from gspo.train import checkpoint, distributed, launcher
 from gspo.train.trainer import train
 from gspo.train.warm_start import base_model
 
@@ -38,8 +38,8 @@ def small(cache_dir, **extra) -> list[str]:
 
 def cli(*args, cwd, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else []
-    res = subprocess.run([sys.executable, *launcher, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True,
+    runner = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else []
+    res = subprocess.run([sys.executable, *runner, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True,
                          text=True, timeout=timeout)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[:3000] + "\n...\n" + res.stderr[-2000:]  # a rank's own error comes first
     return res
@@ -152,7 +152,7 @@ def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: i
     # eps 1e-3, not 1e-8: Adam's first step lr * g / (|g| + eps) would turn the ranks' rounding of a
     # near-zero gradient into a move of up to lr; with a large eps it stays ~lr * rounding / eps
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2, eps=1e-3)
-    s = Setup(dist, torch.float32, None, 0, policy=policy, opt=opt, critic=Critic(cfg, dist),
+    s = Setup(dist, torch.float32, None, policy=policy, opt=opt, critic=Critic(cfg, dist),
               sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
               moe_step=MoEStep.for_model(model, cfg, dist, old_pass=False))
     m = _update(cfg, s, Batch(ro, [None] * len(rewards), rewards, {}), 1)
@@ -575,14 +575,14 @@ def test_one_gspo_task_per_slurm_node_forms_one_run(tmp_path, cache_dir):
 
 
 def test_a_run_directory_the_nodes_do_not_share_is_refused(tmp_path):
-    nodes = distributed.Nodes(count=2, index=1, master="localhost", port=29999)
+    nodes = launcher.Nodes(count=2, index=1, master="localhost", port=29999)
     with pytest.raises(ConfigError, match="is not shared between the nodes: node 1 does not see node 0's files"):
-        distributed.shared_between_nodes(tmp_path / "run", tmp_path / "cache", nodes, wait_s=0.5)
-    assert distributed.first_host("gpu[03-05,09],cpu1") == "gpu03" and distributed.first_host("a,b") == "a"
+        launcher.shared_between_nodes(tmp_path / "run", tmp_path / "cache", nodes, wait_s=0.5)
+    assert launcher.first_host("gpu[03-05,09],cpu1") == "gpu03" and launcher.first_host("a,b") == "a"
     with pytest.raises(ConfigError, match="run one gspo task per node"):
         os.environ.update({"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0", "SLURM_NTASKS": "16"})
         try:
-            distributed.slurm_nodes()
+            launcher.slurm_nodes()
         finally:
             for k in ("SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_NTASKS"):
                 os.environ.pop(k)

@@ -69,8 +69,8 @@ def test_eval_of_an_empty_held_out_split_is_refused(cache_dir):
 def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, cache_dir, monkeypatch):
     """Both sample pass@k at rollout.temperature, the temperature the policy is trained at."""
     import gspo.results.evaluate
+    import gspo.train.evaluator
     import gspo.train.heldout
-    import gspo.train.setup
 
     seen = []
 
@@ -79,7 +79,7 @@ def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, ca
         return real(*args, **kwargs)
 
     real = gspo.train.heldout.evaluate
-    monkeypatch.setattr(gspo.train.setup, "evaluate", spy)
+    monkeypatch.setattr(gspo.train.evaluator, "evaluate", spy)
     monkeypatch.setattr(gspo.results.evaluate, "evaluate", spy)
     over = {"train.steps": 1, "eval.pass_k": 1, "rollout.temperature": 0.7, "task.eval_size": 4}
     train(compose(tiny(cache_dir, **over)), tmp_path)

@@ -200,3 +200,20 @@ def test_the_loss_name_scan_sees_a_name_test():
     planted = ast.parse('if cfg.algo.loss == "rspo":\n    pass\n'
                         'x = loss_name in ("sapo", "dro")\ny = cfg.algo.advantage == "grpo"\nz = mode == "grpo"\n')
     assert _loss_name_tests(planted, {"rspo", "sapo", "dro", "grpo"}) == [1, 3]
+
+
+def test_every_batch_source_has_the_protocols_methods():
+    """`Inline` and `WorkerPool` are what gspo.train.components.BatchSource says a batch source is: the same
+    methods with the same parameters (a Protocol is not checked at run time; this is the check)."""
+    import inspect
+
+    from gspo.rollout.source import Inline
+    from gspo.rollout.workers import WorkerPool
+    from gspo.train.components import BatchSource
+
+    methods = [n for n, f in vars(BatchSource).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert sorted(methods) == ["batch", "close", "pending", "start", "updated"]
+    for source in (Inline, WorkerPool):
+        for name in methods:
+            want = list(inspect.signature(getattr(BatchSource, name)).parameters)
+            assert list(inspect.signature(getattr(source, name)).parameters) == want, (source.__name__, name)

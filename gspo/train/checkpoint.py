@@ -99,6 +99,30 @@ def load_state(ckpt: Path) -> dict:
     return torch.load(Path(ckpt) / "trainer_state.pt", weights_only=True, map_location="cpu")
 
 
+def load_optimizer(model, opt, state: dict, fsdp: bool = False) -> None:
+    """Load a checkpoint's optimizer state into `opt`, whichever strategy (and world size) wrote it.
+
+    One process and DDP save `optimizer.state_dict()` (keyed by parameter number); FSDP
+    saves the full state keyed by parameter name. Either loads into either (`fsdp`: `model` is sharded by
+    fully_shard, and `opt` holds its shards).
+    """
+    names = [n for n, _ in unwrap(model).named_parameters()]
+    by_name = any(isinstance(p, str) for g in state["param_groups"] for p in g["params"])
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        state = state if by_name else _rekey(state, dict(enumerate(names)))
+        set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(_rekey(state, {n: i for i, n in enumerate(names)}) if by_name else state)
+
+
+def _rekey(state: dict, key: dict) -> dict:
+    """An optimizer state dict with its parameter keys mapped through `key` (number <-> name)."""
+    return {"state": {key[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [key[p] for p in g["params"]]} for g in state["param_groups"]]}
+
+
 def unwrap(model):
     """The bare model under a DDP/FSDP wrapper."""
     return getattr(model, "module", model)

@@ -135,7 +135,7 @@ class ValueCritic(Critic):
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warmup))
         if resume is not None:
             state = checkpoint.load_state(resume)["critic"]
-            dist.load_optimizer_state(self.module, self.opt, state["optimizer"])
+            checkpoint.load_optimizer(self.module, self.opt, state["optimizer"], fsdp=dist.strategy == "fsdp")
             self.sched.load_state_dict(state["scheduler"])
         self._old: Optional[Tensor] = None  # (N, T) the values before this step's updates
         self._returns: Optional[Tensor] = None  # (N, T) the GAE returns they learn

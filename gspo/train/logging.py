@@ -254,3 +254,19 @@ class MetricsLogger:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(exit_code=0 if exc_type is None else 1)
+
+
+class NullLogger:
+    """The metrics sink of ranks other than 0: nothing is written."""
+
+    def log(self, metrics, step: int) -> None:
+        pass
+
+    def should_log_samples(self, step: int) -> bool:
+        return False
+
+    def log_samples(self, step: int, rows) -> None:
+        pass
+
+    def close(self, exit_code: int = 0) -> None:
+        pass

@@ -12,7 +12,7 @@ signal every process, and torchrun passes on what it got to its workers), not a 
 
 Under several processes every rank stops after the same step: each rank's request is
 all-reduced once per step (`StopSignals.agreed`). The process that launched the workers
-(`distributed.launch`, waiting on torchrun) cannot name them, so it passes a signal on
+(`launcher.launch`, waiting on torchrun) cannot name them, so it passes a signal on
 through a file the workers look for (STOP_FILE_ENV names it).
 
 In a submitit job, the handler submitit had installed for the signal (its checkpoint-and-requeue)

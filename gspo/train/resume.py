@@ -87,11 +87,3 @@ def record(run_dir: Path | str, old: Any, new: Any, from_step: int) -> dict:
             fh.write(json.dumps(entry) + "\n")
         return entry
     return {}
-
-
-def next_step(run_dir: Path | str) -> int:
-    """The first step a resume of `run_dir` trains: after its newest readable checkpoint."""
-    from gspo.train import checkpoint
-
-    ckpt = checkpoint.resumable(run_dir, log=lambda msg: None)
-    return int(checkpoint.load_state(ckpt)["step"]) + 1 if ckpt is not None else 1

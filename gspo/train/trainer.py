@@ -23,88 +23,52 @@ from gspo.algos.losses import aggregate_denominator, get_loss, hyper_of, policy_
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.processes import die_with_parent
-from gspo.models import adapters
 from gspo.rollout.batch import Batch
 from gspo.rollout.generate import NonFiniteLogits, token_logprobs
 from gspo.train import checkpoint, distributed, failures, preemption
+from gspo.train.checkpointer import Checkpointer
 from gspo.train.setup import Setup, setup
 
 
 def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     """Run RL training as configured, writing metrics and checkpoints to `run_dir`.
 
-    `setup` builds what the loop needs (gspo/train/setup.py); the loop is below.
+    `setup` builds what the loop needs (gspo/train/setup.py); the loop is below. The checkpointer and the
+    evaluator decide when they save and evaluate (gspo/train/checkpointer.py, gspo/train/evaluator.py).
 
     Returns the summary (also RUN_DIR/summary.json, kept current at every checkpoint):
     base and final held-out accuracy, steps done, wall time, status.
     """
-    run_dir = Path(run_dir)
     stop = preemption.StopSignals().install()  # SIGTERM / SIGINT: finish the step (or warm-start step), save, leave
     try:
-        s = setup(cfg, run_dir, stop)  # hardware, resume point, base model, LoRA, reference, optimizer, MoE, sampler, logger
+        s = setup(cfg, Path(run_dir), stop)  # hardware, resume point, model, LoRA, reference, optimizer, sampler, ...
     except BaseException:
         stop.restore()  # a refused setup leaves the caller's handlers as they were (train() called in-process)
         raise
+    dist, ckpt, logger, source = s.dist, s.checkpointer, s.logger, s.source
     if s.finished or s.stopped:
         stop.close()
-        return s.summary.data
-    dist, summary, start, logger, source = s.dist, s.summary, s.start, s.logger, s.source
-    model = s.model
-    progress = _Progress(cfg.train.steps, start, enabled=cfg.logger.progress and dist.is_main)
-    status = "failed"
-    saved = start  # the step of the newest checkpoint
-    step = start  # the step in progress, for an error's message (0: the base's evaluation)
+        return ckpt.summary.data
+    progress = _Progress(cfg.train.steps, ckpt.start, enabled=cfg.logger.progress and dist.is_main)
+    status, step = "failed", ckpt.start  # the step in progress, for an error's message (0: the base's evaluation)
     try:
-        if start == 0:
-            base = s.evaluate(0)
+        base = s.evaluator.maybe_run(0) if ckpt.start == 0 else None  # a new run: the base's held-out accuracy
+        if base is not None:
             logger.log(base, step=0)
-            summary.write(status="running", base_accuracy=base["eval/accuracy"], steps=0)
-        else:  # a resumed run is running again: not `finished` with an old final accuracy while it works
-            summary.data.pop("final_accuracy", None)
-            summary.write(status="running")
-        source.start(start, model, s.pending)  # samples ahead what the first steps need (rollout.staleness)
-        for step in range(start + 1, cfg.train.steps + 1):
+        ckpt.running(base)  # summary.json: running (a resumed run: no longer `finished`)
+        source.start(ckpt.start, s.model, ckpt.pending)  # samples ahead what the first steps need (rollout.staleness)
+        for step in range(ckpt.start + 1, cfg.train.steps + 1):
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
-                if step - 1 > saved:
-                    _save(cfg, s, run_dir, step - 1)
-                    summary.write(steps=step - 1)
-                if dist.is_main:
-                    kept = "checkpoint saved" if step > 1 else "no step finished yet"
-                    print(f"gspo: {stop.status} after step {step - 1} of {cfg.train.steps} ({kept}); "
-                          f"resume with: {preemption.resume_command(run_dir)}", flush=True)
+                _leave(stop, ckpt, step - 1)
                 break
-            t0 = time.time()
-            # anything that draws from torch's global generator (LoRA dropout, a user's code) draws a function
-            # of (seed, step): the same in every run of the config, and after a resume
-            torch.manual_seed(distributed.keyed_seed(cfg.seed, step, purpose="global"))
-            # the step's batch: sampled now, or ahead by the policy rollout.staleness steps older, exactly
-            batch, metrics = _sampled(lambda: source.batch(step, model), step)
-            batch, metrics = _trimmed(cfg, batch, metrics, dist)
-            t_update = time.time()
-            metrics |= _update(cfg, s, batch, step)
-            metrics["time/update_s"] = time.time() - t_update
-            for k, v in _sampled(lambda: source.updated(step, model), step).items():  # push the weights, sample ahead
-                metrics[k] = metrics.get(k, 0.0) + v
-            metrics["time/step_s"] = time.time() - t0
-            metrics["throughput/tokens_per_s"] = float(batch.rollout.completion_mask.sum()) / metrics["time/step_s"]
-            if dist.device.type == "cuda":
-                metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
-            metrics = dist.reduce_metrics(metrics, rows=len(batch.rewards))  # over ranks; as is in one process
-            if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                metrics |= s.evaluate(step)
+            batch, metrics = _step(cfg, s, step)  # the batch, its update, the new weights pushed to the sampler
+            metrics |= s.evaluator.maybe_run(step)  # eval.every steps, and the last
             logger.log(metrics, step=step)
             if logger.should_log_samples(step):
                 logger.log_samples(step, _samples(batch))
-            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:  # rank 0 writes
-                _save(cfg, s, run_dir, step)
-                saved = step
-                summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if step == cfg.train.steps else {}))
-                if step == cfg.train.steps and cfg.model.lora.save_merged and dist.is_main:  # LoRA: merged export
-                    adapters.export_merged(checkpoint.latest(run_dir), run_dir / "merged", dist.storage_dtype(s.dtype))
+            ckpt.maybe_save(step, metrics)  # train.checkpoint_every steps, and the last (rank 0 writes)
             progress.update(step, metrics)
-            for key in ("train/loss", "critic/value_loss"):  # (train/loss: absent while only a critic warms up)
-                if not math.isfinite(metrics.get(key, 0.0)):
-                    raise RunFailed(f"step {step}: {key} is {metrics[key]}; stopping (metrics up to here are saved)")
+            _check_finite(metrics, step)
         status = stop.status or "finished"
     except KeyboardInterrupt:
         status = "stopped"
@@ -116,9 +80,46 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         source.close()  # rollout workers stop (and never outlive the trainer)
         progress.close()
         logger.close(exit_code=0 if status == "finished" else 1)
-        summary.write(status=status)
+        ckpt.summary.write(status=status)
         stop.close()  # in a submitit job, after a stop: submitit's own handler requeues the job
-    return summary.data
+    return ckpt.summary.data
+
+
+def _leave(stop: preemption.StopSignals, ckpt: Checkpointer, done: int) -> None:
+    """A stop signal before step `done` + 1: that step's checkpoint (unless saved), and how to resume."""
+    ckpt.save_stopped(done)
+    if ckpt.dist.is_main:
+        kept = "checkpoint saved" if done > 0 else "no step finished yet"
+        print(f"gspo: {stop.status} after step {done} of {ckpt.cfg.train.steps} ({kept}); "
+              f"resume with: {preemption.resume_command(ckpt.run_dir)}", flush=True)
+
+
+def _step(cfg, s: Setup, step: int) -> tuple[Batch, dict]:
+    """One RL step: the step's batch (sampled now, or ahead by the policy rollout.staleness steps older, exactly),
+    its update, the new weights pushed to the sampler; the step's metrics, reduced over ranks."""
+    source, model, dist, t0 = s.source, s.model, s.dist, time.time()
+    # anything that draws from torch's global generator (LoRA dropout, a user's code) draws a function
+    # of (seed, step): the same in every run of the config, and after a resume
+    torch.manual_seed(distributed.keyed_seed(cfg.seed, step, purpose="global"))
+    batch, metrics = _sampled(lambda: source.batch(step, model), step)
+    batch, metrics = _trimmed(cfg, batch, metrics, dist)
+    t_update = time.time()
+    metrics |= _update(cfg, s, batch, step)
+    metrics["time/update_s"] = time.time() - t_update
+    for k, v in _sampled(lambda: source.updated(step, model), step).items():  # push the weights, sample ahead
+        metrics[k] = metrics.get(k, 0.0) + v
+    metrics["time/step_s"] = time.time() - t0
+    metrics["throughput/tokens_per_s"] = float(batch.rollout.completion_mask.sum()) / metrics["time/step_s"]
+    if dist.device.type == "cuda":
+        metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
+    return batch, dist.reduce_metrics(metrics, rows=len(batch.rewards))  # over ranks; as is in one process
+
+
+def _check_finite(metrics: dict, step: int) -> None:
+    """A loss that is NaN or infinite stops the run at once (train/loss: absent while only a critic warms up)."""
+    for key in ("train/loss", "critic/value_loss"):
+        if not math.isfinite(metrics.get(key, 0.0)):
+            raise RunFailed(f"step {step}: {key} is {metrics[key]}; stopping (metrics up to here are saved)")
 
 
 # --------------------------------------------------------------------------- rollout
@@ -251,18 +252,6 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
     # extremes stay extremes; everything else is the mean over minibatches
     return {k: min(v) if k.endswith("_min") else max(v) if k.endswith("_max") else sum(v) / len(v)
             for k, v in per_mb.items()}
-
-
-def _save(cfg, s: Setup, run_dir: Path, step: int) -> None:
-    """The step's checkpoint (rank 0 writes it): the policy, its optimizer, batches sampled ahead, the critic and
-    a reset reference model."""
-    files, extra = {}, {}
-    for part in (s.critic, s.ref_sync):
-        if part is not None:
-            f, e = part.checkpoint()
-            files, extra = files | f, extra | e
-    s.dist.save_checkpoint(run_dir, step, s.policy, s.tokenizer, s.opt, s.sched, cfg.train.keep_checkpoints,
-                           pending=s.source.pending(), files=files, extra=extra)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,0 +1,54 @@
+"""Held-out evaluation during training: when it runs, and its split over ranks.
+
+`maybe_run(step)` evaluates the policy on the held-out problems at step 0 (the base), every `eval.every`
+steps and after the last step, and returns `eval/*` metrics ({} when not due). Each rank scores a strided
+share of the problems (gspo/train/heldout.py's `evaluate`, the same as `gspo eval`); the per-problem means
+are recombined over ranks, so any world size gives the one-process numbers' mean.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import DictConfig
+
+from gspo.rollout.multiturn import ToolUse
+from gspo.tasks import Problem, Task
+from gspo.train.distributed import Dist
+from gspo.train.heldout import eval_params, evaluate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class Evaluator:
+    """The held-out evaluation of one run's policy `model` (every rank calls it at the same steps)."""
+
+    def __init__(self, cfg: DictConfig, dist: Dist, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                 task: Task, problems: list[Problem]):
+        self.cfg, self.dist, self.model, self.tokenizer, self.task, self.problems = cfg, dist, model, tokenizer, task, problems
+        self.params, self.tools = eval_params(cfg), ToolUse.of(cfg)
+
+    def due(self, step: int) -> bool:
+        """Step 0 (the base), every eval.every steps, and the last step."""
+        every = self.cfg.eval.every
+        return step == 0 or step == self.cfg.train.steps or bool(every and step % every == 0)
+
+    def maybe_run(self, step: int) -> dict:
+        """The held-out metrics after step `step` if due, else {}."""
+        return self.run(step) if self.due(step) else {}
+
+    def run(self, step: int) -> dict:
+        """`evaluate` on this rank's strided share of the problems, combined over ranks (per-problem means)."""
+        cfg, dist, model = self.cfg, self.dist, self.model
+        share = self.problems[dist.rank :: dist.world]
+        with dist.gathered(model):  # FSDP: full weights once, not an all-gather per forward
+            out = evaluate(model, self.tokenizer, self.task, share, self.params, cfg.eval.pass_k,
+                           timeout_s=cfg.reward.timeout_s, key=(cfg.seed, step), tools=self.tools)
+        if dist.world == 1:
+            return out
+        keys = sorted(k for k, v in out.items() if isinstance(v, (int, float)))
+        x = torch.tensor([out[k] * len(share) for k in keys] + [len(share)], dtype=torch.float64, device=dist.device)
+        x = dist.all_sum(x)
+        return {k: (x[i] / x[-1].clamp(min=1)).item() for i, k in enumerate(keys)}
