@@ -220,7 +220,7 @@ def generate(model, tokenizer, prompts: Optional[list], group_size: int, params:
             done |= torch.isin(nxt, eos) if limit is None else torch.isin(nxt, eos) | (limit <= t + 1)
             if t + 1 == T or (t + 1) % check_every == 0 and bool(done.all()):
                 break
-            logits = forward.step(nxt, ids, draws.out[:, : t + 1], full_mask[:, : p + t + 1])
+            logits = forward.step(nxt, ids, draws.out[:, : t + 1], full_mask, p + t + 1)
     draws.check_finite()
     width = t + 1
     routing = None if trace is None else trace.batch(n)  # the last sampled token was never routed: -1
@@ -248,7 +248,7 @@ class _Forward:
         self.model, self.decode, self.cache, self.params, self.length = model, model, None, params, length
         self.cache_kw = _cache_kwarg(model)
         self.fast = params.max_new_tokens > 1 and fast_decode.resolve(params.engine, model, params.compile) == "fast"
-        self.recurrent = False  # the cache holds only recurrent states (Mamba): the past is in the state, not the mask
+        self.recurrent = False  # `_only_recurrent` of the cache
         if params.compile:
             self.cache, self.decode = _static_decoder(model, rows, length)
 
@@ -273,14 +273,17 @@ class _Forward:
         else:
             res = model(attention_mask=full_mask[:, :p], **kwargs)
             self.cache, logits = returned_cache(res), res.logits[:, -1].float()
-        self.recurrent = self.cache is not None and all(getattr(self.cache, "is_linear", None) or [False])
+        self.recurrent = _only_recurrent(self.cache)
         if self.fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
             self.decode, self.cache = fast_decode.FastDecoder(model, self.cache, self.length), None
         return logits
 
-    def step(self, nxt: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def step(self, nxt: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, full_mask: torch.Tensor,
+             width: int) -> torch.Tensor:
         """The logits after feeding the tokens just sampled, `nxt` (N,); `out` (N, t) every token sampled so far,
-        `mask` (N, P + t) the attention mask up to them."""
+        `full_mask` (N, P + T) the whole rollout's attention mask, of which the first `width` = P + t columns are
+        the positions so far."""
+        mask = full_mask[:, :width]
         if self.cache is None and not self.fast:  # no KV cache (GPT-1; Mamba, RWKV keep a recurrent state): all again
             if self.params.capture_routing:
                 raise ConfigError(f"{type(self.model).__name__} returns no KV cache: recording routing while sampling "
@@ -292,18 +295,18 @@ class _Forward:
             return self.decode.step(step_ids, self.pos, mask).float()
         kwargs = self._kwargs(step_ids, self.pos)
         if self.params.compile:
-            slot = torch.full((1,), mask.shape[1] - 1, device=mask.device)
-            res = self.decode(attention_mask=_padded(mask, self.length), cache_position=slot, **kwargs)
+            slot = torch.full((1,), width - 1, device=mask.device)  # static shapes: the whole mask, the slot to fill
+            res = self.decode(attention_mask=full_mask, cache_position=slot, **kwargs)
         else:  # a recurrent state takes the new token's mask column only (as generate() passes none)
             res = self.model(attention_mask=mask[:, -1:] if self.recurrent else mask, **kwargs)
         self.cache = returned_cache(res)
-        self.recurrent = self.cache is not None and all(getattr(self.cache, "is_linear", None) or [False])
+        self.recurrent = _only_recurrent(self.cache)
         return res.logits[:, -1].float()
 
 
-def _padded(mask: torch.Tensor, length: int) -> torch.Tensor:
-    """The attention mask (N, t) as a static cache takes it: (N, length), ones after (the causal mask hides them)."""
-    return F.pad(mask, (0, length - mask.shape[1]), value=1)
+def _only_recurrent(cache) -> bool:
+    """The cache holds only recurrent states (Mamba): the past is in the state, not in the attention mask."""
+    return cache is not None and all(getattr(cache, "is_linear", None) or [False])
 
 
 @dataclass
