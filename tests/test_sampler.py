@@ -212,9 +212,27 @@ def test_the_probe_sees_the_mismatch_of_a_bf16_sampler_and_not_of_the_trainer_it
     import probe_mismatch
 
     bf16 = probe_mismatch.probe(compose(tiny(cache_dir, **WIDE, **{"rollout.dtype": "bfloat16"})), batches=1)
-    same = probe_mismatch.probe(compose(tiny(cache_dir, **WIDE)), batches=1)
+    cfg = compose(tiny(cache_dir, **WIDE))
+    same = probe_mismatch.probe(cfg, batches=1)
     assert (bf16["sampler"], same["sampler"]) == ("bfloat16", "float32")
     assert bf16["rollout/routing_mismatch"] > same["rollout/routing_mismatch"]
     assert bf16["rollout/logprob_abs_diff_mean"] > 100 * same["rollout/logprob_abs_diff_mean"]
     assert same["seq_outside_clip/gspo_paper"] == 0 < bf16["seq_outside_clip/gspo_paper"] <= 1
     assert bf16["sequences"] == 16 and bf16["tokens"] > 0
+    # the task's verdicts: one success rate per prompt, their mean the probe's `correct`
+    assert len(same["correct_by_prompt"]) * cfg.rollout.group_size == same["sequences"]
+    assert sum(same["correct_by_prompt"]) / len(same["correct_by_prompt"]) == pytest.approx(same["correct"])
+    assert all(0 <= c <= 1 for c in same["correct_by_prompt"]) and 0 <= same["reward"]
+
+
+def test_the_probes_paired_difference_is_the_mean_per_prompt_gap_with_a_normal_95_interval():
+    sys.path.insert(0, str(SCRIPTS))
+    import probe_mismatch
+
+    # per-prompt differences 0.5, 0, -0.25, 0.25: mean 0.125, squared deviations sum 0.3125, sd sqrt(0.3125 / 3)
+    out = probe_mismatch.paired([0.75, 0.5, 0.0, 0.5], [0.25, 0.5, 0.25, 0.25])
+    half = 1.96 * (0.3125 / 3) ** 0.5 / 2
+    assert out["paired/correct_diff"] == pytest.approx(0.125) and out["paired/prompts"] == 4
+    assert out["paired/ci95"] == pytest.approx([0.125 - half, 0.125 + half])
+    with pytest.raises(SystemExit, match="same batches"):
+        probe_mismatch.paired([0.5], [0.5, 0.5])
