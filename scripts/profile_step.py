@@ -37,7 +37,7 @@ import torch
 # forwards), None every call. A label with two parents is two rows.
 PARTS = [
     ("rollout", None, "gspo.train.setup", "collect", None),
-    ("generate", "rollout", "gspo.rollout.batch", "generate", None),
+    ("generate", "rollout", "gspo.rollout.decoding", "generate", None),
     ("prefill (one per prompt group)", "generate", "gspo.rollout.generate", "_prefill_once_per_group", None),
     ("decode steps (fast engine)", "generate", "gspo.rollout.fast_decode", "FastDecoder.step", None),
     ("LM head (decode)", "decode steps (fast engine)", "gspo.rollout.fast_decode", "FastDecoder.head", None),
@@ -108,12 +108,12 @@ def _owner(module: str, attr: str):
 # (label, where the function lives, its attribute): the phases whose peak RSS --memory reports, in run order
 MEMORY_PARTS = [
     ("loading the model", "gspo.train.setup", "load_pretrained"),
-    ("held-out evaluation", "gspo.train.setup", "evaluate"),
+    ("held-out evaluation", "gspo.train.evaluator", "Evaluator.run"),
     ("rollout", "gspo.train.setup", "collect"),
     ("update", "gspo.train.trainer", "_update"),
     ("update: backward", "torch", "Tensor.backward"),
     ("update: optimizer step", "torch.optim", "AdamW.step"),
-    ("checkpoint save", "gspo.train.trainer", "_save"),
+    ("checkpoint save", "gspo.train.checkpointer", "Checkpointer.save"),
 ]
 
 
