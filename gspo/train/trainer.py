@@ -241,11 +241,13 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
             if algo.entropy_coef:  # TRL's bonus: coef x the mean entropy of the tokens the policy term trains on
                 total, n = entropy_bonus(entropy, kept)
                 loss = loss - algo.entropy_coef * total / n.clamp(min=1) * dist.loss_scale(n)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # into no gradients: each update frees its own after its step
             stats |= mb.stats() | corr
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
+        # freed now, not before the next backward: otherwise a full set of gradients (the weights' size) lives
+        # through the next minibatch's forward, beside its activations, and sets the step's peak memory
+        opt.zero_grad(set_to_none=True)
         if s.ref_sync is not None:  # TRL's reference resets count optimizer updates
             s.ref_sync.after_update(model, updates + i + 1)
         stats |= {
