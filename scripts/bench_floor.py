@@ -164,6 +164,10 @@ def floor_worker(spec: dict) -> None:
 
 def sides(a, model_dir: Path) -> dict:
     spec = {"overrides": gspo_overrides(a, model_dir), "threads": a.threads}
+    from gspo.config.loading import compose
+
+    if compose(spec["overrides"]).model.lora.r > 0:
+        raise SystemExit("the floor trains every weight: it has no LoRA counterpart (use --variant smollm2)")
 
     def floor(work: Path) -> Run:
         res, rss, others = run_worker("floor", HERE, spec, work, a.wait_idle)

@@ -110,6 +110,22 @@ def trl_args(cfg, model_dir: Path, out_dir: Path, device: str, bf16: bool, vllm:
     )
 
 
+def peft_config(cfg, model_dir: Path):
+    """TRL's `peft_config` for gspo's `model.lora.*` (None: full fine-tuning): the LoraConfig gspo builds
+    (`gspo.models.adapters.lora_config`: the same rank, alpha, dropout and target modules), read off the
+    checkpoint's architecture on the meta device (no weights loaded)."""
+    if cfg.model.lora.r <= 0:
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gspo.models.adapters import lora_config
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return lora_config(skeleton, cfg.model.lora)
+
+
 def trl_worker(spec: dict) -> None:
     """TRL's GRPOTrainer on the work of spec["overrides"]; writes per-RL-step seconds (and peak CUDA memory).
 
@@ -164,7 +180,7 @@ def trl_worker(spec: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     rec = Recorder()
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=correctness, args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[rec])
+                          processing_class=tokenizer, callbacks=[rec], peft_config=peft_config(cfg, model_dir))
     trainer.train()
     m = cfg.train.minibatches
     steps = [rec.end[(k + 1) * m - 1] - rec.begin[k * m] for k in range(cfg.train.steps)]

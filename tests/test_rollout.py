@@ -1,5 +1,6 @@
 """Rollout: EOS handling and masks, left padding, log-probs that ignore padding."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -8,7 +9,7 @@ from omegaconf import OmegaConf
 
 from gspo.config.schema import ModelConfig
 from gspo.models.build import build_model, char_tokenizer
-from gspo.rollout.generate import cat_rollouts, generate, token_logprobs
+from gspo.rollout.generate import Rollout, cat_rollouts, generate, token_logprobs
 from gspo.rollout.params import SamplingParams
 
 TOK = char_tokenizer("0123456789+=")
@@ -197,3 +198,83 @@ def test_compile_keeps_a_bounded_number_of_static_caches(tiny_model):
     assert len(g._STATIC) == g.MAX_STATIC == 2
     assert [k[2] for k in g._STATIC] == [12, 13]
     g._STATIC.clear()
+
+
+def _scripted_rollout() -> "Rollout":
+    """Rows of prompts 1-7 tokens and completions 1-4 tokens (EOS included), rows 0 and 1 the short ones."""
+    script = [[EOS], tok("5") + [EOS], tok("12") + [EOS], tok("4567")]
+    return generate(ScriptedLM(script), TOK, ["1=", "2+2=", "12+345=", "7="], 1, SamplingParams(4, greedy=True))
+
+
+def test_trimmed_drops_the_columns_that_are_padding_in_every_row():
+    from dataclasses import fields
+
+    from gspo.rollout.generate import COMPLETION_COLUMNS, SEQUENCE_COLUMNS
+
+    r = _scripted_rollout()
+    assert r.prompt_len == 7 and r.completion_mask.shape == (4, 4)
+    r.sampler_logp = torch.arange(16.0).view(4, 4) * r.completion_mask
+    sub, window = r.select(torch.tensor([0, 1])).trimmed()  # prompts of 2 and 4 tokens, completions of 1 and 2
+    assert window == slice(3, 9) and sub.prompt_len == 4 and sub.completion_mask.tolist() == [[1, 0], [1, 1]]
+    assert sub.input_ids.tolist() == r.input_ids[:2, 3:9].tolist()
+    assert sub.attention_mask.tolist() == [[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    assert sub.sampler_logp.tolist() == r.sampler_logp[:2, :2].tolist() and sub.texts == r.texts[:2]
+    whole, window = r.trimmed()  # every column used by some row: the same rollout
+    assert whole is r and window == slice(0, 11)
+    # every (N, P+T) or (N, T) tensor field is cut: a new per-column field must join one of the lists
+    n, p, t = 4, r.prompt_len, r.completion_mask.shape[1]
+    full = Rollout(**{f.name: getattr(r, f.name) for f in fields(r)})
+    full.routing, full.router_logp = torch.zeros(n, p + t, 2, 1), torch.zeros(n, p + t, 2, 3)
+    full.kept_mass, full.topk_ids, full.topk_logp = torch.ones(n, t), torch.zeros(n, t, 2, dtype=torch.long), torch.zeros(n, t, 2)
+    full.ill_formed, full.turns = torch.zeros(n, dtype=torch.bool), torch.ones(n)
+    full.tool_calls = full.tool_errors = torch.zeros(n)
+    sub, window = full.select(torch.tensor([0, 1])).trimmed()
+    for f in fields(full):
+        v = getattr(full, f.name)
+        if isinstance(v, torch.Tensor) and v.dim() > 1:
+            assert f.name in SEQUENCE_COLUMNS + COMPLETION_COLUMNS, f.name
+            assert getattr(sub, f.name).shape[1] == (6 if f.name in SEQUENCE_COLUMNS else 2), f.name
+        elif isinstance(v, torch.Tensor):
+            assert f.name not in SEQUENCE_COLUMNS + COMPLETION_COLUMNS and getattr(sub, f.name).shape == (2,), f.name
+
+
+def _qwen3(moe: bool):
+    """A tiny float64 Qwen3 (or Qwen3-MoE) and a sampled rollout of uneven prompts and completions."""
+    kind = dict(arch="qwen3_moe", num_experts=4, top_k=2, moe_intermediate_size=16,
+                experts_implementation="eager") if moe else dict(arch="qwen3")  # (grouped_mm has no float64)
+    cfg = OmegaConf.structured(ModelConfig(name="t", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                                           intermediate_size=64, num_layers=2, **kind))
+    model = build_model(cfg, len(TOK), TOK, seed=0).double().eval()
+    r = generate(model, TOK, ["1=", "1+1=", "12+345=", "99+1234="], 2, SamplingParams(8, capture_routing=moe),
+                 generator=torch.Generator().manual_seed(3))
+    return model, r
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_trimmed_minibatch_has_the_same_logprobs_and_gradients(moe):
+    """What `train.trim_padding` changes is the work, not the numbers: a minibatch's log-probs, entropies and the
+    gradient of a loss on them are the untrimmed ones, float64 to 1e-12 (MoE: routing replayed from the sampler's,
+    R3, cut to the same columns)."""
+    from gspo.models import moe as moe_lib
+
+    model, r = _qwen3(moe)
+    rows = torch.tensor([0, 2, 3, 1])  # the two shortest prompts' rows: 4 prompt columns of 8 are padding in all
+    sub = r.select(rows)
+    short, window = sub.trimmed()
+    assert window.start > 0 and short.input_ids.shape[1] < sub.input_ids.shape[1]
+    width = short.completion_mask.shape[1]
+    weights = torch.linspace(-1, 1, sub.completion_mask.numel(), dtype=torch.float64).view_as(sub.completion_mask)
+    out = []
+    for ro, cols in ((sub, slice(0, None)), (short, window)):
+        model.zero_grad()
+        replay = moe_lib.replay_routing(model, r.routing[rows][:, cols]) if moe else contextlib.nullcontext()
+        with replay:
+            logp, entropy, _ = token_logprobs(model, ro, temperature=0.8, with_entropy=True)
+            ((logp * weights[:, : logp.shape[1]]).sum() + entropy.sum()).backward()
+        out.append((logp[:, :width], entropy[:, :width], [p.grad.clone() for p in model.parameters()]))
+    (logp, ent, grads), (logp_t, ent_t, grads_t) = out
+    assert torch.equal(sub.completion_mask[:, width:], torch.zeros_like(sub.completion_mask[:, width:]))
+    torch.testing.assert_close(logp_t, logp, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ent_t, ent, atol=1e-12, rtol=1e-12)
+    for g, g_t in zip(grads, grads_t):
+        torch.testing.assert_close(g_t, g, atol=1e-12, rtol=1e-12)

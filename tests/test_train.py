@@ -143,6 +143,42 @@ def test_routing_replay_with_gradient_checkpointing(tmp_path, cache_dir):
     assert read_metrics(tmp_path)[-1]["moe/update_mismatch"] == 0.0
 
 
+@pytest.mark.parametrize("algo,replay", [("grpo", "R3"), ("rspo", "R2")])
+def test_trimming_each_minibatch_to_its_own_width_changes_no_number(algo, replay, tmp_path, cache_dir, monkeypatch):
+    """train.trim_padding: each minibatch runs at its rows' width, not the batch's. The run is the same to float32
+    rounding: losses, gradient norms, clip fractions, entropies, routing statistics (routing replayed and RSPO's
+    router shift read at the same columns) and the final weights. Sorted minibatches (the same in both runs) make
+    the widths differ, and the spy checks that columns were dropped."""
+    import torch
+
+    from gspo.rollout.generate import Rollout
+
+    dropped = []
+    trimmed = Rollout.trimmed
+
+    def spy(self):
+        sub, window = trimmed(self)
+        dropped.append(self.input_ids.shape[1] - sub.input_ids.shape[1])
+        return sub, window
+
+    monkeypatch.setattr(Rollout, "trimmed", spy)
+    runs = {}
+    for trim in (False, True):
+        overrides = {"algo": algo, "moe.routing_replay": replay, "train.steps": 2, "train.minibatches": 4,
+                     "train.lr": 0.01, "train.sort_minibatches": True, "train.trim_padding": trim,
+                     "rollout.max_new_tokens": 8}
+        train(compose(tiny(cache_dir, **overrides)), tmp_path / str(trim))
+        runs[trim] = read_metrics(tmp_path / str(trim))[1:]
+    assert len(dropped) == 8 and sum(dropped) > 0, dropped
+    for plain, cut in zip(runs[False], runs[True]):
+        for key, value in plain.items():
+            if not key.startswith("time/") and key != "throughput/tokens_per_s":
+                assert cut[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    weights = [AutoModelForCausalLM.from_pretrained(checkpoint.latest(tmp_path / str(t))).state_dict() for t in runs]
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, atol=1e-5, rtol=1e-4)
+
+
 # The measured spread of what the test asserts on: the batch reward, last 20 steps minus first 10. A seed draws
 # its own warm-started base and samples, as another CPU's rounding does (2-core x86, torch 2.13.0+cpu):
 #   python scripts/learning_spread.py --seeds 3 --jobs 2                   (passk, grpo_passk: --seeds 5)

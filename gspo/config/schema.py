@@ -265,6 +265,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 0  # linear learning-rate warmup over this many RL steps (rollout batches)
+    # each minibatch forward at its own rows' width, not the batch's: the same log-probs, less padding computed
+    trim_padding: bool = True
+    # rows sorted by length into minibatches (less padding; changes which rows share one); off: shuffled per group
+    sort_minibatches: bool = False
     checkpoint_every: int = 50  # save a checkpoint every N steps (and always at the end)
     keep_checkpoints: int = 1  # the newest N checkpoints are kept; older ones are deleted
 

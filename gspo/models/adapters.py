@@ -85,25 +85,10 @@ def apply(model: torch.nn.Module, lora, base_dir: str | Path, seed: int = 0) -> 
     """
     if lora.r <= 0:
         return model
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    modules = _present(model, list(lora.target_modules), "modules")
-    params = _present(model, list(lora.target_parameters), "parameters")
-    if not modules and not params:
-        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
-
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))})
-        raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)} and target_parameters="
-                          f"{list(lora.target_parameters)} name nothing in this model; its Linear modules: {', '.join(linear)}")
-    if params and lora.dropout > 0:
-        raise ConfigError(f"model.lora.dropout={lora.dropout}: peft cannot apply dropout to the fused MoE expert "
-                          f"weights {params}; use dropout 0 or model.lora.target_parameters=[]")
     routers = {id(r) for r in find_routers(model)}
-    config = LoraConfig(
-        r=int(lora.r), lora_alpha=float(lora.alpha if lora.alpha is not None else 2 * lora.r),
-        lora_dropout=float(lora.dropout), target_modules=modules or None, target_parameters=params or None,
-        bias="none", task_type="CAUSAL_LM",
-    )
+    config = lora_config(model, lora)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
@@ -154,6 +139,29 @@ def check_mergeable(model: torch.nn.Module) -> None:
                           "rollout.dtype, rollout.engine=vllm, rollout.workers, model.lora.save_merged) cannot hold "
                           f"that adapter without changing {other} too; leave it out of model.lora.target_modules, or "
                           "sample with the trainer's model")
+
+
+def lora_config(model: torch.nn.Module, lora):
+    """peft's LoraConfig for `model.lora.*` on `model` (the targets it holds; alpha None = 2 r): what `apply` adapts
+    (the TRL benchmark worker hands the same one to TRL's `peft_config`)."""
+    from peft import LoraConfig
+
+    modules = _present(model, list(lora.target_modules), "modules")
+    params = _present(model, list(lora.target_parameters), "parameters")
+    if not modules and not params:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))})
+        raise ConfigError(f"model.lora.target_modules={list(lora.target_modules)} and target_parameters="
+                          f"{list(lora.target_parameters)} name nothing in this model; its Linear modules: {', '.join(linear)}")
+    if params and lora.dropout > 0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout}: peft cannot apply dropout to the fused MoE expert "
+                          f"weights {params}; use dropout 0 or model.lora.target_parameters=[]")
+    return LoraConfig(
+        r=int(lora.r), lora_alpha=float(lora.alpha if lora.alpha is not None else 2 * lora.r),
+        lora_dropout=float(lora.dropout), target_modules=modules or None, target_parameters=params or None,
+        bias="none", task_type="CAUSAL_LM",
+    )
 
 
 def merged_parameters(model: torch.nn.Module):

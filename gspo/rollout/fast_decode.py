@@ -151,8 +151,11 @@ class FastDecoder:
             keep = torch.zeros(keep.shape, dtype=h.dtype, device=h.device).masked_fill_(~keep, torch.finfo(h.dtype).min)
         for i, layer in enumerate(self.layers):
             h = self._layer(layer, h, cos, sin, self.keys[i], self.values[i], slot, keep)
-        h = _rms(self.body.norm, h)
-        return F.linear(h[:, -1], self.model.lm_head.weight, self.model.lm_head.bias)
+        return self.head(_rms(self.body.norm, h)[:, -1])
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (N, V) from the final norm's output (N, H): the LM head, on its weight as read now."""
+        return F.linear(h, self.model.lm_head.weight, self.model.lm_head.bias)
 
     def _layer(self, layer, h, cos, sin, kc, vc, slot: int, mask) -> torch.Tensor:
         a = layer.self_attn

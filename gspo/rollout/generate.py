@@ -86,6 +86,38 @@ class Rollout:
                 out[f.name] = v
         return replace(self, **out)
 
+    def trimmed(self) -> tuple["Rollout", slice]:
+        """These rows without the columns that are padding in every one of them, and the window of columns kept.
+
+        A batch is padded to its longest prompt (left) and longest completion (right); a minibatch of some of its
+        rows may need less. Dropped: the leading prompt columns that no row attends to (the last prompt column
+        always stays: it predicts the first completion token) and the trailing completion columns after every
+        row's last completion token. Every kept token's log-prob is the same computation: positions count real
+        tokens only (`position_ids`), masked keys weigh nothing, and causal attention never looks right.
+        The window slices the (N, P+T) columns (`routing`); the first `window.stop - self.prompt_len` completion
+        columns are kept, so (N, T) tensors of this batch cut as `x[:, :window.stop - self.prompt_len]`.
+        """
+        P = self.prompt_len
+        used = self.attention_mask[:, :P].any(0)
+        first = min(int(used.int().argmax()) if bool(used.any()) else P, P - 1) if P else 0
+        filled = self.completion_mask.any(0)
+        width = max(1, int(filled.nonzero().max()) + 1) if bool(filled.any()) else 1
+        width = min(width, self.completion_mask.shape[1])
+        window = slice(first, P + width)
+        if first == 0 and width == self.completion_mask.shape[1]:
+            return self, window
+        out: dict = {"prompt_len": P - first}
+        for name in SEQUENCE_COLUMNS + COMPLETION_COLUMNS:
+            v = getattr(self, name)
+            out[name] = None if v is None else v[:, window] if name in SEQUENCE_COLUMNS else v[:, :width]
+        return replace(self, **out), window
+
+
+# Rollout's tensors by what their second dimension spans: the prompt and completion columns (N, P+T, ...), or
+# the completion's (N, T, ...); every other tensor field is one value per row (tests/test_rollout.py checks the lists)
+SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "routing", "router_logp")
+COMPLETION_COLUMNS = ("completion_mask", "sampler_logp", "kept_mass", "topk_ids", "topk_logp")
+
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
     """Concatenate rollouts along rows, re-padding prompts (left) and completions (right). What the sampler

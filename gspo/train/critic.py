@@ -176,10 +176,10 @@ class ValueCritic(Critic):
             n = m.sum()
             # under several ranks: this rank's share of the one-process token mean (1 x in one process)
             loss = total / n.clamp(min=1) * self.dist.loss_scale(n)
-            self.opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
             self.opt.step()
+            self.opt.zero_grad(set_to_none=True)  # freed before the next forward (as the policy's)
             for k, v in (("critic/value_loss", float(total.detach() / n.clamp(min=1))),
                          ("critic/clip_frac", float(clipped.sum() / n.clamp(min=1))),
                          ("critic/grad_norm", distributed.scalar(grad_norm))):

@@ -159,6 +159,23 @@ def minibatches(prompt_index: torch.Tensor, group_size: int, n: int, seed: int, 
     return [order[slot == m] for m in range(n)]
 
 
+def by_length(parts: list[torch.Tensor], lengths: torch.Tensor, seed: int, step: int) -> list[torch.Tensor]:
+    """`train.sort_minibatches`: the rows of `parts` (this rank's minibatches) dealt again by length.
+
+    The rows, in `parts`' shuffled order, are sorted by `lengths` (their real tokens, prompt and completion;
+    stable, so equal lengths keep the shuffle) and cut into consecutive runs of `parts`' sizes: each minibatch
+    holds rows of similar lengths, so less padding (`Rollout.trimmed`). The runs come in an order drawn by a
+    generator keyed by (seed, step), not shortest first. What changes: which rows share a minibatch (no longer
+    about the same share of every group), so the off-policy updates see other minibatches; under several ranks
+    each rank sorts its own rows, so the run is no longer the one-process run's.
+    """
+    order = torch.cat(parts)
+    order = order[torch.sort(lengths[order], stable=True).indices]
+    runs = list(torch.split(order, [len(p) for p in parts]))
+    shuffle = torch.randperm(len(runs), generator=keyed_generator(seed, step, purpose="minibatch-order"))
+    return [runs[i] for i in shuffle.tolist()]
+
+
 @dataclass
 class Dist:
     """One process's place in a run: rank, world size, strategy, device (one process: 0, 1, none)."""

@@ -77,7 +77,10 @@ class MoEStep:
         yield
 
     @contextlib.contextmanager
-    def minibatch(self, model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor) -> Iterator[_NoMinibatch]:
+    def minibatch(self, model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor,
+                  window: slice = slice(0, None)) -> Iterator[_NoMinibatch]:
+        """Around one update's forward and backward on `rollout`'s `rows`, at its (P+T) columns `window`
+        (`Rollout.trimmed`: the minibatch without the columns that are padding in all its rows)."""
         yield _NoMinibatch()
 
     def end_step(self, model: torch.nn.Module, rollout: Rollout, step: int) -> dict[str, float]:
@@ -85,16 +88,17 @@ class MoEStep:
 
 
 class _Minibatch(_NoMinibatch):
-    def __init__(self, owner: "_MoE", rows: torch.Tensor, trace: moe.RoutingTrace):
-        self.owner, self.rows, self.trace = owner, rows, trace
+    def __init__(self, owner: "_MoE", rows: torch.Tensor, trace: moe.RoutingTrace, window: slice):
+        self.owner, self.rows, self.trace, self.window = owner, rows, trace, window
 
     def router_shift(self, sub: Rollout) -> Optional[torch.Tensor]:
         """RSPO: the router-shift factor (B, T) at the positions that predict each completion token."""
         o = self.owner
         if not o.rspo:
             return None
-        old_idx = o.old_idx[self.rows]
-        shift, _ = moe.router_shift(o.old_lp[self.rows], self.trace.logprobs(len(self.rows)), old_idx, sub.attention_mask)
+        old_idx = o.old_idx[self.rows][:, self.window]
+        shift, _ = moe.router_shift(o.old_lp[self.rows][:, self.window], self.trace.logprobs(len(self.rows)), old_idx,
+                                    sub.attention_mask)
         return shift[:, sub.prompt_len - 1 : -1]
 
     def aux_loss(self, sub: Rollout) -> torch.Tensor | float:
@@ -111,8 +115,9 @@ class _Minibatch(_NoMinibatch):
     def stats(self) -> dict[str, float]:
         o = self.owner
         # what the update pass routed, against the old policy: 0 under replay
-        out = {"moe/update_mismatch": moe.routing_volatility(o.old_idx[self.rows], self.trace.indices(len(self.rows)),
-                                                             o.completion_positions(self.rows))[0]}
+        out = {"moe/update_mismatch": moe.routing_volatility(
+            o.old_idx[self.rows][:, self.window], self.trace.indices(len(self.rows)),
+            o.completion_positions(self.rows)[:, self.window])[0]}
         if hasattr(self, "_aux"):
             out["moe/aux_loss"] = float(self._aux.detach())  # the mean over ranks is the whole minibatch's loss
         return out
@@ -172,16 +177,17 @@ class _MoE(MoEStep):
                 rollout.routing, trace.live_indices(n), self.completion_positions())}
 
     @contextlib.contextmanager
-    def minibatch(self, model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor) -> Iterator[_Minibatch]:
+    def minibatch(self, model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor,
+                  window: slice = slice(0, None)) -> Iterator[_Minibatch]:
         self._begin(rollout)
         replay = {"R2": self.old_idx, "R3": rollout.routing}.get(self.replay)
         with contextlib.ExitStack() as stack:
             if replay is not None:  # open through backward: gradient checkpointing re-runs the forward there
-                stack.enter_context(moe.replay_routing(model, replay[rows]))
+                stack.enter_context(moe.replay_routing(model, replay[rows][:, window]))
             # one recorded call: a checkpointed forward re-run inside backward is not recorded again
             trace = stack.enter_context(moe.capture_routing(model, logprobs=self.rspo, keep_logits=self.aux_coef > 0,
                                                             max_calls=1))
-            yield _Minibatch(self, rows, trace)
+            yield _Minibatch(self, rows, trace, window)
 
     @torch.no_grad()
     def end_step(self, model: torch.nn.Module, rollout: Rollout, step: int) -> dict[str, float]:

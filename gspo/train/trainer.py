@@ -183,6 +183,8 @@ def _update(cfg, s: Setup, batch: Batch, step: int) -> dict:
     lo = s.dist.all_gather_rows(batch.rewards)[1]  # this rank's first row in the one-process batch
     parts = distributed.minibatches(ro.prompt_index, cfg.rollout.group_size, cfg.train.minibatches, cfg.seed, step,
                                     offset=lo)
+    if cfg.train.sort_minibatches:  # rows of similar lengths together: less padding in each (other minibatches)
+        parts = distributed.by_length(parts, ro.attention_mask.sum(-1), cfg.seed, step)
     if s.critic.trains_policy(step):  # (not during a critic's warm-up)
         metrics |= _policy_updates(cfg, s, ro, mask, adv, old_logp, behaviour, ref_logp, parts, step, teacher_logp)
     metrics |= s.critic.update(ro, mask, parts, step)
@@ -208,37 +210,44 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
     # warm-up), each of `train.minibatches` updates
     updates = s.sched.last_epoch * cfg.train.minibatches
     for i, rows in enumerate(parts):
-        sub, m = ro.select(rows), mask[rows]
-        with s.moe_step.minibatch(model, ro, rows) as mb:  # MoE: replay, capture, aux loss; nothing for dense models
+        sub = ro.select(rows)
+        # train.trim_padding: the minibatch at its own width, not the whole batch's (the same log-probs, less work);
+        # the batch's (N, T) tensors cut to its completion columns
+        sub, window = sub.trimmed() if cfg.train.trim_padding else (sub, slice(0, None))
+        width = sub.completion_mask.shape[1]
+        cut = lambda x: None if x is None else x[rows][:, :width] if x.dim() > 1 else x[rows]  # noqa: E731
+        m, old, adv_mb = cut(mask), cut(old_logp), cut(adv)
+        with s.moe_step.minibatch(model, ro, rows, window) as mb:  # MoE: replay, capture, aux loss; nothing if dense
             logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk)
             is_weight, corr = correction_weights(corrections, MismatchBatch(
-                old_logp[rows], behaviour[rows], m, adv[rows], logp.detach()), cfg.rollout)
+                old, cut(behaviour), m, adv_mb, logp.detach()), cfg.rollout)
             kept, keep = m, None
             if algo.top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL)
                 keep = high_entropy_mask(entropy, m, algo.top_entropy_quantile, gather)
                 kept = m * keep
                 corr["policy/entropy_kept_frac"] = float(kept.sum() / m.sum().clamp(min=1))
             loss, stats = policy_loss(
-                algo.loss, logp, old_logp[rows], adv[rows], m, router_shift=mb.router_shift(sub),
-                ref_logp=None if ref_logp is None else ref_logp[rows], is_weight=is_weight, keep=keep,
-                generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
-                topk_old_logp=ro.topk_logp[rows] if topk else None, topk_logp=top[0] if topk else None, **hyper)
+                algo.loss, logp, old, adv_mb, m, router_shift=mb.router_shift(sub), ref_logp=cut(ref_logp),
+                is_weight=is_weight, keep=keep, generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
+                topk_old_logp=sub.topk_logp if topk else None, topk_logp=top[0] if topk else None, **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
             loss = loss * dist.loss_scale(denominator)
             if teacher_logp is not None:  # on-policy distillation: its own component, over its own token count
-                total, n = reverse_kl_term(logp, old_logp[rows], teacher_logp[rows], m)
+                total, n = reverse_kl_term(logp, old, cut(teacher_logp), m)
                 stats["distill/loss"] = float(total.detach() / n.clamp(min=1))
                 loss = cfg.teacher.rl_coef * loss + cfg.teacher.coef * total / n.clamp(min=1) * dist.loss_scale(n)
             loss = loss + mb.aux_loss(sub)
             if algo.entropy_coef:  # TRL's bonus: coef x the mean entropy of the tokens the policy term trains on
                 total, n = entropy_bonus(entropy, kept)
                 loss = loss - algo.entropy_coef * total / n.clamp(min=1) * dist.loss_scale(n)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # into no gradients: each update frees its own after its step
             stats |= mb.stats() | corr
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
+        # freed now, not before the next backward: otherwise a full set of gradients (the weights' size) lives
+        # through the next minibatch's forward, beside its activations, and sets the step's peak memory
+        opt.zero_grad(set_to_none=True)
         if s.ref_sync is not None:  # TRL's reference resets count optimizer updates
             s.ref_sync.after_update(model, updates + i + 1)
         stats |= {
