@@ -316,7 +316,9 @@ def test_profile_table_nests_parts_and_the_rest_is_what_no_child_accounts_for():
     lines = {line.split("|")[1].strip().replace("&nbsp;", ""): line.split("|")[2].strip() for line in out.splitlines()[2:]}
     assert lines["**step** (`time/step_s`)"] == "160.0" and lines["rollout"] == "60.0" and lines["update"] == "100.0"
     rests = [line.split("|")[2].strip() for line in out.splitlines() if "(rest)" in line]
-    assert rests == ["10.0", "6.0", "70.0"]  # generate - decode; rollout - generate - scoring; update - backward ...
+    # decode - its LM head; generate - prefill - decode - draws; rollout - generate - scoring; the two forwards'
+    # (nothing timed); backward - its LM head; update - its parts
+    assert rests == ["40.0", "10.0", "6.0", "0.0", "0.0", "30.0", "70.0"]
     assert "| 25% |" in out  # decode: 40 of 160 ms
 
 
