@@ -270,24 +270,58 @@ def test_a_bad_engine_is_one_line_and_exit_2():
     assert "Traceback" not in res.output
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
-def test_a_lora_model_samples_with_hf_and_its_merged_copy_with_fast(tmp_path, family):
-    """peft's adapters sit outside the base modules' weights: the LoRA policy itself falls back, while
-    the separate sampler's merged copy (rollout.dtype, gspo/rollout/sampler.py) is a plain model the engine runs."""
+def _lora(base, tmp_path, **lora):
+    """`base` with peft LoRA adapters whose B is random (peft starts it at 0: an engine that skipped the adapters
+    would then draw the same tokens)."""
     from gspo.config.schema import LoraConfig
     from gspo.models import adapters
+
+    model = adapters.apply(base, OmegaConf.structured(LoraConfig(r=4, **lora)), tmp_path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("llama", {}),  # SmolLM2 in miniature: every attention and MLP projection
+    ("llama", {"target_modules": ["q_proj", "v_proj", "lm_head"]}),  # the tied LM head adapted too (unmerged)
+    ("qwen3_moe", {"target_parameters": []}),  # the attention of a MoE (its experts' fused weights left alone)
+])
+def test_a_lora_policy_samples_what_hf_samples(tmp_path, family, targets):
+    """The LoRA policy itself decodes with the fast engine, its adapters computed as peft's forward computes them:
+    the same tokens and log-probs as hf, with the adapters on, and off (peft's disable_adapter, the KL reference)."""
+    base = _model("qwen3_moe") if family == "qwen3_moe" else _family("llama", 1, 2.0, **SMOL)
+    model = _lora(base, tmp_path, **targets)
+    assert fast_decode.resolve("fast", model) == "fast"
+    on = _both(model, temperature=0.7, top_p=0.9)
+    _assert_same(*on)
+    with model.disable_adapter():
+        off = _both(model, temperature=0.7, top_p=0.9)
+    _assert_same(*off)
+    assert on[0].input_ids.tolist() != off[0].input_ids.tolist(), "the adapters must change what is drawn"
+
+
+def test_adapters_the_engine_does_not_compute_fall_back_with_the_reason(tmp_path):
+    """The MoE experts' fused weights (peft's ParamWrapper) and DoRA: hf samples, and `fast` says why; the separate
+    sampler's merged copy (rollout.dtype, gspo/rollout/sampler.py) is a plain model the engine runs."""
+    from peft import get_peft_model
+    from peft import LoraConfig as PeftLora
+
     from gspo.rollout.sampler import _Copy
 
-    base = _model("qwen3_moe") if family == "qwen3_moe" else _family("llama", 1, 2.0, **SMOL)
-    model = adapters.apply(base, OmegaConf.structured(LoraConfig(r=4)), tmp_path)
+    model = _lora(_model("qwen3_moe"), tmp_path)  # the default targets reach the experts' fused weights
     fast_decode._LOGGED.clear()
     assert fast_decode.resolve("auto", model) == "hf"
-    with pytest.warns(UserWarning, match="peft"):
+    with pytest.warns(UserWarning, match="ParamWrapper on model.layers.0.mlp.experts"):
         assert fast_decode.resolve("fast", model) == "hf"
     copy = _Copy(model, torch.float32).module
     assert fast_decode.resolve("auto", copy) == "fast"
     _assert_same(*[generate(copy, TOK, PROMPTS, 4, SamplingParams(80, temperature=0.7, engine=e), generator=_gens(1))
                    for e in ("hf", "fast")])
+    dora = get_peft_model(_family("llama", 1, 2.0, **SMOL), PeftLora(r=4, target_modules=["q_proj"], use_dora=True))
+    assert "LoRA variant (DoraLinearVariant) on" in fast_decode.unsupported(dora)
 
 
 @pytest.mark.slow

@@ -27,9 +27,10 @@ arithmetic without them:
     with the same RoPE module, q/k norms and GQA handling.
 
 It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
-identical tokens, log-probs within 1e-5, identical captured routing). Anything else falls
-back to `hf`, a warning saying why (once per reason): another family, a peft/LoRA model, FSDP
-sharding, any other wrapper, `hardware.compile`, a sliding window that can bind (Mistral's
+identical tokens, log-probs within 1e-5, identical captured routing). A peft LoRA policy decodes
+here too, its adapters computed unmerged as peft computes them (plain LoRA on the Linear projections and
+the LM head). Anything else falls back to `hf`, a warning saying why (once per reason): another family,
+adapters other than plain LoRA on Linear layers (the MoE experts' fused weights, DoRA), FSDP sharding, any other wrapper, `hardware.compile`, a sliding window that can bind (Mistral's
 `sliding_window`, Qwen2/Qwen3's `use_sliding_window`: one shorter than the model's
 `max_position_embeddings`; the engine attends over every cached slot), an attention
 implementation other than sdpa/eager, forward hooks on modules other than the routers.
@@ -74,7 +75,11 @@ def unsupported(model: torch.nn.Module, compile: bool = False) -> Optional[str]:
     if name.startswith("FSDP"):  # fully_shard swaps the class in place
         return "FSDP-sharded weights (hardware.strategy=fsdp)"
     if hasattr(model, "peft_config"):
-        return "a peft (LoRA) model: its adapters sit outside the base modules' weights"
+        why = _unsupported_adapters(model)
+        if why is not None:
+            return why
+        model = model.get_base_model()
+        name = type(model).__name__
     families = _families()
     if type(model) not in families:  # exact classes: any other wrapper or subclass is refused
         return f"{name} is not a supported family ({', '.join(f.__name__ for f in families)})"
@@ -93,6 +98,23 @@ def unsupported(model: torch.nn.Module, compile: bool = False) -> Optional[str]:
                    if (m._forward_hooks or m._forward_pre_hooks) and id(m) not in routers), None)
     if hooked is not None:
         return f"forward hooks on {hooked}, which the decode steps would bypass"
+    return None
+
+
+def _unsupported_adapters(model: torch.nn.Module) -> Optional[str]:
+    """Why the engine cannot compute a peft model's adapters (None: every adapted module is a plain LoRA `Linear`
+    on an `nn.Linear`, which `_linear` computes as peft does: the attention and MLP projections, the LM head)."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    for name, module in model.get_base_model().named_modules():
+        kind = type(module)
+        if not kind.__module__.startswith("peft."):
+            continue
+        if kind is not LoraLinear or not isinstance(module.get_base_layer(), torch.nn.Linear):
+            return (f"a peft {kind.__name__} on {name} (the engine computes LoRA on Linear projections only; "
+                    "model.lora.target_parameters reaches the MoE experts' fused weights)")
+        if module.lora_variant:  # DoRA and the other variants compute more than B A x
+            return f"a LoRA variant ({', '.join(type(v).__name__ for v in module.lora_variant.values())}) on {name}"
     return None
 
 
@@ -122,6 +144,8 @@ class FastDecoder:
     """Decode steps of one rollout: a preallocated KV cache of `rows` x `length` slots per layer."""
 
     def __init__(self, model: torch.nn.Module, prefill_cache, length: int):
+        if hasattr(model, "peft_config"):  # its LoRA layers stay in place: `_linear` adds their products
+            model = model.get_base_model()
         self.model, self.body = model, model.model
         self.layers = list(self.body.layers)
         cfg = model.config
@@ -155,7 +179,7 @@ class FastDecoder:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (N, V) from the final norm's output (N, H): the LM head, on its weight as read now."""
-        return F.linear(h, self.model.lm_head.weight, self.model.lm_head.bias)
+        return _linear(self.model.lm_head, h)
 
     def _layer(self, layer, h, cos, sin, kc, vc, slot: int, mask) -> torch.Tensor:
         a = layer.self_attn
@@ -185,9 +209,22 @@ def _rms(norm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * x.to(dtype)
 
 
-def _linear(proj: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The projection on its weight and bias (None where the family has none), as read now: no copy."""
-    return F.linear(x, proj.weight, proj.bias)
+def _linear(proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The projection on its weight and bias (None where the family has none), as read now: no copy. A peft LoRA
+    layer (`_unsupported_adapters` admits only plain ones): its base layer's product plus, per active adapter,
+    scaling x B(A(dropout(x))), in peft's order of operations, so the sum is the one its forward computes."""
+    base = getattr(proj, "base_layer", None)
+    if base is None:
+        return F.linear(x, proj.weight, proj.bias)
+    out = F.linear(x, base.weight, base.bias)
+    if proj.disable_adapters or proj.merged:  # peft's forward: the base layer alone (merged: the delta is in it)
+        return out
+    dtype = out.dtype
+    for name in proj.active_adapters:
+        if name in proj.lora_A:
+            a = proj.lora_A[name]
+            out = out + proj.lora_B[name](a(proj.lora_dropout[name](x.to(a.weight.dtype)))) * proj.scaling[name]
+    return out.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
