@@ -254,6 +254,43 @@ def test_what_the_engine_cannot_serve_is_refused_in_one_line(monkeypatch):
         check(compose(["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=2", "hardware=gpu"]))
 
 
+def test_an_adapter_push_is_refused_where_vllm_cannot_serve_it_and_merged_stays_the_default(monkeypatch, tmp_path):
+    """rollout.vllm.lora_push=adapter needs vLLM's LoRA: refused up front on a MoE (its CPU build runs LoRA MoE layers
+    with Triton, which it lacks: docs/scaling.md) and above vLLM's largest rank. A LoRA run without the key pushes
+    merged weights (the engine is started without LoRA); with it, the engine serves LoRA at the least of vLLM's
+    ranks that holds model.lora.r."""
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    lora = ["rollout.engine=vllm", "model.lora.r=4", "rollout.vllm.lora_push=adapter"]
+    with pytest.raises(ConfigError, match="rollout.vllm.lora_push=adapter serves dense models only.*Triton.*"
+                                          "use rollout.vllm.lora_push=merged"):
+        check(compose(lora))  # the default model is the tiny MoE
+    hf_moe = tmp_path / "moe"
+    moe().save_pretrained(hf_moe)
+    TOK.save_pretrained(hf_moe)
+    assert engine.is_moe(compose(["model=hf", f"model.path={hf_moe}"]))  # a checkpoint's config counts its experts
+    with pytest.raises(ConfigError, match="model.lora.r=1024: vLLM serves LoRA ranks up to 512"):
+        check(compose([*lora, "model=qwen3-tiny", "model.lora.r=1024"]))
+    dense = [*lora, "model=qwen3-tiny", "rollout.vllm.kv_cache_gib=1"]
+    check(compose(dense))
+    check(compose(["rollout.engine=vllm", "model.lora.r=4"]))  # merged pushes: a MoE is served
+    stop = torch.tensor([0])
+    assert engine.spec(compose(dense), tmp_path, stop, 8, 1, False)["max_lora_rank"] == 8
+    merged = compose(["rollout.engine=vllm", "model=qwen3-tiny", "model.lora.r=4", "rollout.vllm.kv_cache_gib=1"])
+    assert engine.spec(merged, tmp_path, stop, 8, 1, False)["max_lora_rank"] is None
+    assert [engine.lora_capacity(r) for r in (1, 2, 4, 8, 9, 300, 512)] == [1, 8, 8, 8, 16, 320, 512]
+
+
+def test_lora_push_is_refused_where_nothing_reads_it():
+    from gspo.config.checks import ignored_override
+
+    assert "needs rollout.engine=vllm and model.lora.r > 0" in ignored_override(
+        [compose(["rollout.engine=vllm"])], "rollout.vllm.lora_push=adapter")
+    assert ignored_override([compose(["rollout.engine=vllm", "model.lora.r=4"])],
+                            "rollout.vllm.lora_push=adapter") is None
+    with pytest.raises(ConfigError, match="rollout.vllm.lora_push=both: must be one of merged, adapter"):
+        check(compose(["rollout.engine=vllm", "rollout.vllm.lora_push=both"]))
+
+
 def test_without_vllm_the_engine_is_refused_naming_the_install_line(monkeypatch):
     monkeypatch.setattr(engine, "installed", lambda: False)
     with pytest.raises(ConfigError, match=r'rollout.engine=vllm: vLLM is not installed.*on a CPU: pip install '

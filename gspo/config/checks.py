@@ -24,6 +24,7 @@ CHOICES = {
     "rollout.mask": ("none", "token", "geometric", "sequence", "outlier"),
     "rollout.dtype": (None, "float32", "bfloat16", "float16"),
     "rollout.engine": ("hf", "fast", "auto", "vllm"),
+    "rollout.vllm.lora_push": ("merged", "adapter"),
     "reward.device": (None, "cpu", "cuda", "auto"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
@@ -388,6 +389,9 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "hardware.nproc": (lambda c: c.hardware.strategy != "none", "one process: pick hardware=cpu-ddp, gpu-ddp or gpu-fsdp"),
     "rollout.timeout_s": (lambda c: c.rollout.workers > 0 or c.rollout.engine == "vllm",
                           "sampling runs in the trainer's process (rollout.workers=0)"),
+    "rollout.vllm.lora_push": (lambda c: c.rollout.engine == "vllm" and c.model.lora.r > 0,
+                               "it chooses how LoRA weights reach the vLLM engine: needs rollout.engine=vllm and "
+                               "model.lora.r > 0"),
     "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
     "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
     "model.use_chat_template": (lambda c: c.rollout.tools is None or c.model.use_chat_template,

@@ -208,6 +208,10 @@ class VllmConfig:
     gpu_memory_utilization: float = 0.3  # GPU: the share of the device's memory the engine takes (the trainer shares it)
     enforce_eager: Optional[bool] = None  # no compile / CUDA graphs; None = on a CPU (compiling there is slow), off on a GPU
     max_model_len: Optional[int] = None  # the longest prompt + completion it serves; None = the model's positions
+    # LoRA (model.lora.r > 0): what each sync sends the engine. merged = base + ΔW, every weight, reloaded;
+    # adapter = the engine loads the base once and each sync sends only the adapter (vLLM's LoRA, a new adapter
+    # id per push): dense models only (vLLM's CPU build serves no LoRA on MoE layers)
+    lora_push: str = "merged"
 
 
 @dataclass

@@ -9,7 +9,9 @@ worker hosts an engine in its own process instead (gspo/rollout/worker.py). Eith
 engine's token ids into the `Rollout` gspo's own engines return, with the same fields and conventions.
 
 The weights travel as rollout workers' do: one copy into a file in /dev/shm that the engine's process maps
-(gspo/rollout/slots.py), then the engine loads them (`time/weight_sync_s` counts both).
+(gspo/rollout/slots.py), then the engine loads them (`time/weight_sync_s` counts both). A LoRA run sends base + ΔW
+merged (`rollout.vllm.lora_push=merged`), or with `adapter` only the adapter: the engine, started on the base,
+serves it through vLLM's LoRA support (dense models; vLLM's CPU build serves no LoRA on MoE layers).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import contextlib
 import importlib.util
 import os
 import time
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -31,7 +32,7 @@ from gspo.rollout.decoding import Continuation, Decoder
 from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
 from gspo.rollout.params import SamplingParams
 from gspo.rollout.sampler import Sampler, sampler_dtype
-from gspo.rollout.slots import PREFIX, layout_of, map_slot, shm_dir
+from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove, slot_path
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
 
 # the README's engine line without its venv: the CPU build pins gspo's torch; the torchvision it pulls in is built for
@@ -41,6 +42,10 @@ INSTALL_GPU = "pip install vllm"
 # vLLM 0.32's CPU attention backend takes these head sizes (vllm/v1/attention/backends/cpu_attn.py)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 STARTUP_S = 600.0  # the least the engine is given to start (import vllm, load the model, allocate its cache)
+# the ranks vLLM 0.32 starts its LoRA support with (vllm/config/lora.py, MaxLoRARanks): the least that holds model.lora.r
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# how a Hugging Face config counts the experts of a MoE (Qwen2/3-MoE, Mixtral, DeepSeek)
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def installed() -> bool:
@@ -73,12 +78,41 @@ def check(cfg, on_cpu: bool) -> None:
                                   "(renormalised over the nucleus, or without the temperature): use top_p=1 or "
                                   "temperature=1")
     v = r.vllm
+    if adapter_push(cfg):
+        if is_moe(cfg):
+            raise ConfigError("rollout.vllm.lora_push=adapter serves dense models only: vLLM's LoRA on MoE layers "
+                              "runs Triton kernels, which its CPU build has none of (docs/scaling.md), and gspo's "
+                              "fused-expert adapters are untested on a GPU; use rollout.vllm.lora_push=merged")
+        if cfg.model.lora.r > LORA_RANKS[-1]:
+            raise ConfigError(f"model.lora.r={cfg.model.lora.r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}; "
+                              "use rollout.vllm.lora_push=merged")
     if v.max_model_len is not None and r.max_new_tokens >= v.max_model_len:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens}: must be below rollout.vllm.max_model_len="
                           f"{v.max_model_len}, the longest prompt + completion the engine serves")
     if v.kv_cache_gib is not None and not on_cpu:
         raise ConfigError(f"rollout.vllm.kv_cache_gib={v.kv_cache_gib} sizes the engine's cache on a CPU; on a GPU "
                           "the engine takes rollout.vllm.gpu_memory_utilization of the device's memory")
+
+
+def adapter_push(cfg) -> bool:
+    """Whether each sync sends the engine the adapter alone (a LoRA run with rollout.vllm.lora_push=adapter)."""
+    return cfg.model.lora.r > 0 and cfg.rollout.vllm.lora_push == "adapter"
+
+
+def lora_capacity(r: int) -> int:
+    """The LoRA rank the engine is started with to serve rank-`r` adapters: the least of vLLM's that holds r."""
+    return next(rank for rank in LORA_RANKS if rank >= r)
+
+
+def is_moe(cfg) -> bool:
+    """Whether the model has MoE layers: the tiny MoE, or a checkpoint whose config counts experts."""
+    if cfg.model.arch != "hf":
+        return cfg.model.arch == "qwen3_moe"
+    try:
+        c = model_path.text_config(cfg.model.path)
+    except (OSError, ValueError, TypeError):
+        return False  # the model checks say what is wrong with the path
+    return any(c.get(k) for k in EXPERT_KEYS)
 
 
 def head_dim(cfg) -> Optional[int]:
@@ -104,7 +138,8 @@ def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bo
                 logprobs_mode=behaviour_logprobs(r.top_p, r.temperature),
                 max_logprobs=int(r.keep_topk), kv_cache_bytes=kv if on_cpu else None,
                 gpu_memory_utilization=float(v.gpu_memory_utilization), enforce_eager=v.enforce_eager,
-                routing=routing, max_model_len=v.max_model_len)
+                routing=routing, max_model_len=v.max_model_len,
+                max_lora_rank=lora_capacity(cfg.model.lora.r) if adapter_push(cfg) else None)
 
 
 def kv_cache_bytes(base_dir, dtype: str, rows: int, max_new_tokens: int, max_model_len: Optional[int]) -> int:
@@ -217,23 +252,29 @@ class EngineProcess:
     """The engine in a process of its own (`python -m gspo.rollout.vllm_engine FD`), for the trainer's process.
 
     Its failures end the run in one line (gspo/rollout/child.py): it failed to start, died or hung (silent for
-    `timeout_s`) while loading weights or sampling step N; it dies with the trainer."""
+    `timeout_s`) while loading weights or sampling step N; it dies with the trainer. An engine started with
+    `max_lora_rank` (adapter pushes) is sent the adapter alone, in a directory, instead of a file of weights."""
 
     def __init__(self, engine: dict, layout: list, timeout_s: float):
         self.timeout_s, self.layout, self.step = timeout_s, layout, None
         self.dtype = getattr(torch, engine["dtype"])
-        self.path = os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-engine-{id(self):x}.bin")
-        self.views = map_slot(self.path, layout, self.dtype, create=True)
+        self.adapter = engine.get("max_lora_rank") is not None
+        self.path = slot_path(f"{PREFIX}{os.getpid()}-engine-{id(self):x}", self.adapter)
+        self.views = None if self.adapter else map_slot(self.path, layout, self.dtype, create=True)
         self.child = Child("the vLLM engine", "gspo.rollout.vllm_engine",
                            {"engine": engine, "layout": layout, "dtype": engine["dtype"]},
                            on_fail=self.kill, stopped="; it was stopped", env=environment(engine["threads"]))
         self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; rollout.timeout_s={timeout_s:g}")
 
     def load(self, model: torch.nn.Module) -> float:
-        """The trainer's current weights (LoRA: merged), cast, into the engine; the engine process's peak RSS (MiB)."""
+        """The trainer's current weights (LoRA: merged, or the adapter alone), cast, into the engine; the engine
+        process's peak RSS (MiB)."""
         with torch.no_grad():
-            for name, value, _ in adapters.merged_parameters(model):
-                self.views[name].copy_(value)
+            if self.adapter:
+                adapters.write_adapter(model, self.path, self.dtype)
+            else:
+                for name, value, _ in adapters.merged_parameters(model):
+                    self.views[name].copy_(value)
         self.child.send(("load", self.step, self.path), self.step)
         return self.child.expect("loaded", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")[2]
 
@@ -243,11 +284,11 @@ class EngineProcess:
 
     def close(self) -> None:
         self.child.stop()
-        Path(self.path).unlink(missing_ok=True)
+        remove(self.path)
 
     def kill(self) -> None:
         self.child.kill()
-        Path(self.path).unlink(missing_ok=True)
+        remove(self.path)
 
 
 class EngineSampler(Sampler):

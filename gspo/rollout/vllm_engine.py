@@ -17,6 +17,9 @@ What gspo asks of the engine, and how (vLLM 0.32; docs/scaling.md, "Sampling wit
 - weights after every update, without a restart: `reload_weights` (vLLM's in-place RL weight update) from the
   trainer's weights in checkpoint format, then the prefix cache reset (a cached prompt would otherwise be
   served from the old policy's keys and values). On the CPU build one more step (`_first_load_processing`);
+  or, for a LoRA run with `rollout.vllm.lora_push=adapter`, the adapter alone on the base loaded at the start:
+  vLLM's LoRA support (`enable_lora`), a directory as peft saves it, under a new adapter id per push (vLLM keeps
+  an adapter by its id: an id it has seen would serve the adapter it loaded then);
 - routing: on a MoE, the top-k experts every router chose for every token the engine computed, and the
   router's logits, by hooks on the routers (`_Routing`): vLLM's own `enable_return_routed_experts` needs its
   Model Runner V2, which has no CPU backend.
@@ -69,12 +72,13 @@ def configure(threads: int) -> None:
 
 
 class VllmEngine:
-    """A vLLM engine in this process, serving the checkpoint in `base_dir` in `dtype`."""
+    """A vLLM engine in this process, serving the checkpoint in `base_dir` in `dtype`; with `max_lora_rank`, with
+    the adapters it is sent on top (LoRA up to that rank, one adapter at a time)."""
 
     def __init__(self, base_dir: str, dtype: str, seed: int, threads: int, stop_ids: list[int], max_num_seqs: int,
                  logprobs_mode: Optional[str], max_logprobs: int = 0, kv_cache_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None, routing: bool = False,
-                 max_model_len: Optional[int] = None):
+                 max_model_len: Optional[int] = None, max_lora_rank: Optional[int] = None):
         configure(threads)
         from transformers import AutoConfig, AutoModelForCausalLM
         from vllm import LLM
@@ -86,16 +90,19 @@ class VllmEngine:
         self.stop_ids = [t for t in stop_ids if t < config.get_text_config().vocab_size]
         self.logprobs_mode = logprobs_mode
         memory = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}
+        self.adapter, self.lora = max_lora_rank is not None, None  # adapter pushes; the adapter it serves
+        lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1) if self.adapter else {}
         self.llm = LLM(model=base_dir, dtype=dtype, seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True,
                        max_num_seqs=max_num_seqs, logprobs_mode=logprobs_mode or PROCESSED,
                        max_logprobs=max(max_logprobs, 1), gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=self.cpu if enforce_eager is None else enforce_eager, disable_log_stats=True,
-                       max_model_len=max_model_len, use_tqdm_on_load=False, **memory)
+                       max_model_len=max_model_len, use_tqdm_on_load=False, **memory, **lora)
         self.worker = self.llm.collective_rpc(_itself)[0]  # in process: the worker object itself
         # a model on the meta device: the names transformers saves a checkpoint under (the engine loads those)
         with torch.device("meta"):
             self.meta = AutoModelForCausalLM.from_config(config)
         self.routing = _Routing(self.worker.model_runner) if routing else None
+        self.slots: dict[str, dict] = {}  # the weight slots it has mapped, by path
 
     # -- weights ------------------------------------------------------------------
     @torch.no_grad()
@@ -105,6 +112,30 @@ class VllmEngine:
         if self.cpu:
             _first_load_processing(self.worker.model_runner.model)
         self.worker.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
+        self._reset_prefix_cache()
+
+    def load_adapter(self, directory: str) -> None:
+        """Serve the base with the adapter in `directory` (as peft saves it) from now on, under a new adapter id
+        (vLLM would serve the adapter it holds under an id it has seen), loaded now (it replaces the one before:
+        the engine holds one); the prefix cache is reset."""
+        from vllm.lora.request import LoRARequest
+
+        n = self.lora.lora_int_id + 1 if self.lora is not None else 1
+        self.lora = LoRARequest(f"gspo-policy-{n}", n, directory)
+        self.llm.llm_engine.add_lora(self.lora)
+        self._reset_prefix_cache()  # (its blocks are keyed by the adapter's name: this frees them, serves no other)
+
+    def load_slot(self, path: str, layout: list, dtype: torch.dtype) -> None:
+        """The weights the trainer wrote at `path`: the adapter directory (adapter pushes), or the slot file of
+        every weight (mapped on first use, gspo/rollout/slots.py)."""
+        if self.adapter:
+            self.load_adapter(path)
+            return
+        if path not in self.slots:
+            self.slots[path] = map_slot(path, layout, dtype)
+        self.load(self.slots[path])
+
+    def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():  # vLLM leaves the cache as it is while any of its blocks is in use
             raise RuntimeError("the engine could not reset its prefix cache after a weight update (vLLM: KV blocks "
                                "still in use): cached prompts would be served from the old policy's keys and values")
@@ -127,7 +158,8 @@ class VllmEngine:
                   for i in range(len(prompts))]
         if routing:
             self.routing.begin()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                    lora_request=self.lora)
         rows, logps, tops, parents = [], [], [], {}
         for i, out in enumerate(outputs):
             parents[out.request_id] = i
@@ -289,15 +321,12 @@ def start(spec: dict):
     """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py)."""
     engine = VllmEngine(**spec["engine"])
     dtype = getattr(torch, spec["dtype"])
-    slots: dict[str, dict] = {}
 
     def handle(message: tuple) -> tuple:
         if message[0] == "load":
             _, step, path = message
             t0 = time.time()
-            if path not in slots:
-                slots[path] = map_slot(path, spec["layout"], dtype)
-            engine.load(slots[path])
+            engine.load_slot(path, spec["layout"], dtype)
             return ("loaded", time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         _, step, kwargs = message
         return ("samples", engine.sample_ids(**kwargs))
