@@ -38,7 +38,6 @@ def start(spec: dict):
         torch.cuda.set_device(device)  # model on reward.device=cuda|auto) is that GPU, as in the rank itself
     task = build_task(cfg.task)
     share = Share(spec["lo"], spec["hi"], spec["world"], device)
-    slots: dict[str, dict] = {}
     if cfg.rollout.engine == "vllm":  # the engine in this process: it loads a slot's weights when they are new
         from gspo.models.build import load_tokenizer
         from gspo.rollout.engine import Engine
@@ -50,7 +49,7 @@ def start(spec: dict):
 
         def use(path: str, version: int) -> None:
             if held[0] != (path, version):
-                engine.load(slots[path])
+                engine.load_slot(path, spec["layout"], dtype)
                 held[0] = (path, version)
     else:
         from gspo.models.build import load_pretrained
@@ -60,8 +59,11 @@ def start(spec: dict):
         # left requiring grad, as the trainer's own model: under no_grad that changes nothing but the kernel some
         # matmuls take (frozen weights gave other last bits on the CPU), and in-process sampling uses those
         params = dict(model.named_parameters())
+        slots: dict[str, dict] = {}
 
         def use(path: str, version: int) -> None:
+            if path not in slots:
+                slots[path] = map_slot(path, spec["layout"], dtype)
             for name, view in slots[path].items():  # the slot's weights, in place of ours: no copy
                 params[name].data = view
 
@@ -70,8 +72,6 @@ def start(spec: dict):
     def handle(message: tuple) -> tuple:
         _, step, version, path = message
         t0 = time.time()
-        if path not in slots:
-            slots[path] = map_slot(path, spec["layout"], dtype)
         use(path, version)
         with torch.no_grad():
             batch, metrics = collect(cfg, step, lambda: contextlib.nullcontext(sampler), tokenizer, task, share,
