@@ -339,9 +339,12 @@ def test_the_weight_transport_and_tensor_parallelism_are_refused_where_they_cann
         compose(["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=0"])
     cfg = compose(tiny(str(tmp_path), **{"rollout.engine": "vllm", "rollout.vllm.tensor_parallel_size": 2}))
     model = moe()
+    model.save_pretrained(tmp_path)
     monkeypatch.setattr(engine, "EngineProcess", lambda *a, **kw: pytest.fail("an engine was started"))
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing"):
         engine.start(cfg, model, TOK, tmp_path, 8, 2, routing=True, on_cpu=True)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing"):
+        engine.spec(cfg, tmp_path, torch.tensor([0]), 8, 2, routing=True)  # (a rollout worker's engine)
 
 
 def test_a_tensor_parallel_engine_splits_its_threads_and_unpins_its_workers_on_a_cpu(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -48,8 +49,19 @@ def opts(cache_dir, **extra) -> list[str]:
 
 
 def no_engine_left() -> bool:
+    """No engine or rollout worker of this checkout is running (another checkout's, on a shared machine, may be)."""
     found = subprocess.run(["pgrep", "-f", "gspo.rollout.(vllm_engine|worker)"], capture_output=True, text=True)
-    return not [pid for pid in found.stdout.split() if int(pid) != os.getpid()]
+    return not [pid for pid in found.stdout.split() if int(pid) != os.getpid() and ours(int(pid))]
+
+
+def ours(pid: int) -> bool:
+    """Whether process `pid` imports gspo from this checkout (gspo puts it first on its children's PYTHONPATH)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False  # gone meanwhile
+    path = next((v[len(b"PYTHONPATH="):].decode() for v in env if v.startswith(b"PYTHONPATH=")), "")
+    return path.split(os.pathsep)[0] == str(REPO)
 
 
 def served(tmp_path, model_opts: dict, dtype: str = "float32", top_p: float = 1.0, temperature: float = 0.8,
@@ -265,6 +277,16 @@ def test_the_engine_mismatch_experiment_runs(tmp_path, cache_dir):
     assert len(rows) == 2 and all(r["moe/update_mismatch"] == 0.0 and "rollout/routing_mismatch" in r for r in rows)
 
 
+def test_bench_push_prints_a_table_of_the_file_and_the_tensor_push():
+    """scripts/bench_push.py at its smallest: a run per side, each push timed, both processes' peak RSS."""
+    out = subprocess.run([sys.executable, "scripts/bench_push.py", "--model", "qwen3-tiny", "--steps", "2",
+                          "--rounds", "1", "--threads", "1", "--wait-idle", "0", "--retries", "0"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "### qwen3-tiny" in out.stdout and "| file |" in out.stdout
+    assert "| tensors, 64 MiB buckets |" in out.stdout and "**" in out.stdout  # its ratios to the file side
+
+
 # --------------------------------------------------------------------------- faults
 
 FAULT = """
@@ -274,11 +296,11 @@ def reward(completions, **kw):  # call 0 is the start-up probe; the trainer scor
     p = Path({counter!r})
     n = int(p.read_text()) if p.exists() else 0
     p.write_text(str(n + 1))
-    if n == 3:  # the engine's process (a session's leader), not the workers it started (tensor parallelism)
-        pids = subprocess.run(["pgrep", "-f", "gspo.rollout.vllm_engine"], capture_output=True, text=True).stdout.split()
+    if n == 3:  # this trainer's engine process (not the workers it started for tensor parallelism, nor others')
+        pids = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "gspo.rollout.vllm_engine"], capture_output=True,
+                              text=True).stdout.split()
         for pid in pids:
-            if os.getsid(int(pid)) == int(pid):
-                os.kill(int(pid), signal.SIGKILL if MODE == "kill" else signal.SIGSTOP)
+            os.kill(int(pid), signal.SIGKILL if MODE == "kill" else signal.SIGSTOP)
     return [float(len(c)) for c in completions]
 """
 

@@ -103,8 +103,13 @@ def head_dim(cfg) -> Optional[int]:
 
 def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bool, on_cpu: bool = True) -> dict:
     """The engine's settings (gspo/rollout/vllm_engine.py `VllmEngine`'s arguments) for this run: `rows`
-    completions at once (a step's share), `threads` threads, the routing recorded or not."""
+    completions at once (a step's share), `threads` threads, the routing recorded or not (refused with tensor
+    parallelism: before any process starts, in the trainer's or a rollout worker's)."""
     r, v = cfg.rollout, cfg.rollout.vllm
+    if routing and v.tensor_parallel_size > 1:
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size}: the engine records a MoE's "
+                          "routing (the trainer compares or replays it) with hooks in its own process, and above 1 the "
+                          "model runs in vLLM's worker processes: use rollout.vllm.tensor_parallel_size=1 for a MoE")
     kv = int(v.kv_cache_gib * 2**30) if v.kv_cache_gib else kv_cache_bytes(base_dir, sampler_dtype(cfg), rows,
                                                                          r.max_new_tokens, v.max_model_len)
     # (threads: the engine's cores, split between its tensor-parallel workers)
@@ -136,10 +141,6 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
     started: serving `base_dir` with this run's settings (`spec`)."""
     stop = stop_ids(model, tokenizer)
     v = cfg.rollout.vllm
-    if routing and v.tensor_parallel_size > 1:
-        raise ConfigError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size}: the engine records a MoE's "
-                          "routing (the trainer compares or replays it) with hooks in its own process, and above 1 the "
-                          "model runs in vLLM's worker processes: use rollout.vllm.tensor_parallel_size=1 for a MoE")
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
                             cfg.rollout.timeout_s, v.weight_transport, int(v.bucket_mb * 2**20),
                             next(model.parameters()).device)

@@ -181,7 +181,7 @@ class Sender:
         manifest, used, sent = [], 0, 0
         for name, tensor in weights:
             dtype = self.dtype or tensor.dtype
-            nbytes = tensor.numel() * torch.tensor([], dtype=dtype).element_size()
+            nbytes = tensor.numel() * dtype.itemsize
             entry = {"name": name, "dtype": str(dtype).removeprefix("torch."), "shape": list(tensor.shape)}
             if nbytes > self.bucket_bytes:  # alone, after the bucket so far
                 self._flush(manifest, used)
@@ -241,6 +241,6 @@ def receive(group: Group) -> Iterator[list[tuple[str, torch.Tensor]]]:
         out = []
         for e in manifest:
             dtype = _dtype(e["dtype"])
-            n = int(torch.Size(e["shape"]).numel()) * torch.tensor([], dtype=dtype).element_size()
+            n = int(torch.Size(e["shape"]).numel()) * dtype.itemsize
             out.append((e["name"], data[e["offset"] : e["offset"] + n].view(dtype).view(e["shape"])))
         yield out
