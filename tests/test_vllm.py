@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -50,14 +51,25 @@ def opts(cache_dir, **extra) -> list[str]:
 
 
 def no_engine_left() -> bool:
+    """No engine or rollout worker of this checkout is running (another checkout's, on a shared machine, may be)."""
     found = subprocess.run(["pgrep", "-f", "gspo.rollout.(vllm_engine|worker)"], capture_output=True, text=True)
-    return not [pid for pid in found.stdout.split() if int(pid) != os.getpid()]
+    return not [pid for pid in found.stdout.split() if int(pid) != os.getpid() and ours(int(pid))]
+
+
+def ours(pid: int) -> bool:
+    """Whether process `pid` imports gspo from this checkout (gspo puts it first on its children's PYTHONPATH)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False  # gone meanwhile
+    path = next((v[len(b"PYTHONPATH="):].decode() for v in env if v.startswith(b"PYTHONPATH=")), "")
+    return path.split(os.pathsep)[0] == str(REPO)
 
 
 def served(tmp_path, model_opts: dict, dtype: str = "float32", top_p: float = 1.0, temperature: float = 0.8,
-           keep_topk: int = 0):
+           keep_topk: int = 0, **transport):
     """A tiny model saved to `tmp_path` (with model.lora.r: with adapters on it), and an engine process serving it
-    with the run's settings."""
+    with the run's settings (`transport`: EngineProcess's weight transport and bucket size)."""
     cfg = compose(opts(tmp_path, **model_opts, **{"rollout.top_p": top_p, "rollout.temperature": temperature,
                                                   "rollout.keep_topk": keep_topk, "rollout.dtype": dtype}))
     model = build_model(cfg.model, len(TOK), TOK, seed=0).eval()
@@ -66,7 +78,8 @@ def served(tmp_path, model_opts: dict, dtype: str = "float32", top_p: float = 1.
     model = adapters.apply(model, cfg.model.lora, tmp_path / "base")
     stop = stop_ids(model, TOK)
     routing = cfg.model.arch == "qwen3_moe"
-    process = EngineProcess(spec(cfg, tmp_path / "base", stop, 64, 1, routing), layout_of(model), 300.0)
+    process = EngineProcess(spec(cfg, tmp_path / "base", stop, 64, cfg.rollout.vllm.tensor_parallel_size, routing),
+                            layout_of(model), 300.0, **transport)
     return model, process, Engine(process, stop.tolist()), routing
 
 
@@ -111,6 +124,53 @@ def test_after_every_push_the_float32_engine_samples_from_the_trainers_weights(n
                 seen = (r.routing >= 0).all(-1).all(-1) & positions.bool()
                 assert seen.sum() == positions.sum()  # every position that produced a log-prob was recorded
                 assert (r.router_logp - trace.logprobs(len(r.texts)))[seen].abs().max() < 1e-4
+    finally:
+        process.close()
+    assert no_engine_left()
+
+
+def test_a_tensor_push_serves_what_a_file_push_serves_bitwise(tmp_path):
+    """The same weights pushed to one engine through the slot file and to another as tensors in buckets of 16 KiB
+    (the tiny MoE's norms several to a bucket, its fused experts and projections each alone, each bucket put in
+    checkpoint format as it arrives): after each of two updates the two engines draw the same tokens, with the
+    same log-probs, top-3 and routing, bitwise."""
+    model, by_file, front_file, _ = served(tmp_path / "file", {}, keep_topk=3)
+    _, by_tensors, front_tensors, _ = served(tmp_path / "tensors", {}, keep_topk=3, transport="tensors",
+                                             bucket_bytes=2**14)
+    try:
+        for update in range(2):
+            perturb(model, update)
+            got = []
+            for process, front in ((by_file, front_file), (by_tensors, front_tensors)):
+                process.load(model)
+                gens = [torch.Generator().manual_seed(10 * update + i) for i in range(len(PROMPTS))]
+                got.append(front.sample(TOK, PROMPTS, 4, SamplingParams(8, temperature=0.8, capture_routing=True,
+                                                                        keep_topk=3), gens))
+            a, b = got
+            assert a.texts == b.texts, update
+            for field in ("completion_ids", "sampler_logp", "topk_ids", "topk_logp", "routing", "router_logp"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (update, field)
+    finally:
+        by_file.close()
+        by_tensors.close()
+    assert no_engine_left()
+
+
+@pytest.mark.parametrize("transport", ["file", "tensors"])
+def test_a_tensor_parallel_engine_samples_from_the_trainers_weights(transport, tmp_path):
+    """rollout.vllm.tensor_parallel_size=2 on the CPU build (its workers unpinned): each of vLLM's two worker
+    processes loads every weight pushed (from the slot file, or as a member of the weight group) and keeps its shard;
+    after each of two updates the engine's float32 log-probs are the trainer's; closed, no process is left."""
+    model, process, front, _ = served(tmp_path, {"model": "qwen3-tiny", "rollout.vllm.tensor_parallel_size": 2},
+                                      transport=transport)
+    try:
+        for update in range(2):
+            perturb(model, update)
+            process.load(model)
+            gens = [torch.Generator().manual_seed(10 * update + i) for i in range(len(PROMPTS))]
+            r = front.sample(TOK, PROMPTS, 4, SamplingParams(8, temperature=0.8), gens)
+            logp = token_logprobs(model, r, 0.8)[0]
+            assert (logp - r.sampler_logp)[r.completion_mask.bool()].abs().max() < 1e-4, update
     finally:
         process.close()
     assert no_engine_left()
@@ -170,14 +230,18 @@ def test_the_engine_draws_the_same_tokens_whatever_the_batch(tmp_path):
 
 
 def test_a_run_with_the_engine_is_a_function_of_its_seed_wherever_the_engine_runs(tmp_path, cache_dir):
-    """Two identical runs (the engine in its own process, one step stale) are identical; so is the run whose rollout
-    worker hosts the engine: every token, reward, metric and the final weights, bitwise."""
+    """Two identical runs (the engine in its own process, one step stale) are identical; so are the run whose rollout
+    worker hosts the engine and the run that pushes its weights as tensors (in buckets of 4 KiB): every token,
+    reward, metric and the final weights, bitwise."""
     extra = {"rollout.staleness": 1, "model": "qwen3-tiny"}
     train(compose(opts(cache_dir, **extra)), tmp_path / "a")
     train(compose(opts(cache_dir, **extra)), tmp_path / "b")
     train(compose(opts(cache_dir, **extra, **{"rollout.workers": 1})), tmp_path / "w")
+    train(compose(opts(cache_dir, **extra, **{"rollout.vllm.weight_transport": "tensors",
+                                              "rollout.vllm.bucket_mb": 2**-8})), tmp_path / "t")
     assert_same_run(tmp_path / "a", tmp_path / "b")
     assert_same_run(tmp_path / "a", tmp_path / "w")
+    assert_same_run(tmp_path / "a", tmp_path / "t")
     assert no_engine_left()
 
 
@@ -261,6 +325,16 @@ def test_the_engine_mismatch_experiment_runs(tmp_path, cache_dir):
     assert len(rows) == 2 and all(r["moe/update_mismatch"] == 0.0 and "rollout/routing_mismatch" in r for r in rows)
 
 
+def test_bench_push_prints_a_table_of_the_file_and_the_tensor_push():
+    """scripts/bench_push.py at its smallest: a run per side, each push timed, both processes' peak RSS."""
+    out = subprocess.run([sys.executable, "scripts/bench_push.py", "--model", "qwen3-tiny", "--steps", "2",
+                          "--rounds", "1", "--threads", "1", "--wait-idle", "0", "--retries", "0"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "### qwen3-tiny" in out.stdout and "| file |" in out.stdout
+    assert "| tensors, 64 MiB buckets |" in out.stdout and "**" in out.stdout  # its ratios to the file side
+
+
 # --------------------------------------------------------------------------- faults
 
 FAULT = """
@@ -270,27 +344,35 @@ def reward(completions, **kw):  # call 0 is the start-up probe; the trainer scor
     p = Path({counter!r})
     n = int(p.read_text()) if p.exists() else 0
     p.write_text(str(n + 1))
-    if n == 3:
-        pids = subprocess.run(["pgrep", "-f", "gspo.rollout.vllm_engine"], capture_output=True, text=True).stdout.split()
+    if n == 3:  # this trainer's engine process (not the workers it started for tensor parallelism, nor others')
+        pids = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "gspo.rollout.vllm_engine"], capture_output=True,
+                              text=True).stdout.split()
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL if MODE == "kill" else signal.SIGSTOP)
     return [float(len(c)) for c in completions]
 """
 
 
-@pytest.mark.parametrize("mode, line", [
-    ("kill", r"the vLLM engine \(pid \d+\) died while sampling step 4 \(killed by SIGKILL\); it was stopped"),
+KILLED = r"the vLLM engine \(pid \d+\) died while sampling step 4 \(killed by SIGKILL\); it was stopped"
+TENSORS_TP2 = {"rollout.vllm.weight_transport": "tensors", "rollout.vllm.tensor_parallel_size": 2,
+               "model": "qwen3-tiny"}
+
+
+@pytest.mark.parametrize("mode, line, extra", [
+    ("kill", KILLED, {}),
     ("hang", r"the vLLM engine: nothing from it for 5 s while sampling step 4 \(hung\? rollout.timeout_s=5\); "
-             r"it was stopped"),
-])
-def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, tmp_path, cache_dir):
+             r"it was stopped", {}),
+    ("kill", KILLED, TENSORS_TP2),
+], ids=["kill", "hang", "kill-tensors-tp2"])
+def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, extra, tmp_path, cache_dir):
     """The engine killed with -9 or stopped (SIGSTOP) after step 3: one line naming the step, non-zero exit, the last
-    checkpoint intact, no engine process left."""
+    checkpoint intact, no engine process left: with weights pushed as tensors to two tensor-parallel workers too
+    (their weight group left, the workers the killed engine started killed with it)."""
     import re
 
     (tmp_path / "fns.py").write_text(FAULT.format(counter=str(tmp_path / "calls")).replace("MODE", repr(mode)))
     res = gspo("train", *opts(cache_dir, **{"reward": "python", "reward.fn": f"{tmp_path}/fns.py:reward",
-                                            "rollout.timeout_s": 5, "train.steps": 6}),
+                                            "rollout.timeout_s": 5, "train.steps": 6, **extra}),
                f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
     assert res.returncode != 0 and len(errors) == 1 and re.search(line, errors[0]), res.stderr[-3000:]

@@ -25,6 +25,7 @@ CHOICES = {
     "rollout.dtype": (None, "float32", "bfloat16", "float16"),
     "rollout.engine": ("hf", "fast", "auto", "vllm"),
     "rollout.vllm.lora_push": ("merged", "adapter"),
+    "rollout.vllm.weight_transport": ("file", "tensors"),
     "reward.device": (None, "cpu", "cuda", "auto"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
@@ -145,6 +146,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "rollout.vllm.kv_cache_gib": (*_above(0), "the CPU engine's KV cache; None = gspo sizes it to the run"),
     "rollout.vllm.gpu_memory_utilization": (*_within(0, 1, lo_open=True), "a share of the GPU's memory"),
     "rollout.vllm.max_model_len": (*_at_least(2), ""),
+    "rollout.vllm.bucket_mb": (*_at_least(0.001), "MiB per bucket of a tensor push"),
+    "rollout.vllm.tensor_parallel_size": (*_at_least(1), "the engine's workers"),
     "rollout.max_turns": (*_at_least(1), "the model's turns in a trajectory with tools"),
     "rollout.tool_timeout_s": (*_above(0), "how long one tool call may take"),
     "moe.stats_every": (*_at_least(0), "0 = never"),
@@ -392,6 +395,9 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.vllm.lora_push": (lambda c: c.rollout.engine == "vllm" and c.model.lora.r > 0,
                                "it chooses how LoRA weights reach the vLLM engine: needs rollout.engine=vllm and "
                                "model.lora.r > 0"),
+    "rollout.vllm.bucket_mb": (lambda c: c.rollout.engine == "vllm" and c.rollout.vllm.weight_transport == "tensors",
+                               "the weights go through a file: add rollout.engine=vllm "
+                               "rollout.vllm.weight_transport=tensors"),
     "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
     "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
     "model.use_chat_template": (lambda c: c.rollout.tools is None or c.model.use_chat_template,

@@ -8,10 +8,14 @@ the step's completions, then scores them itself, as with any sampler. With `roll
 worker hosts an engine in its own process instead (gspo/rollout/worker.py). Either way `Engine` turns the
 engine's token ids into the `Rollout` gspo's own engines return, with the same fields and conventions.
 
-The weights travel as rollout workers' do: one copy into a file in /dev/shm that the engine's process maps
-(gspo/rollout/slots.py), then the engine loads them (`time/weight_sync_s` counts both). A LoRA run sends base + ΔW
-merged (`rollout.vllm.lora_push=merged`), or with `adapter` only the adapter: the engine, started on the base,
-serves it through vLLM's LoRA support (dense models; vLLM's CPU build serves no LoRA on MoE layers).
+The weights travel as rollout workers' do, one copy into a file in /dev/shm that the engine's process maps
+(gspo/rollout/slots.py), or with `rollout.vllm.weight_transport=tensors` as tensors over a process group between
+the trainer and the engine's workers, in buckets (gspo/rollout/transport.py); then the engine loads them
+(`time/weight_sync_s` counts both). `rollout.vllm.tensor_parallel_size` spreads the engine over that many
+workers of vLLM's own, each loading every weight and keeping its shard. A LoRA run sends base + ΔW merged
+(`rollout.vllm.lora_push=merged`), or with `adapter` only the adapter, through a directory in /dev/shm: the engine,
+started on the base, serves it through vLLM's LoRA support (dense models; vLLM's CPU build serves no LoRA on MoE
+layers).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, sto
 from gspo.rollout.params import SamplingParams
 from gspo.rollout.sampler import Sampler, sampler_dtype
 from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove, slot_path
+from gspo.rollout.transport import Group, PeerLost, Sender, backend_for, device_identity, host_store
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
 
 # the README's engine line without its venv: the CPU build pins gspo's torch; the torchvision it pulls in is built for
@@ -86,6 +91,10 @@ def check(cfg, on_cpu: bool) -> None:
         if cfg.model.lora.r > LORA_RANKS[-1]:
             raise ConfigError(f"model.lora.r={cfg.model.lora.r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}; "
                               "use rollout.vllm.lora_push=merged")
+    if v.weight_transport == "tensors" and r.workers:
+        raise ConfigError(f"rollout.vllm.weight_transport=tensors pushes to the engine the trainer starts "
+                          f"(rollout.workers=0); with rollout.workers={r.workers} each worker's engine reads the "
+                          "weights its job names from a slot file: use rollout.vllm.weight_transport=file")
     if v.max_model_len is not None and r.max_new_tokens >= v.max_model_len:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens}: must be below rollout.vllm.max_model_len="
                           f"{v.max_model_len}, the longest prompt + completion the engine serves")
@@ -129,16 +138,23 @@ def head_dim(cfg) -> Optional[int]:
 
 def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bool, on_cpu: bool = True) -> dict:
     """The engine's settings (gspo/rollout/vllm_engine.py `VllmEngine`'s arguments) for this run: `rows`
-    completions at once (a step's share), `threads` threads, the routing recorded or not."""
+    completions at once (a step's share), `threads` threads, the routing recorded or not (refused with tensor
+    parallelism: before any process starts, in the trainer's or a rollout worker's)."""
     r, v = cfg.rollout, cfg.rollout.vllm
+    if routing and v.tensor_parallel_size > 1:
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size}: the engine records a MoE's "
+                          "routing (the trainer compares or replays it) with hooks in its own process, and above 1 the "
+                          "model runs in vLLM's worker processes: use rollout.vllm.tensor_parallel_size=1 for a MoE")
     kv = int(v.kv_cache_gib * 2**30) if v.kv_cache_gib else kv_cache_bytes(base_dir, sampler_dtype(cfg), rows,
                                                                          r.max_new_tokens, v.max_model_len)
-    return dict(base_dir=str(base_dir), dtype=sampler_dtype(cfg), seed=int(cfg.seed), threads=threads,
+    # (threads: the engine's cores, split between its tensor-parallel workers)
+    return dict(base_dir=str(base_dir), dtype=sampler_dtype(cfg), seed=int(cfg.seed),
+                threads=max(1, threads // int(v.tensor_parallel_size)),
                 stop_ids=stop.tolist(), max_num_seqs=max(1, rows),
                 logprobs_mode=behaviour_logprobs(r.top_p, r.temperature),
                 max_logprobs=int(r.keep_topk), kv_cache_bytes=kv if on_cpu else None,
                 gpu_memory_utilization=float(v.gpu_memory_utilization), enforce_eager=v.enforce_eager,
-                routing=routing, max_model_len=v.max_model_len,
+                routing=routing, max_model_len=v.max_model_len, tensor_parallel_size=int(v.tensor_parallel_size),
                 max_lora_rank=lora_capacity(cfg.model.lora.r) if adapter_push(cfg) else None)
 
 
@@ -160,8 +176,10 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
     """The vLLM engine as the sampler of `model` (the trainer's, whose weights it will be sent), its process
     started: serving `base_dir` with this run's settings (`spec`)."""
     stop = stop_ids(model, tokenizer)
+    v = cfg.rollout.vllm
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
-                            cfg.rollout.timeout_s)
+                            cfg.rollout.timeout_s, v.weight_transport, int(v.bucket_mb * 2**20),
+                            next(model.parameters()).device)
     return EngineSampler(process, stop.tolist())
 
 
@@ -252,43 +270,85 @@ class EngineProcess:
     """The engine in a process of its own (`python -m gspo.rollout.vllm_engine FD`), for the trainer's process.
 
     Its failures end the run in one line (gspo/rollout/child.py): it failed to start, died or hung (silent for
-    `timeout_s`) while loading weights or sampling step N; it dies with the trainer. An engine started with
-    `max_lora_rank` (adapter pushes) is sent the adapter alone, in a directory, instead of a file of weights."""
+    `timeout_s`) while loading weights or sampling step N; it dies with the trainer. The weights go to it through
+    the slot file (`transport="file"`) or, with "tensors", over the weight group it joins once started
+    (gspo/rollout/transport.py: the trainer's tensors on `device`, in buckets of `bucket_bytes`). An engine started
+    with `max_lora_rank` (adapter pushes, `transport="file"` only) is sent the adapter alone, in a directory."""
 
-    def __init__(self, engine: dict, layout: list, timeout_s: float):
+    def __init__(self, engine: dict, layout: list, timeout_s: float, transport: str = "file",
+                 bucket_bytes: int = 2**26, device: torch.device = torch.device("cpu")):
         self.timeout_s, self.layout, self.step = timeout_s, layout, None
+        self.hint = f"rollout.timeout_s={timeout_s:g}"
         self.dtype = getattr(torch, engine["dtype"])
-        self.adapter = engine.get("max_lora_rank") is not None
-        self.path = slot_path(f"{PREFIX}{os.getpid()}-engine-{id(self):x}", self.adapter)
-        self.views = None if self.adapter else map_slot(self.path, layout, self.dtype, create=True)
+        self.adapter = engine["max_lora_rank"] is not None
+        if self.adapter and transport != "file":
+            raise ValueError("adapter pushes go through a directory: transport='file'")  # (refused by `check`)
+        self.path, self.views, self.sender = None, None, None
+        if transport == "file":
+            self.path = slot_path(f"{PREFIX}{os.getpid()}-engine-{id(self):x}", self.adapter)
+            if not self.adapter:
+                self.views = map_slot(self.path, layout, self.dtype, create=True)
         self.child = Child("the vLLM engine", "gspo.rollout.vllm_engine",
                            {"engine": engine, "layout": layout, "dtype": engine["dtype"]},
-                           on_fail=self.kill, stopped="; it was stopped", env=environment(engine["threads"]))
-        self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; rollout.timeout_s={timeout_s:g}")
+                           on_fail=self.kill, stopped="; it was stopped",
+                           env=environment(engine["threads"], engine["tensor_parallel_size"]))
+        self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; {self.hint}")
+        if transport == "tensors":
+            self.sender = Sender(self._join(device), bucket_bytes, self.dtype, alive=self.alive)
+
+    def _join(self, device: torch.device) -> Group:
+        """The weight group: this process (rank 0, its tensors on `device`) and each of the engine's workers."""
+        engine = self.child.ask(("devices",), "devices", self.timeout_s, self.hint)[1]
+        backend = backend_for(device_identity(device), engine)
+        store, port = host_store(self.timeout_s)
+        self.child.send(("join", None, backend, port, 1 + len(engine), self.timeout_s))
+        try:
+            group = Group(backend, 0, 1 + len(engine), self.timeout_s, device, store=store, alive=self.alive)
+        except PeerLost:
+            raise self.child.lost(None, self.timeout_s, f"joining the weight group; {self.hint}") from None
+        self.child.expect("joined", None, self.timeout_s, self.hint)
+        return group
+
+    def alive(self) -> bool:
+        return self.child.proc.poll() is None
 
     def load(self, model: torch.nn.Module) -> float:
-        """The trainer's current weights (LoRA: merged, or the adapter alone), cast, into the engine; the engine
-        process's peak RSS (MiB)."""
+        """The trainer's current weights (LoRA: merged, or the adapter alone), cast, into the engine; the engine's
+        peak RSS (MiB)."""
         with torch.no_grad():
-            if self.adapter:
-                adapters.write_adapter(model, self.path, self.dtype)
+            if self.sender is not None:
+                self.child.send(("push", self.step), self.step)
+                try:
+                    self.sender.push((name, value) for name, value, _ in adapters.merged_parameters(model))
+                except PeerLost:
+                    raise self.child.lost(self.step, self.timeout_s, self.hint) from None
             else:
-                for name, value, _ in adapters.merged_parameters(model):
-                    self.views[name].copy_(value)
-        self.child.send(("load", self.step, self.path), self.step)
-        return self.child.expect("loaded", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")[2]
+                if self.adapter:
+                    adapters.write_adapter(model, self.path, self.dtype)
+                else:
+                    for name, value, _ in adapters.merged_parameters(model):
+                        self.views[name].copy_(value)
+                self.child.send(("load", self.step, self.path), self.step)
+        return self.child.expect("loaded", self.step, self.timeout_s, self.hint)[2]
 
     def sample_ids(self, **kwargs) -> dict:
         self.child.send(("sample", self.step, kwargs), self.step)
-        return self.child.expect("samples", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")[1]
+        return self.child.expect("samples", self.step, self.timeout_s, self.hint)[1]
 
     def close(self) -> None:
         self.child.stop()
-        remove(self.path)
+        self._release()
 
     def kill(self) -> None:
         self.child.kill()
-        remove(self.path)
+        self._release()
+
+    def _release(self) -> None:
+        """The slot deleted, the weight group left."""
+        if self.path is not None:
+            remove(self.path)
+        if self.sender is not None:
+            self.sender.group.close()
 
 
 class EngineSampler(Sampler):

@@ -79,7 +79,8 @@ class WorkerPool:
             self.workers.append(Child(f"rollout worker {i}", "gspo.rollout.worker", {
                 **self.spec, "worker": i, "layout": self.layout, "dtype": str(self.dtype).removeprefix("torch.")},
                 on_fail=self.kill, stopped="; every worker was stopped",
-                env=environment(self.spec["engine"]["threads"]) if "engine" in self.spec else None))
+                env=environment(self.spec["engine"]["threads"], self.spec["engine"]["tensor_parallel_size"])
+                if "engine" in self.spec else None))
         for w in self.workers:  # starting is importing torch and building the model: slow on a busy machine
             w.expect("ready", None, max(self.timeout_s, STARTUP_S), f"rollout.timeout_s={self.timeout_s:g}")
         for step, item in pending.items():
