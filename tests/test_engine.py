@@ -365,7 +365,8 @@ def test_engine_settings_are_refused_when_the_engine_is_off():
 def test_the_weight_transport_and_tensor_parallelism_are_refused_where_they_cannot_serve(monkeypatch, tmp_path):
     """A tensor push goes to the engine the trainer starts, not to rollout workers' engines; a transport that does
     not exist names the ones that do; a MoE's routing (recorded by hooks in the engine's own process) and tensor
-    parallelism (the model in vLLM's worker processes) do not go together: refused before any process starts."""
+    parallelism (the model in vLLM's worker processes) do not go together: refused with the config, before any
+    work, for the built-in MoE and a checkpoint's alike."""
     monkeypatch.setattr(engine, "installed", lambda: True)
     with pytest.raises(ConfigError, match=r"weight_transport=tensors pushes to the engine the trainer starts "
                                           r"\(rollout.workers=0\); with rollout.workers=1"):
@@ -374,14 +375,30 @@ def test_the_weight_transport_and_tensor_parallelism_are_refused_where_they_cann
         compose(["rollout.engine=vllm", "rollout.vllm.weight_transport=nccl"])
     with pytest.raises(ConfigError, match="rollout.vllm.tensor_parallel_size"):
         compose(["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=0"])
-    cfg = compose(tiny(str(tmp_path), **{"rollout.engine": "vllm", "rollout.vllm.tensor_parallel_size": 2}))
-    model = moe()
-    model.save_pretrained(tmp_path)
-    monkeypatch.setattr(engine, "EngineProcess", lambda *a, **kw: pytest.fail("an engine was started"))
+    tp2 = ["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing.*"
+                                          r"use rollout.vllm.tensor_parallel_size=1 for a MoE"):
+        check(compose(tp2))  # the default model is the tiny MoE
+    hf_moe = tmp_path / "moe"
+    moe().save_pretrained(hf_moe)
+    TOK.save_pretrained(hf_moe)
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing"):
-        engine.start(cfg, model, TOK, tmp_path, 8, 2, routing=True, on_cpu=True)
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing"):
-        engine.spec(cfg, tmp_path, torch.tensor([0]), 8, 2, routing=True)  # (a rollout worker's engine)
+        check(compose([*tp2, "model=hf", f"model.path={hf_moe}"]))
+    check(compose([*tp2, "model=qwen3-tiny", "rollout.vllm.kv_cache_gib=1"]))  # a dense model is served
+
+
+def test_an_adapter_push_over_the_weight_group_is_refused_naming_what_to_use_instead(monkeypatch):
+    """rollout.vllm.lora_push=adapter with rollout.vllm.weight_transport=tensors: vLLM loads an adapter from a
+    directory, so the adapter always goes through /dev/shm; refused in one line naming both ways out. The merged
+    push goes over the group (LoRA: base + ΔW, as for full fine-tuning), the adapter push through a file."""
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    dense = ["rollout.engine=vllm", "model=qwen3-tiny", "model.lora.r=4", "rollout.vllm.kv_cache_gib=1"]
+    with pytest.raises(ConfigError, match=r"^rollout.vllm.lora_push=adapter sends the adapter through a directory.*"
+                                          r"use rollout.vllm.weight_transport=file for the adapter alone, or "
+                                          r"rollout.vllm.lora_push=merged to push merged weights as tensors$"):
+        check(compose([*dense, "rollout.vllm.lora_push=adapter", "rollout.vllm.weight_transport=tensors"]))
+    check(compose([*dense, "rollout.vllm.lora_push=merged", "rollout.vllm.weight_transport=tensors"]))
+    check(compose([*dense, "rollout.vllm.lora_push=adapter", "rollout.vllm.weight_transport=file"]))
 
 
 def test_a_tensor_parallel_engine_splits_its_threads_and_unpins_its_workers_on_a_cpu(tmp_path, monkeypatch):

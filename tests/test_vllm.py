@@ -156,13 +156,16 @@ def test_a_tensor_push_serves_what_a_file_push_serves_bitwise(tmp_path):
     assert no_engine_left()
 
 
-@pytest.mark.parametrize("transport", ["file", "tensors"])
-def test_a_tensor_parallel_engine_samples_from_the_trainers_weights(transport, tmp_path):
+@pytest.mark.parametrize("transport, lora", [("file", {}), ("tensors", {}),
+                                             ("file", {"model.lora.r": 4, "rollout.vllm.lora_push": "adapter"})],
+                         ids=["file", "tensors", "lora-adapter"])
+def test_a_tensor_parallel_engine_samples_from_the_trainers_weights(transport, lora, tmp_path):
     """rollout.vllm.tensor_parallel_size=2 on the CPU build (its workers unpinned): each of vLLM's two worker
-    processes loads every weight pushed (from the slot file, or as a member of the weight group) and keeps its shard;
-    after each of two updates the engine's float32 log-probs are the trainer's; closed, no process is left."""
-    model, process, front, _ = served(tmp_path, {"model": "qwen3-tiny", "rollout.vllm.tensor_parallel_size": 2},
-                                      transport=transport)
+    processes loads every weight pushed (from the slot file, or as a member of the weight group) and keeps its shard,
+    or serves the LoRA adapter pushed alone; after each of two updates the engine's float32 log-probs are the
+    trainer's; closed, no process is left."""
+    model, process, front, _ = served(tmp_path, {"model": "qwen3-tiny", "rollout.vllm.tensor_parallel_size": 2,
+                                                 **lora}, transport=transport)
     try:
         for update in range(2):
             perturb(model, update)

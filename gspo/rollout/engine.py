@@ -91,6 +91,15 @@ def check(cfg, on_cpu: bool) -> None:
         if cfg.model.lora.r > LORA_RANKS[-1]:
             raise ConfigError(f"model.lora.r={cfg.model.lora.r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}; "
                               "use rollout.vllm.lora_push=merged")
+        if v.weight_transport == "tensors":
+            raise ConfigError("rollout.vllm.lora_push=adapter sends the adapter through a directory in /dev/shm (vLLM "
+                              "loads an adapter from a path), not over rollout.vllm.weight_transport=tensors: use "
+                              "rollout.vllm.weight_transport=file for the adapter alone, or rollout.vllm.lora_push="
+                              "merged to push merged weights as tensors")
+    if v.tensor_parallel_size > 1 and is_moe(cfg):
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size}: the engine records a MoE's "
+                          "routing (the trainer compares or replays it) with hooks in its own process, and above 1 the "
+                          "model runs in vLLM's worker processes: use rollout.vllm.tensor_parallel_size=1 for a MoE")
     if v.weight_transport == "tensors" and r.workers:
         raise ConfigError(f"rollout.vllm.weight_transport=tensors pushes to the engine the trainer starts "
                           f"(rollout.workers=0); with rollout.workers={r.workers} each worker's engine reads the "
@@ -138,16 +147,11 @@ def head_dim(cfg) -> Optional[int]:
 
 def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bool, on_cpu: bool = True) -> dict:
     """The engine's settings (gspo/rollout/vllm_engine.py `VllmEngine`'s arguments) for this run: `rows`
-    completions at once (a step's share), `threads` threads, the routing recorded or not (refused with tensor
-    parallelism: before any process starts, in the trainer's or a rollout worker's)."""
+    completions at once (a step's share), `threads` threads (split between its tensor-parallel workers), the
+    routing recorded or not (only at tensor_parallel_size=1: `check` refuses a MoE above it)."""
     r, v = cfg.rollout, cfg.rollout.vllm
-    if routing and v.tensor_parallel_size > 1:
-        raise ConfigError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size}: the engine records a MoE's "
-                          "routing (the trainer compares or replays it) with hooks in its own process, and above 1 the "
-                          "model runs in vLLM's worker processes: use rollout.vllm.tensor_parallel_size=1 for a MoE")
     kv = int(v.kv_cache_gib * 2**30) if v.kv_cache_gib else kv_cache_bytes(base_dir, sampler_dtype(cfg), rows,
                                                                          r.max_new_tokens, v.max_model_len)
-    # (threads: the engine's cores, split between its tensor-parallel workers)
     return dict(base_dir=str(base_dir), dtype=sampler_dtype(cfg), seed=int(cfg.seed),
                 threads=max(1, threads // int(v.tensor_parallel_size)),
                 stop_ids=stop.tolist(), max_num_seqs=max(1, rows),
