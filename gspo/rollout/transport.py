@@ -12,9 +12,10 @@ buffer of `bucket_bytes` (each at a 64-byte offset), sent as three broadcasts: a
 the data's length), the manifest (JSON: each weight's name, dtype, shape and offset) and the data. A header of
 zeros ends the push. The receiver loads what arrives: it needs no layout beforehand. A weight larger than a
 bucket travels alone (from its own storage when it is already contiguous, of the pushed dtype, on the group's
-device: no copy). The extra memory is one bucket on each side, or the largest weight where that is larger; the
-receiver allocates each bucket afresh (vLLM may hold a layer's first weights until the layer is complete, so a
-reused buffer would be overwritten under it).
+device: no copy). The sender's extra memory is one bucket, reused, or the largest weight where that is larger and
+needs a cast. The receiver allocates each bucket afresh (vLLM may hold a layer's first weights until the layer is
+complete, so a reused buffer would be overwritten under it): its extra memory is every bucket vLLM still holds,
+at least one (how many at once is not measured).
 
 A dead or silent peer does not hang the sender: each broadcast is polled, with the peer's liveness checked, up to
 `timeout_s` (the group's own timeout too), and raises `PeerLost`, which the caller turns into the run's one line.
