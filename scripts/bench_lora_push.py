@@ -43,6 +43,7 @@ PROMPTS = {"char": ["12+34=", "7+8=", "90+1=", "5+55=", "3+4=", "61+2=", "8+80="
 
 
 def overrides(spec: dict) -> list[str]:
+    """The gspo config of one mode's process: the model, the engine in float32, LoRA at --rank, the mode."""
     return [f"model={spec['model']}", "rollout.engine=vllm", "rollout.dtype=float32", f"model.lora.r={spec['rank']}",
             f"rollout.vllm.lora_push={spec['mode']}", f"cache_dir={spec['cache_dir']}", *spec["overrides"]]
 
@@ -111,6 +112,7 @@ def size(path: str) -> int:
 
 
 def table(results: dict[str, list[dict]]) -> str:
+    """One row per mode (medians over every round's counted updates; RSS and sizes the largest), ratios to the first."""
     rows, first = [], {}
     for mode, runs in results.items():
         push = statistics.median(x for run in runs for x in run["push_s"][1:])

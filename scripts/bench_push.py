@@ -30,12 +30,14 @@ SMALL_STEP = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max
 
 
 def model_overrides(model: str) -> list[str]:
+    """The overrides that choose `model`: a tiny preset without its warm start, or SmolLM2 on word problems."""
     if model == "smollm2":
         return ["model=smollm2", "task=word_problems", "task.max_steps=1", "reward=tinyzero"]
     return [f"model={model}", "model.warm_start.steps=0"]  # (a push's cost does not depend on the weights' values)
 
 
 def side(model: str, transport: str, bucket_mb: float, a) -> dict:
+    """One side's run spec (bench_workers.py `gspo_worker`): `model` with the weights pushed by `transport`."""
     overrides = ["rollout.engine=vllm", "hardware=cpu", "hardware.dtype=float32", f"hardware.threads={a.threads}",
                  f"rollout.worker_threads={a.threads}", f"seed={a.seed}", f"train.steps={a.steps}",
                  f"cache_dir={CACHE}", *model_overrides(model), *SMALL_STEP,
@@ -55,6 +57,7 @@ def run(spec: dict, work: Path, wait_idle: float) -> dict:
 
 
 def table(model: str, sides: dict[str, list[dict]]) -> str:
+    """One model's table: a row per side (median s/push, the largest peak RSS of each process), ratios to file."""
     rows, base = [], None
     for name, runs in sides.items():
         pushes = [s for r in runs for s in r["push_s"]]

@@ -105,6 +105,7 @@ class Child:
         return self.fail(RunFailed(self.silent(step, timeout_s, hint)))
 
     def silent(self, step: Optional[int], timeout_s: float, hint: str) -> str:
+        """The line for a child that sent nothing for `timeout_s` (at `step`; `hint`: the setting that bounds it)."""
         return (f"{self.name}: nothing from it for {timeout_s:g} s{at_step(step)} (hung?{' ' + hint if hint else ''})"
                 f"{self.stopped}")
 

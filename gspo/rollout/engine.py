@@ -314,6 +314,7 @@ class EngineProcess:
         return group
 
     def alive(self) -> bool:
+        """Whether the engine's process still runs (the weight group's sender checks it while it waits)."""
         return self.child.proc.poll() is None
 
     def load(self, model: torch.nn.Module) -> float:
