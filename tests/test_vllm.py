@@ -338,6 +338,16 @@ def test_bench_push_prints_a_table_of_the_file_and_the_tensor_push():
     assert "| tensors, 64 MiB buckets |" in out.stdout and "**" in out.stdout  # its ratios to the file side
 
 
+def test_bench_lora_push_prints_a_table_of_the_merged_and_the_adapter_push():
+    """scripts/bench_lora_push.py at its smallest: each mode in a process of its own, two pushes, a row each."""
+    out = subprocess.run([sys.executable, "scripts/bench_lora_push.py", "--model", "qwen3-tiny", "--rounds", "1",
+                          "--pushes", "2", "--prompts", "1", "--group", "2", "--max-new-tokens", "4", "--threads", "1"],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "| merged |" in out.stdout and "| adapter |" in out.stdout, out.stdout[-2000:]
+
+
 # --------------------------------------------------------------------------- faults
 
 FAULT = """
