@@ -394,8 +394,9 @@ def _row(request_id: str, parents: dict[str, int], n: int) -> int:
 
 def start(spec: dict):
     """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py):
-    ("load", step, path) the slot file's weights, ("push", step) the weights the trainer is pushing over the
-    group, which ("devices",) and ("join", None, backend, port, world, timeout_s) set up; ("sample", step, kwargs)."""
+    ("load", step, path) the slot's weights (a file, or an adapter directory), ("push", step) the weights the
+    trainer is pushing over the group, which ("devices",) and ("join", None, backend, port, world, timeout_s) set
+    up; ("sample", step, kwargs)."""
     engine = VllmEngine(**spec["engine"])
     dtype = getattr(torch, spec["dtype"])
 
