@@ -350,6 +350,20 @@ def test_bench_lora_push_prints_a_table_of_the_merged_and_the_adapter_push():
 
 # --------------------------------------------------------------------------- faults
 
+
+def test_an_adapter_push_over_the_weight_group_exits_2_in_one_line(tmp_path, cache_dir):
+    """rollout.vllm.lora_push=adapter with weight_transport=tensors from the command line, vLLM installed: exit 2 and
+    one line naming what to use instead; no engine started."""
+    lora = {"model": "qwen3-tiny", "model.lora.r": 4, "rollout.vllm.lora_push": "adapter",
+            "rollout.vllm.weight_transport": "tensors"}
+    res = gspo("train", *opts(cache_dir, **lora),
+               f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "rollout.vllm.weight_transport=file" in errors[0] and "rollout.vllm.lora_push=merged" in errors[0]
+    assert no_engine_left()
+
+
 FAULT = """
 import os, signal, subprocess, time
 from pathlib import Path
