@@ -394,12 +394,15 @@ TENSORS_TP2 = {"rollout.vllm.weight_transport": "tensors", "rollout.vllm.tensor_
 def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, extra, tmp_path, cache_dir):
     """The engine killed with -9 or stopped (SIGSTOP) after step 3: one line naming the step, non-zero exit, the last
     checkpoint intact, no engine process left: with weights pushed as tensors to two tensor-parallel workers too
-    (their weight group left, the workers the killed engine started killed with it)."""
+    (their weight group left, the workers the killed engine started killed with it). Only the hang waits for
+    rollout.timeout_s (5 s); a death is noticed at once, so the kills run with 300 s (a busy machine's engine may
+    take more than 5 s to sample a step)."""
     import re
 
     (tmp_path / "fns.py").write_text(FAULT.format(counter=str(tmp_path / "calls")).replace("MODE", repr(mode)))
     res = gspo("train", *opts(cache_dir, **{"reward": "python", "reward.fn": f"{tmp_path}/fns.py:reward",
-                                            "rollout.timeout_s": 5, "train.steps": 6, **extra}),
+                                            "rollout.timeout_s": 5 if mode == "hang" else 300, "train.steps": 6,
+                                            **extra}),
                f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
     assert res.returncode != 0 and len(errors) == 1 and re.search(line, errors[0]), res.stderr[-3000:]
