@@ -31,7 +31,10 @@ def cuda_memory() -> dict:
 
 def gspo_worker(spec: dict) -> None:
     """`gspo train OVERRIDES hydra.run.dir=RUN_DIR` through the CLI's own Typer app, in this process;
-    writes the run's metrics rows (and peak CUDA memory) to spec["out"]."""
+    writes the run's metrics rows, this process's own peak RSS (MiB; the parent's wait4 reports the largest of it
+    and its children's, the engine's or rollout workers') and peak CUDA memory to spec["out"]."""
+    import resource
+
     from cli.main import app
 
     run_dir = Path(spec["run_dir"])
@@ -39,7 +42,8 @@ def gspo_worker(spec: dict) -> None:
     if code:  # the CLI's exit code for a usage error (its message is already on stderr)
         sys.exit(code)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    Path(spec["out"]).write_text(json.dumps({"rows": [r for r in rows if "time/step_s" in r], **cuda_memory()}))
+    Path(spec["out"]).write_text(json.dumps({"rows": [r for r in rows if "time/step_s" in r], **cuda_memory(),
+                                             "rss_self_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def gspo_side(spec: dict, wait_idle: float, workers: int = 0):

@@ -140,6 +140,33 @@ def test_an_adapter_on_a_tied_lm_head_is_never_served_merged(tmp_path, cache_dir
     train(compose(o), tmp_path / "own")  # the trainer's model samples: nothing merged
 
 
+def test_the_adapter_pushed_to_an_engine_is_the_trainers_as_peft_saves_it(tmp_path):
+    """adapters.write_adapter (rollout.vllm.lora_push=adapter): a directory peft loads, holding the current factors
+    in the sampler's dtype, rewritten at every push (the config once): base + that adapter is the trainer's model."""
+    model, tok = model_of("qwen3")
+    model.save_pretrained(tmp_path / "base")
+    peft_model = adapters.apply(model, lora(r=4), tmp_path / "base").eval()
+    push = tmp_path / "push"
+    adapters.write_adapter(peft_model, push, torch.bfloat16)
+    first = load_file(push / "adapter_model.safetensors")
+    assert len(first) == LAYERS * 7 * 2 and all(v.dtype == torch.bfloat16 for v in first.values())  # A, B of 7 Linears
+    assert all(not v.any() for k, v in first.items() if "lora_B" in k)  # peft starts B at zero
+    with torch.no_grad():  # an update: B moves, so the adapter changes the model
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    config = (push / "adapter_config.json").stat().st_mtime_ns
+    adapters.write_adapter(peft_model, push, torch.float32)
+    assert (push / "adapter_config.json").stat().st_mtime_ns == config
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), str(push)).eval()
+    ids = torch.tensor([tok("12+34=")["input_ids"]])
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+        assert torch.allclose(reloaded(input_ids=ids).logits, want, atol=1e-6)
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits
+        assert not torch.allclose(base, want, atol=1e-3)  # so the comparison can fail
+
+
 def test_lora_and_full_runs_share_the_warm_started_base(cache_dir):
     """The warm-start cache key leaves model.lora out: a LoRA run and a full run start from the same weights."""
     from gspo.train.warm_start import _base_key

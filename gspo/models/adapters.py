@@ -267,6 +267,24 @@ def save(model, directory: Path, state_dict: dict | None = None) -> None:
     model.save_pretrained(directory, safe_serialization=True, save_embedding_layers=False, state_dict=state_dict)
 
 
+def write_adapter(model, directory: str | Path, dtype: torch.dtype) -> None:
+    """The adapter of `model` (a PeftModel, under any DDP wrapper) as peft saves it, its factors cast to `dtype`,
+    into `directory`: what an inference engine's LoRA loader reads (rollout.vllm.lora_push=adapter). The config
+    never changes during a run: written once; the factors are rewritten at every call."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    model = getattr(model, "module", model)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / ADAPTER_CONFIG).is_file():
+        model.peft_config["default"].save_pretrained(str(directory))
+    # save_embedding_layers=False: the embeddings are never adapted, and "auto" may query the Hub about the base
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()},
+              str(directory / "adapter_model.safetensors"))
+
+
 def load_weights(model, adapter_dir: str | Path) -> None:
     """Load a saved adapter's weights into an adapted model (resume); every adapter tensor must match."""
     from peft import set_peft_model_state_dict

@@ -5,8 +5,9 @@ re-imports the parent's main module), on one end of a private socket pair (nothi
 messages pickled tuples whose first item is their kind. Its failures become one line for the run's user:
 an error the child sends (its own exception, `("error", step, kind, text, users)`: a `ConfigError` when the
 user's code or config caused it), its death (the socket closes: killed, crashed), its silence for longer than
-the timeout (hung). Before raising, `on_fail` runs (the owner kills every child it has): no child outlives a
-failure.
+the timeout (hung), or a channel beside the socket breaking (`lost`: the engine's weight group). Before raising,
+`on_fail` runs (the owner kills every child it has, each with the processes it started: it runs in a session of
+its own): no child outlives a failure.
 
 The child's end (`serve`): ignores SIGINT / SIGTERM (the trainer finishes its step and stops it), dies with
 the trainer (PR_SET_PDEATHSIG), sends "ready" once its start-up is done, answers each message in order, and
@@ -44,8 +45,9 @@ class Child:
         for k in RANK_VARS:
             full.pop(k, None)
         ours, theirs = socket.socketpair()
+        # a session of its own: what it starts (the engine's tensor-parallel workers) is killed with it (`kill`)
         self.proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], env=full,
-                                     pass_fds=(theirs.fileno(),))
+                                     pass_fds=(theirs.fileno(),), start_new_session=True)
         theirs.close()
         self.conn = Connection(ours.detach())
         self.send(("spec", spec))
@@ -78,12 +80,34 @@ class Child:
         """The next message, which must be of `kind`, within `timeout_s` (else the child is taken as hung; `hint`
         goes in the line: the setting that bounds the wait)."""
         if not self.conn.poll(timeout_s):
-            raise self.fail(RunFailed(f"{self.name}: nothing from it for {timeout_s:g} s{at_step(step)} "
-                                      f"(hung?{' ' + hint if hint else ''}){self.stopped}"))
+            raise self.fail(RunFailed(self.silent(step, timeout_s, hint)))
         message = self.recv(step)
         if message[0] != kind:
             raise self.fail(RunFailed(f"{self.name}: expected {kind!r}, got {message[0]!r}"))
         return message
+
+    def ask(self, message: tuple, kind: str, timeout_s: float, hint: str = "") -> tuple:
+        """Send `message` (no step: start-up's exchanges) and return the answer, which must be of `kind`."""
+        self.send(message)
+        return self.expect(kind, None, timeout_s, hint)
+
+    def lost(self, step: Optional[int], timeout_s: float, hint: str = "") -> Exception:
+        """The run's failure when a channel beside the socket (the engine's weight group) broke or went quiet: the
+        error the child sent before exiting, if any; else its death; else its silence for `timeout_s`."""
+        try:
+            self.proc.wait(1.0)  # a peer that broke the channel is most likely exiting
+        except subprocess.TimeoutExpired:
+            pass
+        while self.conn.poll(0):
+            self.recv(step)  # raises on its error message, or on the end of the stream
+        if self.proc.poll() is not None:
+            return self.fail(RunFailed(self.died(step)))
+        return self.fail(RunFailed(self.silent(step, timeout_s, hint)))
+
+    def silent(self, step: Optional[int], timeout_s: float, hint: str) -> str:
+        """The line for a child that sent nothing for `timeout_s` (at `step`; `hint`: the setting that bounds it)."""
+        return (f"{self.name}: nothing from it for {timeout_s:g} s{at_step(step)} (hung?{' ' + hint if hint else ''})"
+                f"{self.stopped}")
 
     def died(self, step: Optional[int]) -> str:
         try:
@@ -107,12 +131,16 @@ class Child:
         try:
             self.proc.wait(wait_s)
         except subprocess.TimeoutExpired:
-            self.kill()
+            pass
+        self.kill()  # it, or what it left behind
         self.conn.close()
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL to it and every process it started (its session's group)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # none left
         self.proc.wait()
 
 

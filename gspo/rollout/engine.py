@@ -8,8 +8,14 @@ the step's completions, then scores them itself, as with any sampler. With `roll
 worker hosts an engine in its own process instead (gspo/rollout/worker.py). Either way `Engine` turns the
 engine's token ids into the `Rollout` gspo's own engines return, with the same fields and conventions.
 
-The weights travel as rollout workers' do: one copy into a file in /dev/shm that the engine's process maps
-(gspo/rollout/slots.py), then the engine loads them (`time/weight_sync_s` counts both).
+The weights travel as rollout workers' do, one copy into a file in /dev/shm that the engine's process maps
+(gspo/rollout/slots.py), or with `rollout.vllm.weight_transport=tensors` as tensors over a process group between
+the trainer and the engine's workers, in buckets (gspo/rollout/transport.py); then the engine loads them
+(`time/weight_sync_s` counts both). `rollout.vllm.tensor_parallel_size` spreads the engine over that many
+workers of vLLM's own, each loading every weight and keeping its shard. A LoRA run sends base + ΔW merged
+(`rollout.vllm.lora_push=merged`), or with `adapter` only the adapter, through a directory in /dev/shm: the engine,
+started on the base, serves it through vLLM's LoRA support (dense models; vLLM's CPU build serves no LoRA on MoE
+layers).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import contextlib
 import importlib.util
 import os
 import time
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -31,7 +36,8 @@ from gspo.rollout.decoding import Continuation, Decoder
 from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
 from gspo.rollout.params import SamplingParams
 from gspo.rollout.sampler import Sampler, sampler_dtype
-from gspo.rollout.slots import PREFIX, layout_of, map_slot, shm_dir
+from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove, slot_path
+from gspo.rollout.transport import Group, PeerLost, Sender, backend_for, device_identity, host_store
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
 
 # the README's engine line without its venv: the CPU build pins gspo's torch; the torchvision it pulls in is built for
@@ -41,6 +47,10 @@ INSTALL_GPU = "pip install vllm"
 # vLLM 0.32's CPU attention backend takes these head sizes (vllm/v1/attention/backends/cpu_attn.py)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 STARTUP_S = 600.0  # the least the engine is given to start (import vllm, load the model, allocate its cache)
+# the ranks vLLM 0.32 starts its LoRA support with (vllm/config/lora.py, MaxLoRARanks): the least that holds model.lora.r
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# how a Hugging Face config counts the experts of a MoE (Qwen2/3-MoE, Mixtral, DeepSeek)
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def installed() -> bool:
@@ -73,12 +83,54 @@ def check(cfg, on_cpu: bool) -> None:
                                   "(renormalised over the nucleus, or without the temperature): use top_p=1 or "
                                   "temperature=1")
     v = r.vllm
+    if adapter_push(cfg):
+        if is_moe(cfg):
+            raise ConfigError("rollout.vllm.lora_push=adapter serves dense models only: vLLM's LoRA on MoE layers "
+                              "runs Triton kernels, which its CPU build has none of (docs/scaling.md), and gspo's "
+                              "fused-expert adapters are untested on a GPU; use rollout.vllm.lora_push=merged")
+        if cfg.model.lora.r > LORA_RANKS[-1]:
+            raise ConfigError(f"model.lora.r={cfg.model.lora.r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}; "
+                              "use rollout.vllm.lora_push=merged")
+        if v.weight_transport == "tensors":
+            raise ConfigError("rollout.vllm.lora_push=adapter sends the adapter through a directory in /dev/shm (vLLM "
+                              "loads an adapter from a path), not over rollout.vllm.weight_transport=tensors: use "
+                              "rollout.vllm.weight_transport=file for the adapter alone, or rollout.vllm.lora_push="
+                              "merged to push merged weights as tensors")
+    if v.tensor_parallel_size > 1 and is_moe(cfg):
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size}: the engine records a MoE's "
+                          "routing (the trainer compares or replays it) with hooks in its own process, and above 1 the "
+                          "model runs in vLLM's worker processes: use rollout.vllm.tensor_parallel_size=1 for a MoE")
+    if v.weight_transport == "tensors" and r.workers:
+        raise ConfigError(f"rollout.vllm.weight_transport=tensors pushes to the engine the trainer starts "
+                          f"(rollout.workers=0); with rollout.workers={r.workers} each worker's engine reads the "
+                          "weights its job names from a slot file: use rollout.vllm.weight_transport=file")
     if v.max_model_len is not None and r.max_new_tokens >= v.max_model_len:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens}: must be below rollout.vllm.max_model_len="
                           f"{v.max_model_len}, the longest prompt + completion the engine serves")
     if v.kv_cache_gib is not None and not on_cpu:
         raise ConfigError(f"rollout.vllm.kv_cache_gib={v.kv_cache_gib} sizes the engine's cache on a CPU; on a GPU "
                           "the engine takes rollout.vllm.gpu_memory_utilization of the device's memory")
+
+
+def adapter_push(cfg) -> bool:
+    """Whether each sync sends the engine the adapter alone (a LoRA run with rollout.vllm.lora_push=adapter)."""
+    return cfg.model.lora.r > 0 and cfg.rollout.vllm.lora_push == "adapter"
+
+
+def lora_capacity(r: int) -> int:
+    """The LoRA rank the engine is started with to serve rank-`r` adapters: the least of vLLM's that holds r."""
+    return next(rank for rank in LORA_RANKS if rank >= r)
+
+
+def is_moe(cfg) -> bool:
+    """Whether the model has MoE layers: the tiny MoE, or a checkpoint whose config counts experts."""
+    if cfg.model.arch != "hf":
+        return cfg.model.arch == "qwen3_moe"
+    try:
+        c = model_path.text_config(cfg.model.path)
+    except (OSError, ValueError, TypeError):
+        return False  # the model checks say what is wrong with the path
+    return any(c.get(k) for k in EXPERT_KEYS)
 
 
 def head_dim(cfg) -> Optional[int]:
@@ -95,16 +147,19 @@ def head_dim(cfg) -> Optional[int]:
 
 def spec(cfg, base_dir, stop: torch.Tensor, rows: int, threads: int, routing: bool, on_cpu: bool = True) -> dict:
     """The engine's settings (gspo/rollout/vllm_engine.py `VllmEngine`'s arguments) for this run: `rows`
-    completions at once (a step's share), `threads` threads, the routing recorded or not."""
+    completions at once (a step's share), `threads` threads (split between its tensor-parallel workers), the
+    routing recorded or not (only at tensor_parallel_size=1: `check` refuses a MoE above it)."""
     r, v = cfg.rollout, cfg.rollout.vllm
     kv = int(v.kv_cache_gib * 2**30) if v.kv_cache_gib else kv_cache_bytes(base_dir, sampler_dtype(cfg), rows,
                                                                          r.max_new_tokens, v.max_model_len)
-    return dict(base_dir=str(base_dir), dtype=sampler_dtype(cfg), seed=int(cfg.seed), threads=threads,
+    return dict(base_dir=str(base_dir), dtype=sampler_dtype(cfg), seed=int(cfg.seed),
+                threads=max(1, threads // int(v.tensor_parallel_size)),
                 stop_ids=stop.tolist(), max_num_seqs=max(1, rows),
                 logprobs_mode=behaviour_logprobs(r.top_p, r.temperature),
                 max_logprobs=int(r.keep_topk), kv_cache_bytes=kv if on_cpu else None,
                 gpu_memory_utilization=float(v.gpu_memory_utilization), enforce_eager=v.enforce_eager,
-                routing=routing, max_model_len=v.max_model_len)
+                routing=routing, max_model_len=v.max_model_len, tensor_parallel_size=int(v.tensor_parallel_size),
+                max_lora_rank=lora_capacity(cfg.model.lora.r) if adapter_push(cfg) else None)
 
 
 def kv_cache_bytes(base_dir, dtype: str, rows: int, max_new_tokens: int, max_model_len: Optional[int]) -> int:
@@ -125,8 +180,10 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
     """The vLLM engine as the sampler of `model` (the trainer's, whose weights it will be sent), its process
     started: serving `base_dir` with this run's settings (`spec`)."""
     stop = stop_ids(model, tokenizer)
+    v = cfg.rollout.vllm
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
-                            cfg.rollout.timeout_s)
+                            cfg.rollout.timeout_s, v.weight_transport, int(v.bucket_mb * 2**20),
+                            next(model.parameters()).device)
     return EngineSampler(process, stop.tolist())
 
 
@@ -217,37 +274,86 @@ class EngineProcess:
     """The engine in a process of its own (`python -m gspo.rollout.vllm_engine FD`), for the trainer's process.
 
     Its failures end the run in one line (gspo/rollout/child.py): it failed to start, died or hung (silent for
-    `timeout_s`) while loading weights or sampling step N; it dies with the trainer."""
+    `timeout_s`) while loading weights or sampling step N; it dies with the trainer. The weights go to it through
+    the slot file (`transport="file"`) or, with "tensors", over the weight group it joins once started
+    (gspo/rollout/transport.py: the trainer's tensors on `device`, in buckets of `bucket_bytes`). An engine started
+    with `max_lora_rank` (adapter pushes, `transport="file"` only) is sent the adapter alone, in a directory."""
 
-    def __init__(self, engine: dict, layout: list, timeout_s: float):
+    def __init__(self, engine: dict, layout: list, timeout_s: float, transport: str = "file",
+                 bucket_bytes: int = 2**26, device: torch.device = torch.device("cpu")):
         self.timeout_s, self.layout, self.step = timeout_s, layout, None
+        self.hint = f"rollout.timeout_s={timeout_s:g}"
         self.dtype = getattr(torch, engine["dtype"])
-        self.path = os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-engine-{id(self):x}.bin")
-        self.views = map_slot(self.path, layout, self.dtype, create=True)
+        self.adapter = engine["max_lora_rank"] is not None
+        if self.adapter and transport != "file":
+            raise ValueError("adapter pushes go through a directory: transport='file'")  # (refused by `check`)
+        self.path, self.views, self.sender = None, None, None
+        if transport == "file":
+            self.path = slot_path(f"{PREFIX}{os.getpid()}-engine-{id(self):x}", self.adapter)
+            if not self.adapter:
+                self.views = map_slot(self.path, layout, self.dtype, create=True)
         self.child = Child("the vLLM engine", "gspo.rollout.vllm_engine",
                            {"engine": engine, "layout": layout, "dtype": engine["dtype"]},
-                           on_fail=self.kill, stopped="; it was stopped", env=environment(engine["threads"]))
-        self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; rollout.timeout_s={timeout_s:g}")
+                           on_fail=self.kill, stopped="; it was stopped",
+                           env=environment(engine["threads"], engine["tensor_parallel_size"]))
+        self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; {self.hint}")
+        if transport == "tensors":
+            self.sender = Sender(self._join(device), bucket_bytes, self.dtype, alive=self.alive)
+
+    def _join(self, device: torch.device) -> Group:
+        """The weight group: this process (rank 0, its tensors on `device`) and each of the engine's workers."""
+        engine = self.child.ask(("devices",), "devices", self.timeout_s, self.hint)[1]
+        backend = backend_for(device_identity(device), engine)
+        store, port = host_store(self.timeout_s)
+        self.child.send(("join", None, backend, port, 1 + len(engine), self.timeout_s))
+        try:
+            group = Group(backend, 0, 1 + len(engine), self.timeout_s, device, store=store, alive=self.alive)
+        except PeerLost:
+            raise self.child.lost(None, self.timeout_s, f"joining the weight group; {self.hint}") from None
+        self.child.expect("joined", None, self.timeout_s, self.hint)
+        return group
+
+    def alive(self) -> bool:
+        """Whether the engine's process still runs (the weight group's sender checks it while it waits)."""
+        return self.child.proc.poll() is None
 
     def load(self, model: torch.nn.Module) -> float:
-        """The trainer's current weights (LoRA: merged), cast, into the engine; the engine process's peak RSS (MiB)."""
+        """The trainer's current weights (LoRA: merged, or the adapter alone), cast, into the engine; the engine's
+        peak RSS (MiB)."""
         with torch.no_grad():
-            for name, value, _ in adapters.merged_parameters(model):
-                self.views[name].copy_(value)
-        self.child.send(("load", self.step, self.path), self.step)
-        return self.child.expect("loaded", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")[2]
+            if self.sender is not None:
+                self.child.send(("push", self.step), self.step)
+                try:
+                    self.sender.push((name, value) for name, value, _ in adapters.merged_parameters(model))
+                except PeerLost:
+                    raise self.child.lost(self.step, self.timeout_s, self.hint) from None
+            else:
+                if self.adapter:
+                    adapters.write_adapter(model, self.path, self.dtype)
+                else:
+                    for name, value, _ in adapters.merged_parameters(model):
+                        self.views[name].copy_(value)
+                self.child.send(("load", self.step, self.path), self.step)
+        return self.child.expect("loaded", self.step, self.timeout_s, self.hint)[2]
 
     def sample_ids(self, **kwargs) -> dict:
         self.child.send(("sample", self.step, kwargs), self.step)
-        return self.child.expect("samples", self.step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")[1]
+        return self.child.expect("samples", self.step, self.timeout_s, self.hint)[1]
 
     def close(self) -> None:
         self.child.stop()
-        Path(self.path).unlink(missing_ok=True)
+        self._release()
 
     def kill(self) -> None:
         self.child.kill()
-        Path(self.path).unlink(missing_ok=True)
+        self._release()
+
+    def _release(self) -> None:
+        """The slot deleted, the weight group left."""
+        if self.path is not None:
+            remove(self.path)
+        if self.sender is not None:
+            self.sender.group.close()
 
 
 class EngineSampler(Sampler):

@@ -16,7 +16,13 @@ What gspo asks of the engine, and how (vLLM 0.32; docs/scaling.md, "Sampling wit
   top_p < 1 and temperature != 1 the engine records none (`behaviour_logprobs`);
 - weights after every update, without a restart: `reload_weights` (vLLM's in-place RL weight update) from the
   trainer's weights in checkpoint format, then the prefix cache reset (a cached prompt would otherwise be
-  served from the old policy's keys and values). On the CPU build one more step (`_first_load_processing`);
+  served from the old policy's keys and values). On the CPU build one more step (`_first_load_processing`).
+  The weights come from the slot file in /dev/shm or, streamed, from the trainer over a process group
+  (gspo/rollout/transport.py). Every weight operation runs in each of vLLM's workers (`collective_rpc`,
+  `_Loader`): in this process at `tensor_parallel_size=1`, in vLLM's worker processes above it, each loading
+  every weight and keeping its shard. Or, for a LoRA run with `rollout.vllm.lora_push=adapter`, the adapter alone
+  on the base loaded at the start: vLLM's LoRA support (`enable_lora`), a directory as peft saves it, under a new
+  adapter id per push (vLLM keeps an adapter by its id: an id it has seen would serve the adapter it loaded then);
 - routing: on a MoE, the top-k experts every router chose for every token the engine computed, and the
   router's logits, by hooks on the routers (`_Routing`): vLLM's own `enable_return_routed_experts` needs its
   Model Runner V2, which has no CPU backend.
@@ -36,6 +42,7 @@ import torch
 from gspo.config.errors import ConfigError, tidy_warnings
 from gspo.rollout.child import serve
 from gspo.rollout.slots import map_slot
+from gspo.rollout.transport import Group, device_identity, receive
 
 # log-prob modes: which vLLM mode gives gspo's convention at (top_p < 1, temperature == 1)
 PROCESSED, RAW = "processed_logprobs", "raw_logprobs"
@@ -48,20 +55,25 @@ def behaviour_logprobs(top_p: float, temperature: float) -> Optional[str]:
     return RAW if temperature == 1.0 else None
 
 
-def environment(threads: int) -> dict[str, str]:
+def environment(threads: int, tensor_parallel_size: int = 1) -> dict[str, str]:
     """The environment of a process that will host the engine, set when it starts (vLLM, tqdm and torch read it
     when they are imported): the engine core in that process (see above), `threads` threads (vLLM then leaves
-    torch's as they are), and only its errors on the console (its INFO lines and progress bars, its warnings
-    about a CPU build without Triton or tcmalloc, would bury gspo's progress line; VLLM_LOGGING_LEVEL=INFO
-    brings them back)."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"), "TQDM_DISABLE": "1",
-            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+    torch's as they are; per worker above tensor_parallel_size=1), and only its errors on the console (its INFO
+    lines and progress bars, its warnings about a CPU build without Triton or tcmalloc, would bury gspo's progress
+    line; VLLM_LOGGING_LEVEL=INFO brings them back). Above tensor_parallel_size=1 the CPU build pins each worker's
+    threads to a NUMA node of its own and refuses more workers than nodes: unless VLLM_CPU_OMP_THREADS_BIND says
+    otherwise, they are left unpinned ("nobind")."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads),
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"), "TQDM_DISABLE": "1",
+           "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+    if tensor_parallel_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return env
 
 
-def configure(threads: int) -> None:
+def configure(threads: int, tensor_parallel_size: int = 1) -> None:
     """This process's settings for an in-process engine with `threads` threads, before vllm is imported."""
-    os.environ.update(environment(threads))
+    os.environ.update(environment(threads, tensor_parallel_size))
     tidy_warnings()  # the libraries' FutureWarnings about their own calls are nothing a user can act on
     if os.environ["VLLM_LOGGING_LEVEL"] == "ERROR":  # what vLLM logs while importing, before it reads that variable
         logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -69,14 +81,16 @@ def configure(threads: int) -> None:
 
 
 class VllmEngine:
-    """A vLLM engine in this process, serving the checkpoint in `base_dir` in `dtype`."""
+    """A vLLM engine in this process, serving the checkpoint in `base_dir` in `dtype`; with `max_lora_rank`, with
+    the adapters it is sent on top (LoRA up to that rank, one adapter at a time)."""
 
     def __init__(self, base_dir: str, dtype: str, seed: int, threads: int, stop_ids: list[int], max_num_seqs: int,
                  logprobs_mode: Optional[str], max_logprobs: int = 0, kv_cache_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.3, enforce_eager: Optional[bool] = None, routing: bool = False,
-                 max_model_len: Optional[int] = None):
-        configure(threads)
-        from transformers import AutoConfig, AutoModelForCausalLM
+                 max_model_len: Optional[int] = None, max_lora_rank: Optional[int] = None,
+                 tensor_parallel_size: int = 1):
+        configure(threads, tensor_parallel_size)
+        from transformers import AutoConfig
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -86,28 +100,62 @@ class VllmEngine:
         self.stop_ids = [t for t in stop_ids if t < config.get_text_config().vocab_size]
         self.logprobs_mode = logprobs_mode
         memory = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes else {}
+        self.adapter, self.lora = max_lora_rank is not None, None  # adapter pushes; the adapter it serves
+        lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1) if self.adapter else {}
         self.llm = LLM(model=base_dir, dtype=dtype, seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True,
                        max_num_seqs=max_num_seqs, logprobs_mode=logprobs_mode or PROCESSED,
                        max_logprobs=max(max_logprobs, 1), gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=self.cpu if enforce_eager is None else enforce_eager, disable_log_stats=True,
-                       max_model_len=max_model_len, use_tqdm_on_load=False, **memory)
-        self.worker = self.llm.collective_rpc(_itself)[0]  # in process: the worker object itself
-        # a model on the meta device: the names transformers saves a checkpoint under (the engine loads those)
-        with torch.device("meta"):
-            self.meta = AutoModelForCausalLM.from_config(config)
-        self.routing = _Routing(self.worker.model_runner) if routing else None
+                       max_model_len=max_model_len, use_tqdm_on_load=False,
+                       tensor_parallel_size=tensor_parallel_size, **memory, **lora)
+        self.llm.collective_rpc(_prepare, args=(base_dir,))
+        # (the routing's hooks need the model in this process: tensor_parallel_size=1, gspo/rollout/engine.py)
+        self.routing = _Routing(self.llm.collective_rpc(_itself)[0].model_runner) if routing else None
 
     # -- weights ------------------------------------------------------------------
-    @torch.no_grad()
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        """Serve `weights` (the trainer's parameter names, any dtype) from now on; the prefix cache is reset."""
-        state = checkpoint_format(self.meta, weights)
-        if self.cpu:
-            _first_load_processing(self.worker.model_runner.model)
-        self.worker.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
+    def load_slot(self, path: str, layout: list, dtype: torch.dtype) -> float:
+        """Serve what the trainer wrote at `path` from now on: the adapter directory (adapter pushes), or the slot
+        file of every weight (gspo/rollout/slots.py); the prefix cache is reset. The engine's peak RSS (MiB: this
+        process and its workers)."""
+        if self.adapter:
+            return self._load_adapter(path)
+        return self._load(("file", path, layout, str(dtype).removeprefix("torch.")))
+
+    def devices(self) -> list[str]:
+        """Each worker's device (`transport.device_identity`), in worker order."""
+        return self.llm.collective_rpc(_device)
+
+    def join(self, backend: str, port: int, world: int, timeout_s: float) -> None:
+        """Every worker joins the trainer's weight group (rank 1 + its own): returns once the group is complete."""
+        self.llm.collective_rpc(_join, args=(backend, port, world, timeout_s))
+
+    def load_pushed(self) -> float:
+        """Serve the weights the trainer is pushing over the group (`join`), as `load_slot`."""
+        return self._load(("group",))
+
+    def _load(self, source: tuple) -> float:
+        peaks = dict(self.llm.collective_rpc(_load, args=(source, self.cpu)))
+        return self._after_load(peaks)
+
+    def _load_adapter(self, directory: str) -> float:
+        """The base with the adapter in `directory` (as peft saves it), under a new adapter id (vLLM would serve
+        the adapter it holds under an id it has seen), loaded now (it replaces the one before: the engine holds
+        one). The prefix cache's blocks are keyed by the adapter's name: the reset frees them, it serves no other."""
+        from vllm.lora.request import LoRARequest
+
+        n = self.lora.lora_int_id + 1 if self.lora is not None else 1
+        self.lora = LoRARequest(f"gspo-policy-{n}", n, directory)
+        self.llm.llm_engine.add_lora(self.lora)
+        return self._after_load(dict(self.llm.collective_rpc(_peak)))
+
+    def _after_load(self, peaks: dict[int, float]) -> float:
+        """After a weight update: the prefix cache reset; the engine's peak RSS (MiB), the sum of its workers'
+        `peaks` (by pid) and this process's (counted once where a worker runs in it)."""
+        peaks[os.getpid()] = _peak_rss_mib()
         if not self.llm.reset_prefix_cache():  # vLLM leaves the cache as it is while any of its blocks is in use
             raise RuntimeError("the engine could not reset its prefix cache after a weight update (vLLM: KV blocks "
                                "still in use): cached prompts would be served from the old policy's keys and values")
+        return sum(peaks.values())
 
     # -- sampling -----------------------------------------------------------------
     def sample_ids(self, prompts: list[list[int]], n: int, max_new_tokens: int | list[int], temperature: float = 1.0,
@@ -127,7 +175,8 @@ class VllmEngine:
                   for i in range(len(prompts))]
         if routing:
             self.routing.begin()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                    lora_request=self.lora)
         rows, logps, tops, parents = [], [], [], {}
         for i, out in enumerate(outputs):
             parents[out.request_id] = i
@@ -144,6 +193,64 @@ class VllmEngine:
 
 def _itself(worker):
     return worker
+
+
+# --------------------------------------------------------------------------- in each of vLLM's workers
+
+
+class _Loader:
+    """What a worker of the engine keeps to load weights: a model on the meta device (the names transformers saves
+    a checkpoint under, which the engine loads), the slot files it has mapped, its member of the weight group."""
+
+    def __init__(self, base_dir: str):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            self.meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
+        self.slots: dict[str, dict] = {}
+        self.group = None
+
+    def parts(self, source: tuple):
+        """The weights, in parts of (trainer name, tensor): the slot file's, or each bucket the trainer pushes."""
+        if source[0] == "file":
+            _, path, layout, dtype = source
+            if path not in self.slots:
+                self.slots[path] = map_slot(path, layout, getattr(torch, dtype))
+            return [list(self.slots[path].items())]
+        return receive(self.group)
+
+
+def _prepare(worker, base_dir: str) -> None:
+    worker.gspo_loader = _Loader(base_dir)
+
+
+def _device(worker) -> str:
+    return device_identity(worker.device)
+
+
+def _join(worker, backend: str, port: int, world: int, timeout_s: float) -> None:
+    worker.gspo_loader.group = Group(backend, 1 + worker.rank, world, timeout_s, worker.device, port=port)
+
+
+@torch.no_grad()
+def _load(worker, source: tuple, cpu: bool) -> tuple[int, float]:
+    """The weights from `source` (`_Loader.parts`) into this worker's model, streamed: each part in checkpoint
+    format as it arrives. (this process's pid, its peak RSS in MiB)."""
+    loader = worker.gspo_loader
+    if cpu:
+        _first_load_processing(worker.model_runner.model)
+    state = (item for part in loader.parts(source) for item in checkpoint_format(loader.meta, dict(part)).items())
+    worker.reload_weights(weights_iterator=state, is_checkpoint_format=True)
+    return _peak(worker)
+
+
+def _peak(worker) -> tuple[int, float]:
+    """(this worker's process id, its peak RSS in MiB)."""
+    return os.getpid(), _peak_rss_mib()
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _chosen(logprobs: dict, token: int) -> float:
@@ -286,19 +393,24 @@ def _row(request_id: str, parents: dict[str, int], n: int) -> int:
 
 
 def start(spec: dict):
-    """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py)."""
+    """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py):
+    ("load", step, path) the slot's weights (a file, or an adapter directory), ("push", step) the weights the
+    trainer is pushing over the group, which ("devices",) and ("join", None, backend, port, world, timeout_s) set
+    up; ("sample", step, kwargs)."""
     engine = VllmEngine(**spec["engine"])
     dtype = getattr(torch, spec["dtype"])
-    slots: dict[str, dict] = {}
 
     def handle(message: tuple) -> tuple:
-        if message[0] == "load":
-            _, step, path = message
+        kind = message[0]
+        if kind in ("load", "push"):
             t0 = time.time()
-            if path not in slots:
-                slots[path] = map_slot(path, spec["layout"], dtype)
-            engine.load(slots[path])
-            return ("loaded", time.time() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            rss = engine.load_slot(message[2], spec["layout"], dtype) if kind == "load" else engine.load_pushed()
+            return ("loaded", time.time() - t0, rss)
+        if kind == "devices":
+            return ("devices", engine.devices())
+        if kind == "join":
+            engine.join(*message[2:])
+            return ("joined",)
         _, step, kwargs = message
         return ("samples", engine.sample_ids(**kwargs))
 

@@ -4,9 +4,9 @@ It receives its spec over the socket FD (the run's config, the base checkpoint, 
 share of the prompts), builds the task, the reward functions and its own sampler, says "ready", then
 samples and scores one step's batch per job with the weights of the slot the job names, until told to
 stop. The sampler is the base checkpoint's model, whose parameters become views of the slot (no copy), or
-with `rollout.engine=vllm` an inference engine in this process that loads the slot's weights when the job's
-policy version is not the one it holds. The process plumbing (signals, errors as one line, dying with the
-trainer) is gspo/rollout/child.py's.
+with `rollout.engine=vllm` an inference engine in this process that loads the slot's weights (or, with
+`rollout.vllm.lora_push=adapter`, its adapter) when the job's policy version is not the one it holds. The
+process plumbing (signals, errors as one line, dying with the trainer) is gspo/rollout/child.py's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ def start(spec: dict):
         torch.cuda.set_device(device)  # model on reward.device=cuda|auto) is that GPU, as in the rank itself
     task = build_task(cfg.task)
     share = Share(spec["lo"], spec["hi"], spec["world"], device)
-    slots: dict[str, dict] = {}
     if cfg.rollout.engine == "vllm":  # the engine in this process: it loads a slot's weights when they are new
         from gspo.models.build import load_tokenizer
         from gspo.rollout.engine import Engine
@@ -50,7 +49,7 @@ def start(spec: dict):
 
         def use(path: str, version: int) -> None:
             if held[0] != (path, version):
-                engine.load(slots[path])
+                engine.load_slot(path, spec["layout"], dtype)
                 held[0] = (path, version)
     else:
         from gspo.models.build import load_pretrained
@@ -60,8 +59,11 @@ def start(spec: dict):
         # left requiring grad, as the trainer's own model: under no_grad that changes nothing but the kernel some
         # matmuls take (frozen weights gave other last bits on the CPU), and in-process sampling uses those
         params = dict(model.named_parameters())
+        slots: dict[str, dict] = {}
 
         def use(path: str, version: int) -> None:
+            if path not in slots:
+                slots[path] = map_slot(path, spec["layout"], dtype)
             for name, view in slots[path].items():  # the slot's weights, in place of ours: no copy
                 params[name].data = view
 
@@ -70,8 +72,6 @@ def start(spec: dict):
     def handle(message: tuple) -> tuple:
         _, step, version, path = message
         t0 = time.time()
-        if path not in slots:
-            slots[path] = map_slot(path, spec["layout"], dtype)
         use(path, version)
         with torch.no_grad():
             batch, metrics = collect(cfg, step, lambda: contextlib.nullcontext(sampler), tokenizer, task, share,

@@ -10,7 +10,9 @@ Design (docs/scaling.md, "Asynchronous rollouts"):
   sampler's dtype, mapped by the trainer and the workers alike (`torch.from_file(shared=True)`). The push
   after an update is one copy of the trainer's weights into a free slot, cast (LoRA: only the adapted
   weights, W0 + ΔW, after the slot's first use); a worker points its parameters at the slot its job names,
-  without a copy. A slot is free again once every job that samples with it has delivered its batch.
+  without a copy. A slot is free again once every job that samples with it has delivered its batch. Workers
+  hosting the vLLM engine with `rollout.vllm.lora_push=adapter` are sent the adapter alone: a slot is then a
+  directory holding it, which the worker's engine loads on the base it started with.
 - Steps go round-robin: worker (t - 1) mod N samples step t, with the weights after step t-1-K. Only a lag
   K >= 1 lets sampling overlap the update; with K = 0 the trainer waits for each batch (as it would sample
   it itself). With N > 1 and a sampler slower than the update, N steps are sampled at once.
@@ -28,7 +30,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -36,7 +38,7 @@ from gspo.config.errors import RunFailed
 from gspo.models import adapters
 from gspo.rollout.batch import Batch
 from gspo.rollout.child import Child
-from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove_stale_slots, shm_dir
+from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove, remove_stale_slots, slot_path
 from gspo.rollout.source import Collected
 from gspo.rollout.vllm_engine import environment
 
@@ -46,7 +48,7 @@ STARTUP_S = 300.0  # the least a worker is given to start (import torch, build i
 @dataclass
 class _Slot:
     path: str
-    views: dict[str, torch.Tensor]
+    views: Optional[dict[str, torch.Tensor]]  # None: an adapter slot (a directory)
     users: int = 0  # jobs sampling with it, not yet delivered
     written: bool = False  # the frozen (LoRA base) weights are in it
 
@@ -66,6 +68,7 @@ class WorkerPool:
         self.slot_of: dict[int, _Slot] = {}  # step in flight -> the slot its weights are in
         self.version_of: dict[int, int] = {}
         self._tag = f"{PREFIX}{os.getpid()}-{rank}-{secrets.token_hex(4)}"
+        self.adapter = spec.get("engine", {}).get("max_lora_rank") is not None  # adapter pushes to their engines
 
     # -- lifetime ---------------------------------------------------------------
     def start(self, start: int, model, pending: dict[int, dict]) -> None:
@@ -76,7 +79,8 @@ class WorkerPool:
             self.workers.append(Child(f"rollout worker {i}", "gspo.rollout.worker", {
                 **self.spec, "worker": i, "layout": self.layout, "dtype": str(self.dtype).removeprefix("torch.")},
                 on_fail=self.kill, stopped="; every worker was stopped",
-                env=environment(self.spec["engine"]["threads"]) if "engine" in self.spec else None))
+                env=environment(self.spec["engine"]["threads"], self.spec["engine"]["tensor_parallel_size"])
+                if "engine" in self.spec else None))
         for w in self.workers:  # starting is importing torch and building the model: slow on a busy machine
             w.expect("ready", None, max(self.timeout_s, STARTUP_S), f"rollout.timeout_s={self.timeout_s:g}")
         for step, item in pending.items():
@@ -101,7 +105,7 @@ class WorkerPool:
 
     def _free_slots(self) -> None:
         for slot in self.slots:
-            Path(slot.path).unlink(missing_ok=True)
+            remove(slot.path)
         self.slots = []
 
     # -- the loop's side --------------------------------------------------------
@@ -130,17 +134,21 @@ class WorkerPool:
 
     # -- internals --------------------------------------------------------------
     def _push(self, model) -> tuple[_Slot, dict]:
-        """The current weights, cast, in a free slot (a new one if none is free); `time/weight_sync_s`."""
+        """The current weights (adapter pushes: the adapter), cast, in a free slot (a new one if none is free);
+        `time/weight_sync_s`."""
         t0 = time.time()
         slot = next((s for s in self.slots if s.users == 0), None)
         if slot is None:
-            path = os.path.join(shm_dir(), f"{self._tag}-{len(self.slots)}.bin")
-            slot = _Slot(path, map_slot(path, self.layout, self.dtype, create=True))
+            path = slot_path(f"{self._tag}-{len(self.slots)}", self.adapter)
+            slot = _Slot(path, None if self.adapter else map_slot(path, self.layout, self.dtype, create=True))
             self.slots.append(slot)
         with torch.no_grad():
-            for name, value, trained in adapters.merged_parameters(model):
-                if trained or not slot.written:
-                    slot.views[name].copy_(value)
+            if self.adapter:
+                adapters.write_adapter(model, slot.path, self.dtype)
+            else:
+                for name, value, trained in adapters.merged_parameters(model):
+                    if trained or not slot.written:
+                        slot.views[name].copy_(value)
         slot.written = True
         return slot, {"time/weight_sync_s": time.time() - t0}
 

@@ -1,0 +1,152 @@
+"""Weights as tensors (gspo/rollout/transport.py, `rollout.vllm.weight_transport=tensors`) over a gloo group of two
+local processes, the trainer's side here and a receiver spawned: what arrives is what was pushed, bitwise (cast as
+the file push casts), in buckets no larger than asked; a receiver that dies or goes silent ends the push with
+`PeerLost`, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from gspo.rollout import transport
+from gspo.rollout.transport import ALIGN, Group, PeerLost, Sender, backend_for, host_store, receive
+
+TIMEOUT_S = 300.0  # (a spawned receiver imports torch: slow on a busy machine)
+
+
+def _receiver(port: int, pushes: int, out: str, stop: bool) -> None:
+    """Rank 1: join, receive `pushes` pushes, save every bucket (names, tensors, the bucket's data bytes)."""
+    torch.set_num_threads(1)
+    group = Group("gloo", 1, 2, TIMEOUT_S, torch.device("cpu"), port=port)
+    if stop:  # joined, then silent: stopped as by SIGSTOP
+        os.kill(os.getpid(), signal.SIGSTOP)
+    got = []
+    for _ in range(pushes):
+        got.append([[(name, t.clone(), t.untyped_storage().nbytes()) for name, t in bucket] for bucket in receive(group)])
+    torch.save(got, out)
+    group.close()
+
+
+def start(tmp_path, pushes: int = 1, stop: bool = False):
+    """A receiver process and the sender's group: (process, group, where the receiver saves what it got)."""
+    store, port = host_store(TIMEOUT_S)
+    out = str(tmp_path / "got.pt")
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(port, pushes, out, stop), daemon=True)
+    proc.start()
+    group = Group("gloo", 0, 2, TIMEOUT_S, torch.device("cpu"), store=store, alive=proc.is_alive)
+    return proc, group, out
+
+
+def weights():
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(8, 6, generator=g)
+    return [("a.weight", torch.randn(4, 3, generator=g)), ("a.bias", torch.randn(3, generator=g)),
+            ("scale", torch.tensor(2.5)), ("empty", torch.zeros(0, 5)),
+            ("big", torch.randn(40, 10, generator=g)),  # 1,600 bytes in float32: larger than a bucket
+            ("strided", wide[:, ::2]), ("ids", torch.arange(7, dtype=torch.int64)),
+            ("half", torch.randn(5, 5, generator=g).to(torch.bfloat16))]
+
+
+def test_a_push_arrives_whole_and_bitwise_in_buckets_no_larger_than_asked(tmp_path):
+    """Two pushes over one group: every weight arrives under its name and shape with the bytes `Tensor.copy_` casts
+    it to (what the file push writes into its slot), float32 and bfloat16 targets alike; each bucket holds at most
+    `bucket_bytes` (a weight larger than that alone, in a buffer of its own size), whole weights, in push order."""
+    bucket = 512
+    proc, group, out = start(tmp_path, pushes=2)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            assert Sender(group, bucket, dtype, alive=proc.is_alive).push(weights()) > 0
+        proc.join(TIMEOUT_S)
+    finally:
+        group.close()
+    assert proc.exitcode == 0
+    got = torch.load(out)
+    for dtype, buckets in zip((torch.float32, torch.bfloat16), got):
+        flat = [(name, t) for b in buckets for name, t, _ in b]
+        assert [name for name, _ in flat] == [name for name, _ in weights()]
+        for (name, t), (_, w) in zip(flat, weights()):
+            want = torch.empty(w.shape, dtype=dtype).copy_(w)
+            assert t.dtype == dtype and t.shape == w.shape, name
+            assert torch.equal(t.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), name
+        for b in buckets:
+            size = b[0][2]
+            assert size <= bucket or (len(b) == 1 and size == b[0][1].numel() * b[0][1].element_size())
+        assert [len(b) for b in buckets] == [4, 1, 3]  # the large weight between two buckets
+
+
+def test_the_sender_reuses_one_bucket_and_sends_a_large_weight_from_its_own_storage(tmp_path, monkeypatch):
+    """The sender's extra memory: one bucket, allocated once for every push; a weight larger than a bucket, already
+    contiguous and of the pushed dtype, is broadcast from its own storage (no copy)."""
+    proc, group, out = start(tmp_path, pushes=2)
+    sent = []
+    broadcast = group.broadcast
+    monkeypatch.setattr(group, "broadcast", lambda t, alive=None: (sent.append(t), broadcast(t, alive))[1])
+    big = torch.randn(100, 10)
+    try:
+        sender = Sender(group, 1024, torch.float32, alive=proc.is_alive)
+        sender.push([("small", torch.ones(3)), ("big", big)])
+        first = sender.buffer
+        sender.push([("small", torch.ones(3)), ("big", big)])
+        proc.join(TIMEOUT_S)
+    finally:
+        group.close()
+    assert sender.buffer is first and first.numel() == 1024
+    assert any(t.data_ptr() == big.data_ptr() for t in sent)
+
+
+def test_a_receiver_killed_before_the_push_ends_it_with_peer_lost_at_once(tmp_path):
+    proc, group, _ = start(tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PeerLost):
+            Sender(group, 256, alive=proc.is_alive).push(weights())
+    finally:
+        group.close()
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_silent_receiver_ends_the_push_with_peer_lost_after_the_timeout(tmp_path):
+    """A receiver that joined and stopped (SIGSTOP): the push raises after the group's timeout, not later."""
+    proc, group, _ = start(tmp_path, stop=True)
+    group.timeout_s = 3.0  # (joining took the spawned process's start-up: a longer wait)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost):
+            # (larger than the sockets' buffers: a broadcast's root waits only for them)
+            Sender(group, 64, alive=proc.is_alive).push([("w", torch.zeros(2**23))])
+        assert time.monotonic() - t0 < 20
+    finally:
+        group.close()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+
+
+def test_a_receiver_that_never_joins_ends_the_wait_for_the_group_when_it_dies(tmp_path):
+    store, port = host_store(TIMEOUT_S)
+    proc = mp.get_context("spawn").Process(target=time.sleep, args=(0.5,), daemon=True)
+    proc.start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost):
+        Group("gloo", 0, 2, TIMEOUT_S, torch.device("cpu"), store=store, alive=proc.is_alive)
+    assert time.monotonic() - t0 < 60
+
+
+def test_the_backend_is_nccl_only_between_distinct_gpus():
+    a, b, c = "cuda:GPU-a", "cuda:GPU-b", "cuda:GPU-c"
+    assert backend_for(a, [b]) == backend_for(a, [b, c]) == "nccl"
+    assert backend_for(a, [a]) == backend_for(a, [b, a]) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert backend_for("cpu", ["cpu"]) == backend_for("cpu", [b]) == backend_for(a, ["cpu"]) == "gloo"
+    assert transport.buffer_device("gloo", torch.device("cuda", 1)) == torch.device("cpu")
+    assert transport.device_identity(torch.device("cpu")) == "cpu"
+
+
+def test_a_bucket_smaller_than_the_alignment_is_refused():
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        Sender(None, ALIGN - 1)
