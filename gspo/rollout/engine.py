@@ -281,7 +281,7 @@ class EngineProcess:
 
     def __init__(self, engine: dict, layout: list, timeout_s: float, transport: str = "file",
                  bucket_bytes: int = 2**26, device: torch.device = torch.device("cpu")):
-        self.timeout_s, self.layout, self.step = timeout_s, layout, None
+        self.timeout_s, self.step = timeout_s, None
         self.hint = f"rollout.timeout_s={timeout_s:g}"
         self.dtype = getattr(torch, engine["dtype"])
         self.adapter = engine["max_lora_rank"] is not None
