@@ -221,6 +221,49 @@ def test_a_reward_functions_mean_over_ranks_weighs_the_rows_it_scored(tmp_path):
         assert got["reward/mean"] == pytest.approx(0.3) and not any(k.startswith(distributed.COUNT) for k in got)
 
 
+def merged_under_fsdp(rank: int, world: int, lora: int) -> dict:
+    """The weights a sampler is sent (`Dist.merged_parameters`) from a model sharded over `world` gloo ranks, against
+    the same model's whole (`adapters.merged_parameters` before sharding); at each weight, how many elements the rank
+    held whole."""
+    from torch.distributed.tensor import DTensor
+
+    from gspo.models import adapters
+    from gspo.models.build import build_model, char_tokenizer
+
+    tok = char_tokenizer("0123456789+=")
+    cfg = compose(["model=qwen3-tiny", "model.num_layers=4", f"model.lora.r={lora}"])
+    model = adapters.apply(build_model(cfg.model, len(tok), tok, seed=0), cfg.model.lora, ".", seed=0)
+    with torch.no_grad():  # LoRA's B starts at zero: moved, so that the merge adds something
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    whole = {name: value.clone() for name, value, _ in adapters.merged_parameters(model)}
+    dist = distributed.Dist(rank=rank, world=world, strategy="fsdp")
+    dist.wrap(model, torch.float32)
+    model(torch.tensor([[1, 2, 3]]))  # FSDP's root keeps its weights gathered after a forward
+    names, sent, held = [], {}, []
+    for name, value, _ in dist.merged_parameters(model):
+        names.append(name)
+        sent[name] = value.clone()
+        held.append(sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor)))
+    return {"names": names, "whole": whole, "sent": sent, "held": held,
+            "total": sum(v.numel() for v in whole.values())}
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_fsdp_sends_a_sampler_the_whole_weights_one_unit_at_a_time(lora, tmp_path):
+    """What an engine is pushed under FSDP (rollout.engine=vllm, hardware.strategy=fsdp): every weight whole (LoRA:
+    merged), bitwise what the unsharded model gives, on every rank; gathered one FSDP unit at a time, so a rank never
+    holds the model whole: at most the largest unit (the root: embeddings, norm, head), less than half the model."""
+    from gloo import run_ranks
+
+    for got in run_ranks(merged_under_fsdp, 2, tmp_path, lora):
+        assert sorted(got["names"]) == sorted(got["whole"])  # every weight, once
+        for name, value in got["whole"].items():
+            assert torch.equal(got["sent"][name], value), name
+        assert 0 < max(got["held"]) < got["total"] / 2, (max(got["held"]), got["total"])
+
+
 # --------------------------------------------------------------------------- equivalence
 
 

@@ -285,8 +285,7 @@ def test_what_the_engine_cannot_serve_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(engine, "installed", lambda: True)
     with pytest.raises(ConfigError, match=r"head sizes 32, 64.*this model's is 16 \(model.head_dim\)"):
         check(compose(["rollout.engine=vllm", "model.head_dim=16"]))
-    with pytest.raises(ConfigError, match="fsdp"):
-        check(compose(["rollout.engine=vllm", "hardware=gpu-fsdp"]))
+    check(compose(["rollout.engine=vllm", "hardware=gpu-fsdp"]))  # the weights gathered unit by unit for each push
     with pytest.raises(ConfigError, match="rollout.old_logprobs=sampler needs the engine's log-probs"):
         check(compose(["rollout.engine=vllm", "rollout.top_p=0.9", "rollout.temperature=0.7",
                        "rollout.old_logprobs=sampler"]))
@@ -360,6 +359,11 @@ def test_engine_settings_are_refused_when_the_engine_is_off():
                                                                         "rollout.vllm.bucket_mb=8")
     tensors = compose(["rollout.engine=vllm", "rollout.vllm.weight_transport=tensors"])
     assert ignored_override([tensors], "rollout.vllm.bucket_mb=8") is None
+    # how ranks share engines: read with several ranks only
+    assert "one trainer process has one engine" in ignored_override([compose(["rollout.engine=vllm"])],
+                                                                     "rollout.vllm.mode=shared")
+    ddp = compose(["rollout.engine=vllm", "hardware=cpu-ddp"])
+    assert ignored_override([ddp], "rollout.vllm.mode=shared") is None
 
 
 def test_the_weight_transport_and_tensor_parallelism_are_refused_where_they_cannot_serve(monkeypatch, tmp_path):
@@ -385,6 +389,11 @@ def test_the_weight_transport_and_tensor_parallelism_are_refused_where_they_cann
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing"):
         check(compose([*tp2, "model=hf", f"model.path={hf_moe}"]))
     check(compose([*tp2, "model=qwen3-tiny", "rollout.vllm.kv_cache_gib=1"]))  # a dense model is served
+    with pytest.raises(ConfigError, match=r"rollout.vllm.mode=shared serves the trainer's ranks from rank 0's engine "
+                                          r"\(rollout.workers=0\); with rollout.workers=1.*use rollout.vllm.mode=per_rank"):
+        check(compose(["rollout.engine=vllm", "hardware=cpu-ddp", "rollout.vllm.mode=shared", "rollout.workers=1"]))
+    with pytest.raises(ConfigError, match=r"rollout.vllm.mode.*per_rank, shared"):
+        compose(["rollout.engine=vllm", "rollout.vllm.mode=server"])
 
 
 def test_an_adapter_push_over_the_weight_group_is_refused_naming_what_to_use_instead(monkeypatch):

@@ -306,6 +306,43 @@ def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(tra
     assert no_engine_left()
 
 
+def two_ranks(cache_dir, run: Path, **extra) -> list[dict]:
+    """`gspo train hardware=cpu-ddp` (2 gloo ranks) with the engine, 3 steps; its metrics."""
+    res = gspo("train", *opts(cache_dir, **{"model": "qwen3-tiny", "hardware": "cpu-ddp", "rollout.mismatch_every": 1,
+                                           "logger.wandb_cfg.samples_every": 1, "train.lr": 0.01, **extra}),
+               f"hydra.run.dir={run}", cwd=run.parent, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return steady(run)
+
+
+def test_two_ranks_train_the_same_with_an_engine_each_or_one_shared_under_ddp_or_fsdp(tmp_path, cache_dir):
+    """2 gloo ranks, 3 steps. rollout.vllm.mode=shared (rank 0's engine serves both ranks, rank 1 over a connection of
+    its own, pushed once per step) equals an engine per rank, bitwise: every metric, sample and weight.
+    hardware.strategy=fsdp (each push the whole weights gathered one FSDP unit at a time), with an engine per rank or
+    the shared one: the completions, rewards and loss of DDP, the weights to float rounding (FSDP reduce-scatters what
+    DDP all-reduces); after every update the engine's float32 log-probs are the trainer's to 1e-3 per token (the
+    one-process bound), though the updates moved the policy."""
+    ddp = two_ranks(cache_dir, tmp_path / "ddp")
+    two_ranks(cache_dir, tmp_path / "ddp-shared", **{"rollout.vllm.mode": "shared"})
+    assert_same_run(tmp_path / "ddp", tmp_path / "ddp-shared")
+    samples = lambda run: (tmp_path / run / "samples.jsonl").read_text()  # noqa: E731
+    assert samples("ddp-shared") == samples("ddp")
+    wa = load_file(checkpoint.latest(tmp_path / "ddp") / "model.safetensors")
+    for mode in ("per_rank", "shared"):
+        fsdp = two_ranks(cache_dir, tmp_path / f"fsdp-{mode}", **{"hardware.strategy": "fsdp", "rollout.vllm.mode": mode})
+        assert [r["step"] for r in fsdp] == [r["step"] for r in ddp] == [0, 1, 2, 3]
+        for a, b in zip(ddp[1:], fsdp[1:]):
+            for key in ("reward/mean", "response/len_mean", "train/loss", "train/grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (mode, b["step"], key)
+            assert b["rollout/logprob_abs_diff_max"] <= 1e-3 and b["kl/old"] > 0, mode
+        assert samples(f"fsdp-{mode}") == samples("ddp"), mode
+        wb = load_file(checkpoint.latest(tmp_path / f"fsdp-{mode}") / "model.safetensors")
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{mode}: {k}: {m}")
+    assert no_engine_left()
+
+
 def test_gspo_trains_on_the_engines_log_probs(tmp_path, cache_dir):
     """rollout.old_logprobs=sampler: the engine's likelihoods are the old policy's (no recomputed pass); the
     mismatch is still measured every rollout.mismatch_every steps."""
@@ -368,10 +405,14 @@ FAULT = """
 import os, signal, subprocess, time
 from pathlib import Path
 def reward(completions, **kw):  # call 0 is the start-up probe; the trainer scores every batch after it
-    p = Path({counter!r})
+    p = Path({counter!r} + os.environ.get("RANK", ""))  # a rank's own count (one engine's rank 0 kills it)
     n = int(p.read_text()) if p.exists() else 0
     p.write_text(str(n + 1))
     if n == 3:  # this trainer's engine process (not the workers it started for tensor parallelism, nor others')
+        for r in range(1, int(os.environ.get("WORLD_SIZE", "1"))):  # a shared engine: once every rank was served
+            other = Path({counter!r} + str(r))
+            while int((other.read_text() if other.exists() else "") or 0) <= n:
+                time.sleep(0.05)
         pids = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "gspo.rollout.vllm_engine"], capture_output=True,
                               text=True).stdout.split()
         for pid in pids:
@@ -383,6 +424,10 @@ def reward(completions, **kw):  # call 0 is the start-up probe; the trainer scor
 KILLED = r"the vLLM engine \(pid \d+\) died while sampling step 4 \(killed by SIGKILL\); it was stopped"
 TENSORS_TP2 = {"rollout.vllm.weight_transport": "tensors", "rollout.vllm.tensor_parallel_size": 2,
                "model": "qwen3-tiny"}
+# either rank may be the first to fail: rank 0 sees its engine die, rank 1 its connection to it close
+SHARED_KILLED = (r"rank 0, .*: " + KILLED + r"|rank 1, .*: the vLLM engine \(shared, started by rank 0\): its "
+                 r"connection closed while sampling step 4 \(the engine or rank 0 died\)")
+SHARED = {"hardware": "cpu-ddp", "rollout.vllm.mode": "shared", "model": "qwen3-tiny"}
 
 
 @pytest.mark.parametrize("mode, line, extra", [
@@ -390,11 +435,13 @@ TENSORS_TP2 = {"rollout.vllm.weight_transport": "tensors", "rollout.vllm.tensor_
     ("hang", r"the vLLM engine: nothing from it for 5 s while sampling step 4 \(hung\? rollout.timeout_s=5\); "
              r"it was stopped", {}),
     ("kill", KILLED, TENSORS_TP2),
-], ids=["kill", "hang", "kill-tensors-tp2"])
+    ("kill", SHARED_KILLED, SHARED),
+], ids=["kill", "hang", "kill-tensors-tp2", "kill-shared"])
 def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, extra, tmp_path, cache_dir):
     """The engine killed with -9 or stopped (SIGSTOP) after step 3: one line naming the step, non-zero exit, the last
     checkpoint intact, no engine process left: with weights pushed as tensors to two tensor-parallel workers too
-    (their weight group left, the workers the killed engine started killed with it). Only the hang waits for
+    (their weight group left, the workers the killed engine started killed with it), and with the engine two ranks
+    share (rollout.vllm.mode=shared: whichever rank notices first says it). Only the hang waits for
     rollout.timeout_s (5 s); a death is noticed at once, so the kills run with 300 s (a busy machine's engine may
     take more than 5 s to sample a step)."""
     import re

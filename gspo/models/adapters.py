@@ -164,7 +164,7 @@ def lora_config(model: torch.nn.Module, lora):
     )
 
 
-def merged_parameters(model: torch.nn.Module):
+def merged_parameters(model: torch.nn.Module, whole_only: bool = False):
     """(name, value, adapted) for every parameter of the plain model `merge_and_unload()` would give, without
     building it: W0 + ΔW (peft's own `get_delta_weight`, scaling included) where LoRA adapts the weight, the
     frozen base weight itself elsewhere (`adapted` False: it never changes, so a sampler copies it once).
@@ -173,10 +173,33 @@ def merged_parameters(model: torch.nn.Module):
     adapted weights only, computed from the rank-r factors, instead of a deep copy of the model merged.
     A plain (not adapted) model: its own parameters, all `adapted` (they all train). An adapter on a tied weight
     is refused (`check_mergeable`): one name per tensor would carry its delta to the other name, or drop it.
+    `whole_only`: only the parameters held whole on this process now, not FSDP2's DTensor shards (the
+    weights of the one FSDP unit that is gathered: gspo/train/distributed.py `Dist.merged_parameters`).
     """
+    plain = not is_adapted(model)
+    for name, p, module in _plain_parameters(model):
+        if whole_only and _is_shard(p):
+            continue
+        if module is None:
+            yield name, p.detach(), plain
+            continue
+        with torch.no_grad():
+            delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+        yield name, p.detach() + delta.to(p.dtype), True
+
+
+def merged_layout(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter `merged_parameters` yields, in its order, computing none (an FSDP2
+    shard gives its whole shape)."""
+    return [(name, tuple(p.shape)) for name, p, _ in _plain_parameters(model)]
+
+
+def _plain_parameters(model: torch.nn.Module):
+    """(the plain model's name, the parameter, the LoRA layer adapting it or None) for every parameter but the
+    adapters' factors."""
     if not is_adapted(model):
         for name, p in model.named_parameters():
-            yield name, p.detach(), True
+            yield name, p, None
         return
     check_mergeable(model)
     from peft.tuners.lora import LoraLayer
@@ -189,16 +212,15 @@ def merged_parameters(model: torch.nn.Module):
             param = getattr(module, "parameter_name", None)  # a ParamWrapper (fused MoE experts) adapts that one
             adapted[f"{strip(name)}.{param or 'weight'}"] = module
     for name, p in base.named_parameters():
-        if ".lora_" in name:
-            continue
-        plain = strip(name)
-        module = adapted.get(plain)
-        if module is None:
-            yield plain, p.detach(), False
-            continue
-        with torch.no_grad():
-            delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
-        yield plain, p.detach() + delta.to(p.dtype), True
+        if ".lora_" not in name:
+            yield strip(name), p, adapted.get(strip(name))
+
+
+def _is_shard(t: torch.Tensor) -> bool:
+    """Whether `t` is an FSDP2 shard (a DTensor) rather than a whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _assert_routers_untouched(peft_model, routers: set[int]) -> None:
@@ -271,18 +293,24 @@ def write_adapter(model, directory: str | Path, dtype: torch.dtype) -> None:
     """The adapter of `model` (a PeftModel, under any DDP wrapper) as peft saves it, its factors cast to `dtype`,
     into `directory`: what an inference engine's LoRA loader reads (rollout.vllm.lora_push=adapter). The config
     never changes during a run: written once; the factors are rewritten at every call."""
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    model = getattr(model, "module", model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / ADAPTER_CONFIG).is_file():
-        model.peft_config["default"].save_pretrained(str(directory))
-    # save_embedding_layers=False: the embeddings are never adapted, and "auto" may query the Hub about the base
-    state = get_peft_model_state_dict(model, save_embedding_layers=False)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in state.items()},
+        getattr(model, "module", model).peft_config["default"].save_pretrained(str(directory))
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in adapter_state(model).items()},
               str(directory / "adapter_model.safetensors"))
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapter's factors of `model` (a PeftModel, under any DDP wrapper) under peft's saved names, whole: under
+    FSDP2 each gathered from its shards (a collective: every rank calls it)."""
+    from peft import get_peft_model_state_dict
+
+    # save_embedding_layers=False: the embeddings are never adapted, and "auto" may query the Hub about the base
+    state = get_peft_model_state_dict(getattr(model, "module", model), save_embedding_layers=False)
+    return {k: v.full_tensor() if _is_shard(v) else v for k, v in state.items()}
 
 
 def load_weights(model, adapter_dir: str | Path) -> None:

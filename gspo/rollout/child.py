@@ -153,39 +153,106 @@ def root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def serve(fd: int, start: Callable[[dict], Callable[[tuple], Optional[tuple]]]) -> int:
+def serve(fd: int, start: Callable[[dict], Callable[[tuple], Optional[tuple]]], syncs: tuple[str, ...] = ()) -> int:
     """The child's main loop on socket `fd`: `start(spec)` builds its state and returns the handler that answers
     each later message (a reply tuple, or None for none); ("stop",) ends it. Returns the exit code.
 
-    A message whose second item is an int names the step it serves: an error while handling it says so."""
+    A message whose second item is an int names the step it serves: an error while handling it says so.
+
+    Other processes may be served beside the trainer (a shared engine: the trainer's other ranks): ("listen", n,
+    timeout_s) opens a listener (`Clients`) and waits for `n` of them. A client's messages name the step they are
+    for and wait until the trainer's last message of a kind in `syncs` (the weights' load) is for that step or a
+    later one; then ("synced", step) is answered with that load's reply, anything else by the handler."""
     from gspo.config.processes import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C or SIGTERM reaches the trainer, which stops us
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent()
     conn = Connection(fd)
-    send = lambda message: conn.send_bytes(pickle.dumps(message))  # noqa: E731
-    step = None
+    send = lambda message, to=conn: to.send_bytes(pickle.dumps(message))  # noqa: E731
+    step, clients, at = None, None, None  # at: the client whose message is being handled
+    synced, loaded = None, None  # the step of the trainer's last sync, and its reply
     try:
         _, spec = pickle.loads(conn.recv_bytes())
         handle = start(spec)
         send(("ready",))
         while True:
-            message = pickle.loads(conn.recv_bytes())
-            if message[0] == "stop":
-                return 0
-            step = message[1] if len(message) > 1 and isinstance(message[1], int) else None
-            reply = handle(message)
-            if reply is not None:
-                send(reply)
-            step = None
+            if clients is None or clients.waiting(conn, synced) is conn:
+                message = pickle.loads(conn.recv_bytes())
+                if message[0] == "stop":
+                    return 0
+                if message[0] == "listen":
+                    clients = Clients(*message[1:], send)
+                    continue
+                step = message[1] if len(message) > 1 and isinstance(message[1], int) else None
+                reply = handle(message)
+                if message[0] in syncs:
+                    synced, loaded = step, reply
+                if reply is not None:
+                    send(reply)
+                step = None
+                continue
+            at, message = clients.next()
+            step = message[1]
+            send(loaded if message[0] == "synced" else handle(message), at)
+            at = step = None
     except (EOFError, OSError, KeyboardInterrupt):  # the trainer is gone: so are we
         return 1
     except Exception as e:
-        try:
-            users = isinstance(e, ConfigError)
-            send(("error", step, type(e).__name__, " ".join(str(e).split()), users))
-        except Exception:
-            pass
+        error = ("error", step, type(e).__name__, " ".join(str(e).split()), isinstance(e, ConfigError))
+        for to in filter(None, (at, conn)):  # the client that asked, if one did, and the trainer
+            try:
+                send(error, to)
+            except Exception:
+                pass
         return 1
 
+
+class Clients:
+    """The other processes a child serves beside the trainer (`serve`): a listener on a free port of `host`,
+    announced to the trainer as ("listening", port, key), then `n` clients accepted within `timeout_s`, each
+    proving it holds the key (multiprocessing's authentication). Their messages are taken in arrival order, each
+    once the weights for its step are loaded."""
+
+    def __init__(self, n: int, timeout_s: float, host: str, send: Callable):
+        import threading
+        from multiprocessing.connection import Listener
+
+        key = os.urandom(16)
+        listener = Listener((host, 0), authkey=key)
+        send(("listening", listener.address[1], key))
+        self.conns: list[Connection] = []
+        accepting = threading.Thread(target=lambda: [self.conns.append(listener.accept()) for _ in range(n)],
+                                     daemon=True)
+        accepting.start()
+        accepting.join(timeout_s)
+        listener.close()
+        if len(self.conns) < n:
+            raise RuntimeError(f"{len(self.conns)} of the {n} other ranks connected within {timeout_s:g} s")
+        self.queue: list[tuple[Connection, tuple]] = []  # received, not yet served
+        self.synced: Optional[int] = None
+        send(("accepted",))
+
+    def waiting(self, trainer: Connection, synced: Optional[int]) -> Optional[Connection]:
+        """The trainer's connection when it has a message and no client's can be served, else None: the queue
+        then holds a client's message that can be served now (`next`). `synced`: the step of the weights loaded."""
+        from multiprocessing.connection import wait
+
+        self.synced = synced
+        while not any(self._ready(message) for _, message in self.queue):
+            for c in wait([trainer, *self.conns]):
+                if c is trainer:
+                    return trainer
+                try:
+                    self.queue.append((c, pickle.loads(c.recv_bytes())))
+                except (EOFError, OSError):  # a rank that finished (or died: the trainer's rank 0 hears of it)
+                    self.conns.remove(c)
+        return None
+
+    def _ready(self, message: tuple) -> bool:
+        step = message[1]
+        return step is None or (self.synced is not None and step <= self.synced)
+
+    def next(self) -> tuple[Connection, tuple]:
+        """The oldest client message that can be served now."""
+        return self.queue.pop(next(i for i, (_, message) in enumerate(self.queue) if self._ready(message)))

@@ -24,7 +24,7 @@ import contextlib
 import importlib.util
 import os
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -37,7 +37,7 @@ from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, sto
 from gspo.rollout.params import SamplingParams
 from gspo.rollout.sampler import Sampler, sampler_dtype
 from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove, slot_path
-from gspo.rollout.transport import Group, PeerLost, Sender, backend_for, device_identity, host_store
+from gspo.rollout.transport import HOST, Group, PeerLost, Sender, backend_for, device_identity, host_store
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
 
 # the README's engine line without its venv: the CPU build pins gspo's torch; the torchvision it pulls in is built for
@@ -63,9 +63,6 @@ def check(cfg, on_cpu: bool) -> None:
     if not installed():
         raise ConfigError(f"rollout.engine=vllm: vLLM is not installed in this environment; on a CPU: {INSTALL_CPU} "
                           f"(the README's engine line); on a GPU: {INSTALL_GPU}")
-    if cfg.hardware.strategy == "fsdp":
-        raise ConfigError("rollout.engine=vllm is not supported with hardware.strategy=fsdp (the engine loads full "
-                          "weights; FSDP shards them): use hardware.strategy=ddp")
     head = head_dim(cfg)
     if on_cpu and head is not None and head not in CPU_HEAD_SIZES:
         raise ConfigError(f"rollout.engine=vllm: vLLM's CPU attention takes head sizes "
@@ -104,6 +101,10 @@ def check(cfg, on_cpu: bool) -> None:
         raise ConfigError(f"rollout.vllm.weight_transport=tensors pushes to the engine the trainer starts "
                           f"(rollout.workers=0); with rollout.workers={r.workers} each worker's engine reads the "
                           "weights its job names from a slot file: use rollout.vllm.weight_transport=file")
+    if v.mode == "shared" and r.workers:
+        raise ConfigError(f"rollout.vllm.mode=shared serves the trainer's ranks from rank 0's engine (rollout.workers="
+                          f"0); with rollout.workers={r.workers} each worker hosts an engine of its own: use "
+                          "rollout.vllm.mode=per_rank or rollout.workers=0")
     if v.max_model_len is not None and r.max_new_tokens >= v.max_model_len:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens}: must be below rollout.vllm.max_model_len="
                           f"{v.max_model_len}, the longest prompt + completion the engine serves")
@@ -176,15 +177,28 @@ def kv_cache_bytes(base_dir, dtype: str, rows: int, max_new_tokens: int, max_mod
 
 
 def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: int, routing: bool,
-          on_cpu: bool) -> "EngineSampler":
-    """The vLLM engine as the sampler of `model` (the trainer's, whose weights it will be sent), its process
-    started: serving `base_dir` with this run's settings (`spec`)."""
+          on_cpu: bool, weights: Callable = adapters.merged_parameters, dist=None) -> "EngineSampler":
+    """The vLLM engine as the sampler of `model` (the trainer's, whose weights it will be sent: `weights(model)`,
+    gathered from FSDP's shards by gspo/train/distributed.py `Dist.merged_parameters`), its process started:
+    serving `base_dir` with this run's settings (`spec`). With rollout.vllm.mode=shared and `dist` (the trainer's
+    ranks; a collective) rank 0 starts it and serves every rank from it, the others connect to it."""
     stop = stop_ids(model, tokenizer)
     v = cfg.rollout.vllm
+    shared = v.mode == "shared" and dist is not None and dist.world > 1
+    if shared and not dist.is_main:
+        address = dist.broadcast_object(None)
+        return EngineSampler(SharedEngine(address, cfg.rollout.timeout_s, adapter_push(cfg), dist.strategy == "fsdp"),
+                             stop.tolist(), weights)
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
                             cfg.rollout.timeout_s, v.weight_transport, int(v.bucket_mb * 2**20),
                             next(model.parameters()).device)
-    return EngineSampler(process, stop.tolist())
+    if shared:
+        try:
+            process.share(dist.world - 1, dist.broadcast_object)
+        except BaseException:
+            process.kill()
+            raise
+    return EngineSampler(process, stop.tolist(), weights)
 
 
 class Engine(Decoder):
@@ -313,25 +327,34 @@ class EngineProcess:
         self.child.expect("joined", None, self.timeout_s, self.hint)
         return group
 
+    def share(self, ranks: int, announce: Callable[[tuple[str, int, bytes]], None]) -> None:
+        """Serve `ranks` other processes beside this one (rollout.vllm.mode=shared): the engine listens on a free
+        port of this host, `announce((host, port, key))` tells them where (a broadcast to the trainer's other ranks),
+        and they connect (`SharedEngine`) within rollout.timeout_s."""
+        self.child.send(("listen", ranks, self.timeout_s, HOST))
+        _, port, key = self.child.expect("listening", None, self.timeout_s, self.hint)
+        announce((HOST, port, key))
+        self.child.expect("accepted", None, self.timeout_s + 60, self.hint)
+
     def alive(self) -> bool:
         """Whether the engine's process still runs (the weight group's sender checks it while it waits)."""
         return self.child.proc.poll() is None
 
-    def load(self, model: torch.nn.Module) -> float:
-        """The trainer's current weights (LoRA: merged, or the adapter alone), cast, into the engine; the engine's
-        peak RSS (MiB)."""
+    def load(self, model: torch.nn.Module, weights: Callable = adapters.merged_parameters) -> float:
+        """The trainer's current weights (`weights(model)`; LoRA: merged, or the adapter alone), cast, into the
+        engine; the engine's peak RSS (MiB)."""
         with torch.no_grad():
             if self.sender is not None:
                 self.child.send(("push", self.step), self.step)
                 try:
-                    self.sender.push((name, value) for name, value, _ in adapters.merged_parameters(model))
+                    self.sender.push((name, value) for name, value, _ in weights(model))
                 except PeerLost:
                     raise self.child.lost(self.step, self.timeout_s, self.hint) from None
             else:
                 if self.adapter:
                     adapters.write_adapter(model, self.path, self.dtype)
                 else:
-                    for name, value, _ in adapters.merged_parameters(model):
+                    for name, value, _ in weights(model):
                         self.views[name].copy_(value)
                 self.child.send(("load", self.step, self.path), self.step)
         return self.child.expect("loaded", self.step, self.timeout_s, self.hint)[2]
@@ -356,17 +379,69 @@ class EngineProcess:
             self.sender.group.close()
 
 
+class SharedEngine:
+    """Another rank's end of the engine rank 0 started (rollout.vllm.mode=shared), in place of an `EngineProcess`:
+    its own connection to the engine, which serves its requests between rank 0's, each once the weights for its
+    step are loaded (gspo/rollout/child.py `serve`). Rank 0 alone pushes the weights; under FSDP this rank takes
+    its part in gathering them (`gathers`). A connection that closes or goes quiet for `timeout_s` ends the run in
+    one line, as the engine's own failures do on rank 0 (which stops it: no process is left)."""
+
+    name = "the vLLM engine (shared, started by rank 0)"
+
+    def __init__(self, address: tuple[str, int, bytes], timeout_s: float, adapter: bool, gathers: bool):
+        from multiprocessing.connection import Client
+
+        host, port, key = address
+        self.conn = Client((host, port), authkey=key)
+        self.timeout_s, self.adapter, self.gathers, self.step = timeout_s, adapter, gathers, None
+
+    def load(self, model: torch.nn.Module, weights: Callable = adapters.merged_parameters) -> float:
+        """Wait until the engine holds the weights for this step (rank 0 pushes them); its peak RSS (MiB)."""
+        if self.gathers:  # FSDP: rank 0's push gathers every unit from every rank
+            with torch.no_grad():
+                adapters.adapter_state(model) if self.adapter else [None for _ in weights(model)]
+        return self._ask(("synced", self.step), "loaded")[2]
+
+    def sample_ids(self, **kwargs) -> dict:
+        return self._ask(("sample", self.step, kwargs), "samples")[1]
+
+    def _ask(self, message: tuple, kind: str) -> tuple:
+        import pickle
+
+        from gspo.config.errors import RunFailed
+        from gspo.rollout.child import at_step
+
+        step = message[1]
+        try:
+            self.conn.send_bytes(pickle.dumps(message))
+            if not self.conn.poll(self.timeout_s):
+                raise RunFailed(f"{self.name}: nothing from it for {self.timeout_s:g} s{at_step(step)} (hung? "
+                                f"rollout.timeout_s={self.timeout_s:g})")
+            reply = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise RunFailed(f"{self.name}: its connection closed{at_step(step)} (the engine or rank 0 died)") from None
+        if reply[0] == "error":  # the engine's own exception while serving this rank
+            _, at, error, text, users = reply
+            raise (ConfigError if users else RunFailed)(f"{self.name}{at_step(at)}: {error}: {text}")
+        if reply[0] != kind:
+            raise RunFailed(f"{self.name}: expected {kind!r}, got {reply[0]!r}")
+        return reply
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 class EngineSampler(Sampler):
     """The engine as the trainer's sampler (`rollout.workers=0`): synced before each rollout, serving the
-    rollouts through `Engine`."""
+    rollouts through `Engine`. `process`: the `EngineProcess` this rank started, or a `SharedEngine`."""
 
-    def __init__(self, process: EngineProcess, stop_ids: list[int]):
-        self.process, self.engine = process, Engine(process, stop_ids)
+    def __init__(self, process, stop_ids: list[int], weights: Callable = adapters.merged_parameters):
+        self.process, self.engine, self.weights = process, Engine(process, stop_ids), weights
 
     def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
         t0 = time.time()
         self.process.step = step
-        rss = self.process.load(model)
+        rss = self.process.load(model, self.weights)
         return {"time/weight_sync_s": time.time() - t0, "memory/engine_rss_mib": rss}
 
     @contextlib.contextmanager

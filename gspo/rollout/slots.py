@@ -27,7 +27,7 @@ def shm_dir() -> str:
 
 def layout_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every sampling weight, in slot order: the plain model's parameters (LoRA merged)."""
-    return [(name, tuple(value.shape)) for name, value, _ in adapters.merged_parameters(model)]
+    return adapters.merged_layout(model)
 
 
 def map_slot(path: str, layout: list, dtype: torch.dtype, create: bool = False) -> dict[str, torch.Tensor]:

@@ -418,7 +418,7 @@ def start(spec: dict):
 
 
 def main(fd: int) -> int:
-    return serve(fd, start)
+    return serve(fd, start, syncs=("load", "push"))
 
 
 if __name__ == "__main__":

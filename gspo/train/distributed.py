@@ -44,6 +44,7 @@ import torch
 import torch.distributed as tdist
 
 from gspo.config.errors import ConfigError
+from gspo.models import adapters
 from gspo.rollout.batch import COUNT
 from gspo.rollout.seeds import group_generator, keyed_generator, keyed_seed  # noqa: F401  (re-exported: the loop's)
 from gspo.train import checkpoint
@@ -251,6 +252,26 @@ class Dist:
                 m.reshard()
                 m.set_reshard_after_forward(b, recurse=False)
 
+    def merged_parameters(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """`adapters.merged_parameters(model)` (what a separate sampler is sent), whole. Under FSDP gathered one
+        unit at a time: the root's own weights (embeddings, final norm, LM head), then each decoder layer's, so a
+        rank holds one unit whole beside its shards, never the model (in the compute dtype: FSDP's mixed precision
+        gathers in it). Under FSDP a collective: every rank iterates it to its end, in the same order."""
+        if self.strategy != "fsdp":
+            yield from adapters.merged_parameters(model)
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:  # (the root stays gathered after a forward): each unit yields its own weights once
+            unit.reshard()
+        for unit in units:
+            unit.unshard()
+            try:
+                yield from adapters.merged_parameters(model, whole_only=True)
+            finally:
+                unit.reshard()
+
     # -- loss and metrics ------------------------------------------------------
     def loss_scale(self, denominator: torch.Tensor) -> float:
         """Factor on this rank's loss so that the DDP average is the one-process loss's gradient.
@@ -318,6 +339,14 @@ class Dist:
         everyone = [None] * self.world
         tdist.gather_object(obj, everyone if self.is_main else None, dst=0)
         return everyone if self.is_main else None
+
+    def broadcast_object(self, obj):
+        """Rank 0's picklable `obj` on every rank (a collective without the time limit: rank 0 may take minutes)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src=0, group=_LONG)
+        return box[0]
 
     def reduce_metrics(self, metrics: dict, rows: int) -> dict:
         """Step metrics over ranks: mean, min for *_min, max for *_max and time/*, sum for throughput/*.

@@ -188,11 +188,15 @@ def _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir):
 
 def _engine(cfg, dist, model, tokenizer, base_dir, moe_step):
     """The vLLM engine as this rank's sampler (rollout.workers=0): its process started, sharing this rank's cores
-    with the trainer, which waits while it samples (rollout.worker_threads sets its threads)."""
+    with the trainer, which waits while it samples (rollout.worker_threads sets its threads). With
+    rollout.vllm.mode=shared one engine, rank 0's, serves every rank, one rank's share at a time, with every
+    core (the trainers wait)."""
     lo, hi = dist.share(cfg.rollout.prompts_per_step)
+    ranks = 1 if cfg.rollout.vllm.mode == "shared" else dist.world
     return engine.start(cfg, model, tokenizer, base_dir, (hi - lo) * cfg.rollout.group_size,
-                        int(cfg.rollout.worker_threads) or max(1, _cores() // dist.world),
-                        moe_step.sample_kwargs().get("capture_routing", False), dist.device.type == "cpu")
+                        int(cfg.rollout.worker_threads) or max(1, _cores() // ranks),
+                        moe_step.sample_kwargs().get("capture_routing", False), dist.device.type == "cpu",
+                        weights=dist.merged_parameters, dist=dist)  # FSDP: gathered unit by unit
 
 
 def worker_threads(cfg, world: int) -> int:
