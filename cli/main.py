@@ -1,4 +1,4 @@
-"""The `gspo` command: train | eval | compare. Thin: parse, compose, call gspo.*.
+"""The `gspo` command: train | eval | compare | vllm-serve. Thin: parse, compose, call gspo.*.
 
 `gspo train` validates the overrides itself (so a typo gets a one-line message and
 exit code 2), then hands them to Hydra's own run/multirun machinery: sweeps,
@@ -272,6 +272,28 @@ def compare(
     print_report(result)
     if not result.groups:
         raise typer.Exit(1)
+
+
+@app.command("vllm-serve", help="Serve the vLLM engine to runs on other hosts (rollout.vllm.mode=server "
+                                  "rollout.vllm.server=HOST:PORT), one run at a time; GSPO_VLLM_KEY must hold the "
+                                  "secret the runs share. docs/scaling.md, \"Where the engines run\".")
+def vllm_serve(
+    host: str = typer.Option("0.0.0.0", help="The address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8765, help="The port to listen on (0: one the system picks, printed)."),
+    threads: Optional[int] = typer.Option(None, help="The engine's threads on a CPU (default: this host's cores)."),
+) -> None:
+    from gspo.rollout import engine
+    from gspo.rollout.engine_server import serve_runs
+
+    if not engine.installed():
+        _fail(f"vLLM is not installed in this environment; on a CPU: {engine.INSTALL_CPU}; on a GPU: "
+              f"{engine.INSTALL_GPU}")
+    try:
+        serve_runs(host, port, threads or len(os.sched_getaffinity(0)), say=lambda line: typer.echo(line))
+    except ConfigError as e:
+        _fail(str(e))
+    except OSError as e:  # the port is taken, the address not this host's
+        _fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
 def main() -> None:  # pragma: no cover

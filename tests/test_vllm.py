@@ -343,6 +343,42 @@ def test_two_ranks_train_the_same_with_an_engine_each_or_one_shared_under_ddp_or
     assert no_engine_left()
 
 
+def test_a_run_served_by_gspo_vllm_serve_is_the_run_with_an_engine_per_rank(tmp_path, cache_dir, monkeypatch):
+    """`gspo vllm-serve` (here on this host, reached at 127.0.0.1 as another host would be) serves a run of 2 ranks
+    (rollout.vllm.mode=server): rank 0 pushes the weights over the network, rank 1 is served as by a shared engine;
+    the run equals the run with an engine per rank, bitwise. The server then serves the next run; a run with another
+    key exits 2 in one line, one that cannot reach a server ends in one line; no engine is left."""
+    monkeypatch.setenv("GSPO_VLLM_KEY", "the-secret")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "cli.main", "vllm-serve", "--host", "127.0.0.1", "--port", "0",
+                               "--threads", "1"], env=env, stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        line = server.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, line
+        address = line.split("listening on ")[1].split()[0]
+        tensors = {"rollout.vllm.weight_transport": "tensors"}
+        two_ranks(cache_dir, tmp_path / "each", **tensors)
+        two_ranks(cache_dir, tmp_path / "served", **tensors, **{"rollout.vllm.mode": "server",
+                                                               "rollout.vllm.server": address})
+        assert_same_run(tmp_path / "each", tmp_path / "served")
+        assert (tmp_path / "each" / "samples.jsonl").read_text() == (tmp_path / "served" / "samples.jsonl").read_text()
+        served = opts(cache_dir, **{"model": "qwen3-tiny", **tensors, "rollout.vllm.mode": "server"})
+        monkeypatch.setenv("GSPO_VLLM_KEY", "another")
+        res = gspo("train", *served, f"rollout.vllm.server={address}", f"hydra.run.dir={tmp_path / 'k'}", cwd=tmp_path)
+        errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
+        assert res.returncode == 2 and len(errors) == 1 and "refused this run's GSPO_VLLM_KEY" in errors[0], res.stderr
+        monkeypatch.setenv("GSPO_VLLM_KEY", "the-secret")
+        res = gspo("train", *served, "rollout.vllm.server=127.0.0.1:1", f"hydra.run.dir={tmp_path / 'u'}", cwd=tmp_path)
+        errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
+        assert res.returncode != 0 and len(errors) == 1 and "cannot connect" in errors[0], res.stderr[-2000:]
+        assert "Traceback" not in res.stderr
+        assert server.poll() is None  # still serving
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert no_engine_left()
+
+
 def test_gspo_trains_on_the_engines_log_probs(tmp_path, cache_dir):
     """rollout.old_logprobs=sampler: the engine's likelihoods are the old policy's (no recomputed pass); the
     mismatch is still measured every rollout.mismatch_every steps."""

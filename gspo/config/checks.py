@@ -26,7 +26,7 @@ CHOICES = {
     "rollout.engine": ("hf", "fast", "auto", "vllm"),
     "rollout.vllm.lora_push": ("merged", "adapter"),
     "rollout.vllm.weight_transport": ("file", "tensors"),
-    "rollout.vllm.mode": ("per_rank", "shared"),
+    "rollout.vllm.mode": ("per_rank", "shared", "server"),
     "reward.device": (None, "cpu", "cuda", "auto"),
     "hardware.device": ("cpu", "cuda", "auto"),
     "hardware.dtype": ("float32", "bfloat16", "float16"),
@@ -399,9 +399,13 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.vllm.bucket_mb": (lambda c: c.rollout.engine == "vllm" and c.rollout.vllm.weight_transport == "tensors",
                                "the weights go through a file: add rollout.engine=vllm "
                                "rollout.vllm.weight_transport=tensors"),
-    "rollout.vllm.mode": (lambda c: c.rollout.engine == "vllm" and c.hardware.strategy != "none",
-                          "one trainer process has one engine: it says how several ranks share engines (add "
-                          "rollout.engine=vllm with hardware=cpu-ddp, gpu-ddp or gpu-fsdp)"),
+    "rollout.vllm.mode": (lambda c: c.rollout.engine == "vllm" and (c.hardware.strategy != "none"
+                                                                    or c.rollout.vllm.mode == "server"),
+                          "one trainer process has one engine: per_rank and shared say how several ranks share "
+                          "engines (add rollout.engine=vllm with hardware=cpu-ddp, gpu-ddp or gpu-fsdp)"),
+    "rollout.vllm.server": (lambda c: c.rollout.engine == "vllm" and c.rollout.vllm.mode == "server",
+                            "only rollout.vllm.mode=server connects to a server: add rollout.engine=vllm "
+                            "rollout.vllm.mode=server"),
     "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
     "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
     "model.use_chat_template": (lambda c: c.rollout.tools is None or c.model.use_chat_template,

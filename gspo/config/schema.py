@@ -221,9 +221,12 @@ class VllmConfig:
     # the engine's workers, each holding 1/N of every layer (vLLM's tensor parallelism); on a CPU they split the
     # engine's threads. 1 on a MoE (the hooks that record its routing need the model in the engine's own process)
     tensor_parallel_size: int = 1
-    # with several trainer ranks: per_rank = an engine each, for the rank's share of the prompts; shared = one
-    # engine, rank 0's, serving every rank (one rank's share at a time, the same completions), pushed once per step
+    # where the engines run. per_rank = an engine each, started by the rank, for its share of the prompts; shared =
+    # one engine, rank 0's, serving every rank (one rank's share at a time, the same completions), pushed once per
+    # step; server = that one engine started by `gspo vllm-serve` at `server` (HOST:PORT, another host: weights as
+    # tensors; both sides share the secret in GSPO_VLLM_KEY)
     mode: str = "per_rank"
+    server: Optional[str] = None
 
 
 @dataclass

@@ -80,6 +80,22 @@ def check(cfg, on_cpu: bool) -> None:
                                   "(renormalised over the nucleus, or without the temperature): use top_p=1 or "
                                   "temperature=1")
     v = r.vllm
+    if v.mode == "server":
+        from gspo.rollout.engine_server import key, parse_address
+
+        if v.server is None:
+            raise ConfigError("rollout.vllm.mode=server: set rollout.vllm.server=HOST:PORT, where `gspo vllm-serve "
+                              "--port PORT` listens")
+        parse_address(v.server)
+        if adapter_push(cfg):
+            raise ConfigError("rollout.vllm.lora_push=adapter goes through a directory the engine reads, which an "
+                              "engine on another host (rollout.vllm.mode=server) does not see: use "
+                              "rollout.vllm.lora_push=merged")
+        if v.weight_transport != "tensors":
+            raise ConfigError(f"rollout.vllm.weight_transport={v.weight_transport}: an engine on another host "
+                              "(rollout.vllm.mode=server) is sent the weights over the network: use "
+                              "rollout.vllm.weight_transport=tensors")
+        key()
     if adapter_push(cfg):
         if is_moe(cfg):
             raise ConfigError("rollout.vllm.lora_push=adapter serves dense models only: vLLM's LoRA on MoE layers "
@@ -101,9 +117,9 @@ def check(cfg, on_cpu: bool) -> None:
         raise ConfigError(f"rollout.vllm.weight_transport=tensors pushes to the engine the trainer starts "
                           f"(rollout.workers=0); with rollout.workers={r.workers} each worker's engine reads the "
                           "weights its job names from a slot file: use rollout.vllm.weight_transport=file")
-    if v.mode == "shared" and r.workers:
-        raise ConfigError(f"rollout.vllm.mode=shared serves the trainer's ranks from rank 0's engine (rollout.workers="
-                          f"0); with rollout.workers={r.workers} each worker hosts an engine of its own: use "
+    if v.mode != "per_rank" and r.workers:
+        raise ConfigError(f"rollout.vllm.mode={v.mode} serves the trainer's ranks from one engine (rollout.workers=0); "
+                          f"with rollout.workers={r.workers} each worker hosts an engine of its own: use "
                           "rollout.vllm.mode=per_rank or rollout.workers=0")
     if v.max_model_len is not None and r.max_new_tokens >= v.max_model_len:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens}: must be below rollout.vllm.max_model_len="
@@ -181,17 +197,20 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
     """The vLLM engine as the sampler of `model` (the trainer's, whose weights it will be sent: `weights(model)`,
     gathered from FSDP's shards by gspo/train/distributed.py `Dist.merged_parameters`), its process started:
     serving `base_dir` with this run's settings (`spec`). With rollout.vllm.mode=shared and `dist` (the trainer's
-    ranks; a collective) rank 0 starts it and serves every rank from it, the others connect to it."""
+    ranks; a collective) rank 0 starts it and serves every rank from it, the others connect to it; with server,
+    rank 0 connects to the engine `gspo vllm-serve` starts at rollout.vllm.server, and the others to it as well."""
     stop = stop_ids(model, tokenizer)
     v = cfg.rollout.vllm
-    shared = v.mode == "shared" and dist is not None and dist.world > 1
+    shared = v.mode != "per_rank" and dist is not None and dist.world > 1
     if shared and not dist.is_main:
         address = dist.broadcast_object(None)
         return EngineSampler(SharedEngine(address, cfg.rollout.timeout_s, adapter_push(cfg), dist.strategy == "fsdp"),
                              stop.tolist(), weights)
+    from gspo.rollout.engine_server import parse_address
+
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
                             cfg.rollout.timeout_s, v.weight_transport, int(v.bucket_mb * 2**20),
-                            next(model.parameters()).device)
+                            next(model.parameters()).device, parse_address(v.server) if v.mode == "server" else None)
     if shared:
         try:
             process.share(dist.world - 1, dist.broadcast_object)
@@ -294,8 +313,9 @@ class EngineProcess:
     with `max_lora_rank` (adapter pushes, `transport="file"` only) is sent the adapter alone, in a directory."""
 
     def __init__(self, engine: dict, layout: list, timeout_s: float, transport: str = "file",
-                 bucket_bytes: int = 2**26, device: torch.device = torch.device("cpu")):
-        self.timeout_s, self.step = timeout_s, None
+                 bucket_bytes: int = 2**26, device: torch.device = torch.device("cpu"),
+                 server: Optional[tuple[str, int]] = None):
+        self.timeout_s, self.step, self.server = timeout_s, None, server
         self.hint = f"rollout.timeout_s={timeout_s:g}"
         self.dtype = getattr(torch, engine["dtype"])
         self.adapter = engine["max_lora_rank"] is not None
@@ -306,10 +326,19 @@ class EngineProcess:
             self.path = slot_path(f"{PREFIX}{os.getpid()}-engine-{id(self):x}", self.adapter)
             if not self.adapter:
                 self.views = map_slot(self.path, layout, self.dtype, create=True)
-        self.child = Child("the vLLM engine", "gspo.rollout.vllm_engine",
-                           {"engine": engine, "layout": layout, "dtype": engine["dtype"]},
-                           on_fail=self.kill, stopped="; it was stopped",
-                           env=environment(engine["threads"], engine["tensor_parallel_size"]))
+        spec = {"engine": engine, "layout": layout, "dtype": engine["dtype"]}
+        if server is None:
+            self.child = Child("the vLLM engine", "gspo.rollout.vllm_engine", spec, on_fail=self.kill,
+                               stopped="; it was stopped", env=environment(engine["threads"],
+                                                                           engine["tensor_parallel_size"]))
+        else:  # started by `gspo vllm-serve` there, with the threads it has (gspo/rollout/engine_server.py)
+            from gspo.rollout.child import RemoteChild
+            from gspo.rollout.engine_server import key
+
+            self.child = RemoteChild(f"the vLLM engine at {server[0]}:{server[1]}", server, key(),
+                                     lambda threads: {**spec, "engine": {**engine, "threads": threads}},
+                                     engine["tensor_parallel_size"], on_fail=self.kill, timeout_s=timeout_s,
+                                     stopped="; the run let it go")
         self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; {self.hint}")
         if transport == "tensors":
             self.sender = Sender(self._join(device), bucket_bytes, self.dtype, alive=self.alive)
@@ -331,14 +360,16 @@ class EngineProcess:
         """Serve `ranks` other processes beside this one (rollout.vllm.mode=shared): the engine listens on a free
         port of this host, `announce((host, port, key))` tells them where (a broadcast to the trainer's other ranks),
         and they connect (`SharedEngine`) within rollout.timeout_s."""
-        self.child.send(("listen", ranks, self.timeout_s, HOST))
+        # a server's engine listens on every interface of its host, and is reached at the host the run names
+        bind, host = (HOST, HOST) if self.server is None else ("0.0.0.0", self.server[0])
+        self.child.send(("listen", ranks, self.timeout_s, bind))
         _, port, key = self.child.expect("listening", None, self.timeout_s, self.hint)
-        announce((HOST, port, key))
+        announce((host, port, key))
         self.child.expect("accepted", None, self.timeout_s + 60, self.hint)
 
     def alive(self) -> bool:
         """Whether the engine's process still runs (the weight group's sender checks it while it waits)."""
-        return self.child.proc.poll() is None
+        return self.child.alive()
 
     def load(self, model: torch.nn.Module, weights: Callable = adapters.merged_parameters) -> float:
         """The trainer's current weights (`weights(model)`; LoRA: merged, or the adapter alone), cast, into the

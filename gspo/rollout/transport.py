@@ -71,16 +71,16 @@ def host_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
 
 class Group:
     """One member of the weight group: rank 0 sends, the others receive. `store`: the trainer's (`host_store`) or,
-    for a receiver, None (it connects to `port`). Constructing it waits until every member has joined; with
-    `alive` (the sender's view of its peers) it stops waiting when they are gone."""
+    for a receiver, None (it connects to `port` on `host`, the trainer's). Constructing it waits until every member
+    has joined; with `alive` (the sender's view of its peers) it stops waiting when they are gone."""
 
     def __init__(self, backend: str, rank: int, world: int, timeout_s: float, device: torch.device,
                  store: Optional[dist.Store] = None, port: Optional[int] = None,
-                 alive: Optional[Callable[[], bool]] = None):
+                 alive: Optional[Callable[[], bool]] = None, host: str = HOST):
         timeout = timedelta(seconds=timeout_s)
         self.backend, self.rank, self.world, self.timeout_s = backend, rank, world, timeout_s
         self.device = buffer_device(backend, device)
-        self.store = store if store is not None else dist.TCPStore(HOST, port, None, False, timeout)
+        self.store = store if store is not None else dist.TCPStore(host, port, None, False, timeout)
         prefixed = dist.PrefixStore("gspo-weights", self.store)
 
         def connect():

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import socket
 import sys
 import time
 from typing import Optional
@@ -42,7 +43,7 @@ import torch
 from gspo.config.errors import ConfigError, tidy_warnings
 from gspo.rollout.child import serve
 from gspo.rollout.slots import map_slot
-from gspo.rollout.transport import Group, device_identity, receive
+from gspo.rollout.transport import HOST, Group, device_identity, receive
 
 # log-prob modes: which vLLM mode gives gspo's convention at (top_p < 1, temperature == 1)
 PROCESSED, RAW = "processed_logprobs", "raw_logprobs"
@@ -125,9 +126,10 @@ class VllmEngine:
         """Each worker's device (`transport.device_identity`), in worker order."""
         return self.llm.collective_rpc(_device)
 
-    def join(self, backend: str, port: int, world: int, timeout_s: float) -> None:
-        """Every worker joins the trainer's weight group (rank 1 + its own): returns once the group is complete."""
-        self.llm.collective_rpc(_join, args=(backend, port, world, timeout_s))
+    def join(self, backend: str, port: int, world: int, timeout_s: float, host: str) -> None:
+        """Every worker joins the trainer's weight group (rank 1 + its own), whose store is at host:port: returns
+        once the group is complete."""
+        self.llm.collective_rpc(_join, args=(backend, port, world, timeout_s, host))
 
     def load_pushed(self) -> float:
         """Serve the weights the trainer is pushing over the group (`join`), as `load_slot`."""
@@ -228,8 +230,8 @@ def _device(worker) -> str:
     return device_identity(worker.device)
 
 
-def _join(worker, backend: str, port: int, world: int, timeout_s: float) -> None:
-    worker.gspo_loader.group = Group(backend, 1 + worker.rank, world, timeout_s, worker.device, port=port)
+def _join(worker, backend: str, port: int, world: int, timeout_s: float, host: str) -> None:
+    worker.gspo_loader.group = Group(backend, 1 + worker.rank, world, timeout_s, worker.device, port=port, host=host)
 
 
 @torch.no_grad()
@@ -392,11 +394,11 @@ def _row(request_id: str, parents: dict[str, int], n: int) -> int:
 # --------------------------------------------------------------------------- the engine process
 
 
-def start(spec: dict):
+def start(spec: dict, trainer_host: str = HOST):
     """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py):
     ("load", step, path) the slot's weights (a file, or an adapter directory), ("push", step) the weights the
     trainer is pushing over the group, which ("devices",) and ("join", None, backend, port, world, timeout_s) set
-    up; ("sample", step, kwargs)."""
+    up (the group's store on `trainer_host`); ("sample", step, kwargs)."""
     engine = VllmEngine(**spec["engine"])
     dtype = getattr(torch, spec["dtype"])
 
@@ -409,7 +411,7 @@ def start(spec: dict):
         if kind == "devices":
             return ("devices", engine.devices())
         if kind == "join":
-            engine.join(*message[2:])
+            engine.join(*message[2:], trainer_host)
             return ("joined",)
         _, step, kwargs = message
         return ("samples", engine.sample_ids(**kwargs))
@@ -417,8 +419,19 @@ def start(spec: dict):
     return handle
 
 
+def trainer_host(fd: int) -> str:
+    """The trainer's address as this process sees it on socket `fd`: its IP over TCP (an engine `gspo vllm-serve`
+    started), this host's loopback over the socket pair of an engine the trainer started itself."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        return sock.getpeername()[0] if sock.family in (socket.AF_INET, socket.AF_INET6) else HOST
+    finally:
+        sock.close()
+
+
 def main(fd: int) -> int:
-    return serve(fd, start, syncs=("load", "push"))
+    host = trainer_host(fd)
+    return serve(fd, lambda spec: start(spec, host), syncs=("load", "push"))
 
 
 if __name__ == "__main__":

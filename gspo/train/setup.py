@@ -192,7 +192,7 @@ def _engine(cfg, dist, model, tokenizer, base_dir, moe_step):
     rollout.vllm.mode=shared one engine, rank 0's, serves every rank, one rank's share at a time, with every
     core (the trainers wait)."""
     lo, hi = dist.share(cfg.rollout.prompts_per_step)
-    ranks = 1 if cfg.rollout.vllm.mode == "shared" else dist.world
+    ranks = dist.world if cfg.rollout.vllm.mode == "per_rank" else 1
     return engine.start(cfg, model, tokenizer, base_dir, (hi - lo) * cfg.rollout.group_size,
                         int(cfg.rollout.worker_threads) or max(1, _cores() // ranks),
                         moe_step.sample_kwargs().get("capture_routing", False), dist.device.type == "cpu",
