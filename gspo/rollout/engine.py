@@ -23,15 +23,17 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import pickle
 import time
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from gspo.config import model_path
-from gspo.config.errors import ConfigError
+from gspo.config.errors import ConfigError, RunFailed
 from gspo.models import adapters
-from gspo.rollout.child import Child
+from gspo.rollout import engine_server
+from gspo.rollout.child import Child, RemoteChild, at_step
 from gspo.rollout.decoding import Continuation, Decoder
 from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
 from gspo.rollout.params import SamplingParams
@@ -81,12 +83,10 @@ def check(cfg, on_cpu: bool) -> None:
                                   "temperature=1")
     v = r.vllm
     if v.mode == "server":
-        from gspo.rollout.engine_server import key, parse_address
-
         if v.server is None:
             raise ConfigError("rollout.vllm.mode=server: set rollout.vllm.server=HOST:PORT, where `gspo vllm-serve "
                               "--port PORT` listens")
-        parse_address(v.server)
+        engine_server.parse_address(v.server)
         if adapter_push(cfg):
             raise ConfigError("rollout.vllm.lora_push=adapter goes through a directory the engine reads, which an "
                               "engine on another host (rollout.vllm.mode=server) does not see: use "
@@ -95,7 +95,7 @@ def check(cfg, on_cpu: bool) -> None:
             raise ConfigError(f"rollout.vllm.weight_transport={v.weight_transport}: an engine on another host "
                               "(rollout.vllm.mode=server) is sent the weights over the network: use "
                               "rollout.vllm.weight_transport=tensors")
-        key()
+        engine_server.key()
     if adapter_push(cfg):
         if is_moe(cfg):
             raise ConfigError("rollout.vllm.lora_push=adapter serves dense models only: vLLM's LoRA on MoE layers "
@@ -206,11 +206,10 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
         address = dist.broadcast_object(None)
         return EngineSampler(SharedEngine(address, cfg.rollout.timeout_s, adapter_push(cfg), dist.strategy == "fsdp"),
                              stop.tolist(), weights)
-    from gspo.rollout.engine_server import parse_address
-
+    server = engine_server.parse_address(v.server) if v.mode == "server" else None
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
                             cfg.rollout.timeout_s, v.weight_transport, int(v.bucket_mb * 2**20),
-                            next(model.parameters()).device, parse_address(v.server) if v.mode == "server" else None)
+                            next(model.parameters()).device, server)
     if shared:
         try:
             process.share(dist.world - 1, dist.broadcast_object)
@@ -332,10 +331,7 @@ class EngineProcess:
                                stopped="; it was stopped", env=environment(engine["threads"],
                                                                            engine["tensor_parallel_size"]))
         else:  # started by `gspo vllm-serve` there, with the threads it has (gspo/rollout/engine_server.py)
-            from gspo.rollout.child import RemoteChild
-            from gspo.rollout.engine_server import key
-
-            self.child = RemoteChild(f"the vLLM engine at {server[0]}:{server[1]}", server, key(),
+            self.child = RemoteChild(f"the vLLM engine at {server[0]}:{server[1]}", server, engine_server.key(),
                                      lambda threads: {**spec, "engine": {**engine, "threads": threads}},
                                      engine["tensor_parallel_size"], on_fail=self.kill, timeout_s=timeout_s,
                                      stopped="; the run let it go")
@@ -357,9 +353,9 @@ class EngineProcess:
         return group
 
     def share(self, ranks: int, announce: Callable[[tuple[str, int, bytes]], None]) -> None:
-        """Serve `ranks` other processes beside this one (rollout.vllm.mode=shared): the engine listens on a free
-        port of this host, `announce((host, port, key))` tells them where (a broadcast to the trainer's other ranks),
-        and they connect (`SharedEngine`) within rollout.timeout_s."""
+        """Serve `ranks` other processes beside this one (rollout.vllm.mode=shared or server): the engine listens on
+        a free port of its host, `announce((host, port, key))` tells them where (a broadcast to the trainer's other
+        ranks), and they connect (`SharedEngine`) within rollout.timeout_s."""
         # a server's engine listens on every interface of its host, and is reached at the host the run names
         bind, host = (HOST, HOST) if self.server is None else ("0.0.0.0", self.server[0])
         self.child.send(("listen", ranks, self.timeout_s, bind))
@@ -411,7 +407,8 @@ class EngineProcess:
 
 
 class SharedEngine:
-    """Another rank's end of the engine rank 0 started (rollout.vllm.mode=shared), in place of an `EngineProcess`:
+    """Another rank's end of the one engine rank 0 started or connected to (rollout.vllm.mode=shared or server), in
+    place of an `EngineProcess`:
     its own connection to the engine, which serves its requests between rank 0's, each once the weights for its
     step are loaded (gspo/rollout/child.py `serve`). Rank 0 alone pushes the weights; under FSDP this rank takes
     its part in gathering them (`gathers`). A connection that closes or goes quiet for `timeout_s` ends the run in
@@ -428,20 +425,19 @@ class SharedEngine:
 
     def load(self, model: torch.nn.Module, weights: Callable = adapters.merged_parameters) -> float:
         """Wait until the engine holds the weights for this step (rank 0 pushes them); its peak RSS (MiB)."""
-        if self.gathers:  # FSDP: rank 0's push gathers every unit from every rank
+        if self.gathers:  # FSDP: rank 0's push gathers every unit (or the adapter's factors) from every rank
             with torch.no_grad():
-                adapters.adapter_state(model) if self.adapter else [None for _ in weights(model)]
+                if self.adapter:
+                    adapters.adapter_state(model)
+                else:
+                    for _ in weights(model):
+                        pass
         return self._ask(("synced", self.step), "loaded")[2]
 
     def sample_ids(self, **kwargs) -> dict:
         return self._ask(("sample", self.step, kwargs), "samples")[1]
 
     def _ask(self, message: tuple, kind: str) -> tuple:
-        import pickle
-
-        from gspo.config.errors import RunFailed
-        from gspo.rollout.child import at_step
-
         step = message[1]
         try:
             self.conn.send_bytes(pickle.dumps(message))
