@@ -102,6 +102,9 @@ def add_work_args(p) -> None:
                    help="gspo's held-out eval at the start and the end (untimed; small, so it does not set peak memory)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra gspo Hydra override (repeatable), e.g. rollout.old_logprobs=sampler")
+    p.add_argument("--model-override", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="toy and long variants: a change to the model preset both sides load (repeatable), "
+                        "e.g. model.head_dim=16 model.num_kv_heads=2 (the presets' attention before vLLM served them)")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="keep every run's files (logs, metrics, specs) under DIR instead of a temporary directory")
     p.add_argument("--retries", type=int, default=3,
@@ -220,7 +223,9 @@ def prepare_model(a) -> Path:
     from gspo.tasks import build_task
 
     kind = VARIANTS[a.variant].model
-    base_cfg = compose([f"cache_dir={CACHE}", f"rollout.max_new_tokens={a.max_new_tokens}"])
+    if any(not o.startswith("model.") for o in a.model_override) or (a.model_override and kind not in ("toy", "long")):
+        raise SystemExit("--model-override takes model.KEY=VALUE, for the toy and long variants only")
+    base_cfg = compose([f"cache_dir={CACHE}", f"rollout.max_new_tokens={a.max_new_tokens}", *a.model_override])
     task = build_task(base_cfg.task)
     if kind == "toy":
         from gspo.train.warm_start import base_model
@@ -404,6 +409,8 @@ def describe_work(a, sides: str) -> str:
             f"{a.rounds} rounds alternating {sides}")
     if a.variant == "vocab":
         work += f"; model: vocab {a.vocab_size:,}, {a.layers} layers, hidden {a.hidden}"
+    if a.model_override:
+        work += f"; model preset changed: {' '.join(a.model_override)}"
     return work
 
 

@@ -11,12 +11,14 @@ as `gspo train` (the same `--variant`s as bench_vs_trl.py):
             clipping and one AdamW step (fused, as gspo's).
 No old-policy pass (sampler log-probs can stand in for it), no entropy, no statistics, no
 rewards. gspo's time per step is `time/step_s`; the table shows gspo / floor.
-Runs alternate floor, gspo, floor, gspo, ... each in a fresh subprocess.
+Runs alternate floor, gspo, floor, gspo, ... each in a fresh subprocess; with `--trl` TRL's `GRPOTrainer` on the
+same work joins the alternation (bench_vs_trl.py's TRL side), so floor / TRL and gspo / TRL come from one sitting.
 
 Usage (repository root, in the venv):
   python scripts/bench_floor.py --variant long64
   python scripts/bench_floor.py --variant vocab --override rollout.old_logprobs=sampler
   python scripts/bench_floor.py --variant long64 --override rollout.engine=fast
+  python scripts/bench_floor.py --variant toy --trl --rounds 4
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from bench_common import (
     run_worker,
     versions,
 )
-from bench_workers import gspo_side
+from bench_workers import gspo_side, trl_side
 
 from gspo.rollout.fast_decode import FastDecoder, resolve
 
@@ -178,21 +180,34 @@ def sides(a, model_dir: Path) -> dict:
         run.extra["sample_s"] = run.extra["rollout_s"]  # the floor's name for it
         return run
 
-    return {"floor": floor, "gspo": gspo}
+    out = {"floor": floor, "gspo": gspo}
+    if a.trl:
+        out = {"trl": trl_side(spec, a.wait_idle), **out}
+    return out
+
+
+def more_args(p) -> None:
+    p.add_argument("--trl", action="store_true",
+                   help="a third side: TRL's GRPOTrainer on the same work (needs trl), for floor / TRL and gspo / TRL")
 
 
 def table(results: dict[str, list[Run]], a) -> str:
-    med = {k: [statistics.median(pooled(runs, key)) for key in (None, "sample_s", "update_s")]
+    med = {k: [statistics.median(pooled(runs, key)) if key is None or key in runs[0].extra else None
+               for key in (None, "sample_s", "update_s")]  # TRL's step is not split into sampling and update
            for k, runs in results.items()}
     rss = {k: max(r.rss_mib for r in runs) for k, runs in results.items()}
     rows = []
-    for kind, name in (("floor", "floor (bare sampling + bare updates)"), ("gspo", "gspo train")):
-        rows.append([name, *map(fmt, med[kind]), fmt(statistics.mean(pooled(results[kind], "len_mean")), 1),
-                     f"{rss[kind]:,.0f}"])
-    rows.append(["**gspo / floor**", *(ratio(g, f) for g, f in zip(med["gspo"], med["floor"])), "",
-                 ratio(rss["gspo"], rss["floor"])])
+    for kind, name in (("trl", "TRL GRPOTrainer"), ("floor", "floor (bare sampling + bare updates)"),
+                       ("gspo", "gspo train")):
+        if kind in results:
+            rows.append([name, *map(fmt, med[kind]), fmt(statistics.mean(pooled(results[kind], "len_mean")), 1),
+                         f"{rss[kind]:,.0f}"])
+    for num, den in (("gspo", "floor"), ("floor", "trl"), ("gspo", "trl")):
+        if den in results:
+            label = f"**{num} / {'TRL' if den == 'trl' else den}**"
+            rows.append([label, *(ratio(g, f) for g, f in zip(med[num], med[den])), "", ratio(rss[num], rss[den])])
     header = ["", "median s/step", "median sampling s", "median update s", "mean completion length", "peak RSS (MiB)"]
-    work = describe_work(a, "floor, gspo")
+    work = describe_work(a, ", ".join(results))
     note = ("gspo's sampling column is `time/rollout_s` (sampling, decoding, rewards); its update column is "
             "`time/update_s` (old-policy log-probs if recomputed, the minibatch updates, MoE statistics).")
     added = " ".join(a.override) or "none"
@@ -204,4 +219,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "floor":
         floor_worker(json.loads(Path(sys.argv[2]).read_text()))
     else:
-        run_benchmark(__doc__.split("\n\n")[0], sides, table, "bench-floor-")
+        run_benchmark(__doc__.split("\n\n")[0], sides, table, "bench-floor-", more_args)

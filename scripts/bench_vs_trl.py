@@ -44,13 +44,9 @@ from bench_common import (
     ratio,
     run_benchmark,
     WorkerFailed,
-    run_worker,
     versions,
 )
-from bench_workers import gspo_side
-
-WORKERS = Path(__file__).resolve().parent / "bench_workers.py"
-
+from bench_workers import gspo_side, trl_side
 
 ASYNC = ["rollout.workers=1", "rollout.staleness=1", "rollout.worker_threads=1"]  # the async row's settings
 ENGINE = ["rollout.engine=vllm"]  # the engine rows' settings
@@ -61,20 +57,14 @@ def sides(a, model_dir: Path) -> dict:
     gspo with one rollout worker sampling one step behind, the cores split (trainer 1 thread, worker 1)."""
     spec = {"overrides": gspo_overrides(a, model_dir), "threads": a.threads}
 
-    def trl_side(trl_spec: dict):
-        def trl(work: Path) -> Run:
-            res, rss, others = run_worker("trl", WORKERS, trl_spec, work, a.wait_idle)
-            return Run(res["steps"], rss, others, {"len_mean": res["len_mean"], "reward_mean": res["reward_mean"]})
-        return trl
-
-    out = {"trl": trl_side(spec), "gspo": gspo_side(spec, a.wait_idle)}
+    out = {"trl": trl_side(spec, a.wait_idle), "gspo": gspo_side(spec, a.wait_idle)}
     if a.async_row:
         split = ["hardware=cpu", "hardware.dtype=float32", f"hardware.threads={max(1, a.threads - 1)}"]
         async_spec = {"overrides": gspo_overrides(a, model_dir, hardware=split) + ASYNC, "threads": a.threads}
         out["gspo-async"] = gspo_side(async_spec, a.wait_idle, workers=1)
     if a.engine:
         out["gspo-vllm"] = gspo_side({**spec, "overrides": spec["overrides"] + ENGINE}, a.wait_idle)
-        trl_vllm = trl_side({**spec, "vllm": True})
+        trl_vllm = trl_side({**spec, "vllm": True}, a.wait_idle)
         with tempfile.TemporaryDirectory(prefix="bench-trl-vllm-") as tmp:  # does TRL's vLLM path run here?
             try:
                 trl_vllm(Path(tmp))

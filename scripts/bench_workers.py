@@ -65,6 +65,16 @@ def gspo_side(spec: dict, wait_idle: float, workers: int = 0):
     return run
 
 
+def trl_side(spec: dict, wait_idle: float):
+    """A benchmark side (work dir -> bench_common.Run): TRL's `GRPOTrainer` on `spec` in a fresh worker process."""
+
+    def run(work: Path) -> bench_common.Run:
+        res, rss, others = bench_common.run_worker("trl", Path(__file__), spec, work, wait_idle)
+        return bench_common.Run(res["steps"], rss, others, {"len_mean": res["len_mean"], "reward_mean": res["reward_mean"]})
+
+    return run
+
+
 def gspo_run(rows: list[dict]) -> tuple[list[float], dict]:
     """(seconds per RL step, per-step extras) from gspo's metrics rows."""
     steps = [r["time/step_s"] for r in rows]

@@ -6,6 +6,7 @@ Smoke runs of the scripts themselves are marked slow.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -253,16 +254,20 @@ TINY_CPU = ["--steps", "2", "--rounds", "1", "--threads", "1", "--wait-idle", "0
 @pytest.mark.slow
 def test_bench_vs_trl_prints_one_table_at_a_small_size():
     pytest.importorskip("trl")
-    out = _script("scripts/bench_vs_trl.py", "--variant", "long16", *TINY_CPU)
+    old_attention = ["--model-override", "model.head_dim=16", "--model-override", "model.num_kv_heads=2"]
+    out = _script("scripts/bench_vs_trl.py", "--variant", "long16", *old_attention, *TINY_CPU)
     assert "| **gspo sync / TRL** |" in out and "| **gspo async / TRL** |" in out and "| TRL GRPOTrainer |" in out
     assert out.count("| 16.0 |") == 3  # every trainer saw full-length completions (gspo async: one worker)
+    assert "model preset changed: model.head_dim=16 model.num_kv_heads=2" in out
 
 
 @pytest.mark.slow
 def test_bench_floor_prints_one_table_at_a_small_size():
+    trl = importlib.util.find_spec("trl") is not None  # with TRL beside them where it is installed
     out = _script("scripts/bench_floor.py", "--variant", "vocab", "--vocab-size", "512", "--hidden", "32",
-                  "--max-new-tokens", "8", *TINY_CPU)
-    assert "| **gspo / floor** |" in out and out.count("| 8.0 |") == 2
+                  "--max-new-tokens", "8", *TINY_CPU, *(["--trl"] if trl else []))
+    assert "| **gspo / floor** |" in out and out.count("| 8.0 |") == 2 + trl
+    assert ("| **gspo / TRL** |" in out and "| **floor / TRL** |" in out) == trl
 
 
 @pytest.mark.slow
