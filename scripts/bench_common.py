@@ -125,6 +125,9 @@ def resolve_work(a) -> None:
             setattr(a, k, getattr(v, k))
     if (a.prompts * a.group) % a.minibatches or a.steps < 2:
         raise SystemExit("prompts x group must divide into minibatches, and --steps must be at least 2")
+    overrides = getattr(a, "model_override", [])
+    if any(not o.startswith("model.") for o in overrides) or (overrides and v.model not in ("toy", "long")):
+        raise SystemExit("--model-override takes model.KEY=VALUE, for the toy and long variants only")
 
 
 def gspo_overrides(a, model_dir: Path, hardware: Optional[list[str]] = None) -> list[str]:
@@ -223,8 +226,6 @@ def prepare_model(a) -> Path:
     from gspo.tasks import build_task
 
     kind = VARIANTS[a.variant].model
-    if any(not o.startswith("model.") for o in a.model_override) or (a.model_override and kind not in ("toy", "long")):
-        raise SystemExit("--model-override takes model.KEY=VALUE, for the toy and long variants only")
     base_cfg = compose([f"cache_dir={CACHE}", f"rollout.max_new_tokens={a.max_new_tokens}", *a.model_override])
     task = build_task(base_cfg.task)
     if kind == "toy":

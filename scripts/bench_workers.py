@@ -70,7 +70,8 @@ def trl_side(spec: dict, wait_idle: float):
 
     def run(work: Path) -> bench_common.Run:
         res, rss, others = bench_common.run_worker("trl", Path(__file__), spec, work, wait_idle)
-        return bench_common.Run(res["steps"], rss, others, {"len_mean": res["len_mean"], "reward_mean": res["reward_mean"]})
+        extra = {"len_mean": res["len_mean"], "reward_mean": res["reward_mean"]}
+        return bench_common.Run(res["steps"], rss, others, extra)
 
     return run
 
