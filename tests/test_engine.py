@@ -5,6 +5,8 @@ The engine itself (vLLM) is tested in tests/test_vllm.py, in the environment the
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from conftest import tiny
@@ -194,6 +196,54 @@ def test_a_child_that_breaks_a_side_channel_ends_the_run_with_its_error_its_deat
         with pytest.raises(RunFailed, match=line):
             raise child.lost(4, 2.0, "rollout.timeout_s=2")  # (it raises what it finds in the socket itself)
         assert stopped and child.proc.poll() is not None, kind
+
+
+def test_another_rank_on_a_shared_engine_ends_the_run_with_its_error_its_death_or_its_silence():
+    """`SharedEngine` (rollout.vllm.mode=shared or server, ranks > 0): each request answered in turn; the
+    engine's own error (a `ConfigError` when the user's code caused it), its connection closing, its silence for
+    rollout.timeout_s and a reply of the wrong kind each end the run in one line naming the step."""
+    import threading
+    from multiprocessing.connection import Listener
+
+    from gspo.config.errors import RunFailed
+
+    replies = [("loaded", 3, 412.0), ("samples", {"ids": [[1, 2]]}),
+               ("error", 4, "ValueError", "reward_fn returned 3 scores for 4 completions", True),
+               ("error", 4, "RuntimeError", "CUDA out of memory", False), ("loaded", 4, 0.0), "silent"]
+    asked, gave_up = [], threading.Event()
+    with Listener(("127.0.0.1", 0), authkey=b"k") as listener:
+        def rank_0():  # its engine's end: answers in turn; closes the connection once the rank gave up on it
+            with listener.accept() as conn:
+                for reply in replies:
+                    asked.append(pickle.loads(conn.recv_bytes()))
+                    if reply != "silent":
+                        conn.send_bytes(pickle.dumps(reply))
+                gave_up.wait(10)
+
+        server = threading.Thread(target=rank_0, daemon=True)
+        server.start()
+        shared = engine.SharedEngine((*listener.address, b"k"), 0.5, adapter=False, gathers=False)
+        shared.step = 3
+        assert shared.load(torch.nn.Linear(1, 1)) == 412.0
+        assert shared.sample_ids(prompts=[[1]]) == {"ids": [[1, 2]]}
+        assert asked == [("synced", 3), ("sample", 3, {"prompts": [[1]]})]
+        shared.step = 4
+        name = r"the vLLM engine \(shared, started by rank 0\)"
+        with pytest.raises(ConfigError, match=rf"^{name} while sampling step 4: ValueError: reward_fn returned 3 "):
+            shared.sample_ids()
+        with pytest.raises(RunFailed, match=rf"^{name} while sampling step 4: RuntimeError: CUDA out of memory$"):
+            shared.sample_ids()
+        with pytest.raises(RunFailed, match=rf"^{name}: expected 'samples', got 'loaded'$"):
+            shared.sample_ids()
+        with pytest.raises(RunFailed, match=rf"^{name}: nothing from it for 0.5 s while sampling step 4 \(hung\? "
+                                            r"rollout.timeout_s=0.5\)$"):
+            shared.sample_ids()
+        gave_up.set()
+        server.join(10)
+        with pytest.raises(RunFailed, match=rf"^{name}: its connection closed while sampling step 4 \(the engine "
+                                            r"or rank 0 died\)$"):
+            shared.sample_ids()
+        shared.close()
 
 
 def _stopped(pid: int) -> bool:

@@ -148,43 +148,15 @@ class Child:
         self.proc.wait()
 
 
-class RemoteChild(Child):
-    """The trainer's end of an engine `gspo vllm-serve` started on another host (gspo/rollout/engine_server.py): a
-    connection to `address` (host, port), authenticated with `key`, and no process of ours. The server says how
-    many threads its engine has, and the engine is sent `spec_of(threads)`; it is told `tensor_parallel_size`
-    before it starts. Its death is its connection closing; killing it is closing the connection (an engine exits
-    when its trainer is gone)."""
+class Peer(Child):
+    """The trainer's end of a connection `conn` to a process it did not start (an engine `gspo vllm-serve` runs,
+    the engine another rank started): no process of ours. Its death is its connection closing (`cause`: whose
+    death that may be); killing it is closing the connection."""
 
-    def __init__(self, name: str, address: tuple[str, int], key: bytes, spec_of: Callable[[int], dict],
-                 tensor_parallel_size: int, on_fail: Callable[[], None], timeout_s: float, stopped: str = ""):
-        from multiprocessing.connection import AuthenticationError, answer_challenge, deliver_challenge
-
-        self.name, self.on_fail, self.stopped, self.jobs, self.proc = name, on_fail, stopped, [], None
-        where = f"rollout.vllm.server={address[0]}:{address[1]}"
-        try:
-            sock = socket.create_connection(address, timeout=timeout_s)
-            sock.settimeout(None)
-            self.conn = Connection(sock.detach())
-        except OSError as e:
-            raise RunFailed(f"{where}: cannot connect ({e.strerror or e}): is `gspo vllm-serve --port "
-                            f"{address[1]}` running on {address[0]}?") from None
-        # (multiprocessing's Client, without its wait for ever while the server serves another run)
-        if not self.conn.poll(timeout_s):
-            self.conn.close()
-            raise RunFailed(f"{where}: the server did not answer for {timeout_s:g} s (it serves one run at a time: "
-                            "busy with another?; rollout.timeout_s)")
-        try:
-            answer_challenge(self.conn, key)
-            deliver_challenge(self.conn, key)
-        except AuthenticationError:
-            self.conn.close()
-            raise ConfigError(f"{where}: the server refused this run's GSPO_VLLM_KEY (not the one it was started "
-                              "with)") from None
-        except (EOFError, OSError) as e:
-            raise RunFailed(f"{where}: the connection closed while authenticating ({e})") from None
-        _, threads = self.expect("server", None, timeout_s, "rollout.timeout_s")
-        self.send(("start", tensor_parallel_size))
-        self.send(("spec", spec_of(int(threads))))
+    def __init__(self, name: str, conn: Connection, cause: str, on_fail: Callable[[], None] = lambda: None,
+                 stopped: str = ""):
+        self.name, self.conn, self.cause, self.on_fail, self.stopped = name, conn, cause, on_fail, stopped
+        self.jobs, self.proc = [], None
 
     @property
     def pid(self) -> None:
@@ -194,7 +166,7 @@ class RemoteChild(Child):
         return not self.conn.closed
 
     def died(self, step: Optional[int]) -> str:
-        return f"{self.name}: its connection closed{at_step(step)} (the engine or its server died){self.stopped}"
+        return f"{self.name}: its connection closed{at_step(step)} ({self.cause}){self.stopped}"
 
     def lost(self, step: Optional[int], timeout_s: float, hint: str = "") -> Exception:
         try:
@@ -214,6 +186,44 @@ class RemoteChild(Child):
     def kill(self) -> None:
         if not self.conn.closed:
             self.conn.close()
+
+
+class RemoteChild(Peer):
+    """The trainer's end of an engine `gspo vllm-serve` started on another host (gspo/rollout/engine_server.py): a
+    connection to `address` (host, port), authenticated with `key`. The server says how many threads its engine
+    has, and the engine is sent `spec_of(threads)`; it is told `tensor_parallel_size` before it starts. An engine
+    exits when its trainer is gone (the connection closed)."""
+
+    def __init__(self, name: str, address: tuple[str, int], key: bytes, spec_of: Callable[[int], dict],
+                 tensor_parallel_size: int, on_fail: Callable[[], None], timeout_s: float, stopped: str = ""):
+        from multiprocessing.connection import AuthenticationError, answer_challenge, deliver_challenge
+
+        where = f"rollout.vllm.server={address[0]}:{address[1]}"
+        try:
+            sock = socket.create_connection(address, timeout=timeout_s)
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+        except OSError as e:
+            raise RunFailed(f"{where}: cannot connect ({e.strerror or e}): is `gspo vllm-serve --port "
+                            f"{address[1]}` running on {address[0]}?") from None
+        super().__init__(name, conn, "the engine or its server died", on_fail, stopped)
+        # (multiprocessing's Client, without its wait for ever while the server serves another run)
+        if not self.conn.poll(timeout_s):
+            self.conn.close()
+            raise RunFailed(f"{where}: the server did not answer for {timeout_s:g} s (it serves one run at a time: "
+                            "busy with another?; rollout.timeout_s)")
+        try:
+            answer_challenge(self.conn, key)
+            deliver_challenge(self.conn, key)
+        except AuthenticationError:
+            self.conn.close()
+            raise ConfigError(f"{where}: the server refused this run's GSPO_VLLM_KEY (not the one it was started "
+                              "with)") from None
+        except (EOFError, OSError) as e:
+            raise RunFailed(f"{where}: the connection closed while authenticating ({e})") from None
+        _, threads = self.expect("server", None, timeout_s, "rollout.timeout_s")
+        self.send(("start", tensor_parallel_size))
+        self.send(("spec", spec_of(int(threads))))
 
 
 def at_step(step: Optional[int]) -> str:

@@ -23,17 +23,16 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import pickle
 import time
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from gspo.config import model_path
-from gspo.config.errors import ConfigError, RunFailed
+from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.rollout import engine_server
-from gspo.rollout.child import Child, RemoteChild, at_step
+from gspo.rollout.child import Child, Peer, RemoteChild
 from gspo.rollout.decoding import Continuation, Decoder
 from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
 from gspo.rollout.params import SamplingParams
@@ -420,7 +419,7 @@ class SharedEngine:
         from multiprocessing.connection import Client
 
         host, port, key = address
-        self.conn = Client((host, port), authkey=key)
+        self.peer = Peer(self.name, Client((host, port), authkey=key), "the engine or rank 0 died")
         self.timeout_s, self.adapter, self.gathers, self.step = timeout_s, adapter, gathers, None
 
     def load(self, model: torch.nn.Module, weights: Callable = adapters.merged_parameters) -> float:
@@ -439,23 +438,11 @@ class SharedEngine:
 
     def _ask(self, message: tuple, kind: str) -> tuple:
         step = message[1]
-        try:
-            self.conn.send_bytes(pickle.dumps(message))
-            if not self.conn.poll(self.timeout_s):
-                raise RunFailed(f"{self.name}: nothing from it for {self.timeout_s:g} s{at_step(step)} (hung? "
-                                f"rollout.timeout_s={self.timeout_s:g})")
-            reply = pickle.loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            raise RunFailed(f"{self.name}: its connection closed{at_step(step)} (the engine or rank 0 died)") from None
-        if reply[0] == "error":  # the engine's own exception while serving this rank
-            _, at, error, text, users = reply
-            raise (ConfigError if users else RunFailed)(f"{self.name}{at_step(at)}: {error}: {text}")
-        if reply[0] != kind:
-            raise RunFailed(f"{self.name}: expected {kind!r}, got {reply[0]!r}")
-        return reply
+        self.peer.send(message, step)
+        return self.peer.expect(kind, step, self.timeout_s, f"rollout.timeout_s={self.timeout_s:g}")
 
     def close(self) -> None:
-        self.conn.close()
+        self.peer.kill()
 
 
 class EngineSampler(Sampler):
