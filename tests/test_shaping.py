@@ -18,6 +18,12 @@ def test_overlong_penalty_by_hand():
         overlong_penalty(lengths, 10, -1)
 
 
+def test_overlong_penalty_stays_on_the_lengths_device():
+    # the first GPU run: the penalty was built on the CPU beside CUDA lengths (RuntimeError); "meta" stands in
+    for buffer in (0, 4):
+        assert overlong_penalty(torch.tensor([3, 8, 11], device="meta"), 10, buffer).device.type == "meta"
+
+
 def test_informative_groups():
     r = torch.tensor([1.0, 1, 0, 1, 0.1, 0.1, 0, 0])
     assert informative_groups(r, 2).tolist() == [False, True, False, False]

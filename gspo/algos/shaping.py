@@ -28,7 +28,7 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float 
     if buffer < 0:
         raise ValueError(f"overlong buffer must be >= 0, got {buffer}")
     lengths = torch.as_tensor(lengths)
-    out = torch.zeros(lengths.shape, dtype=torch.get_default_dtype())
+    out = torch.zeros(lengths.shape, dtype=torch.get_default_dtype(), device=lengths.device)
     if buffer == 0:
         return out
     L = lengths.to(out.dtype)

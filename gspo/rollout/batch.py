@@ -111,8 +111,9 @@ def collect(cfg, step: int, serve: Callable[[], AbstractContextManager], tokeniz
                           state=lambda: trainer_state(step - 1, cfg.train.steps), clean_texts=r.clean_texts,
                           conversations=r.conversations),
             cfg.reward.timeout_s, f"scoring step {step}'s {len(r.texts)} completions (task verifier, reward)")
-        if cfg.algo.overlong_buffer > 0:  # the length in the budget's unit: with tools, their replies count (verl)
-            parts["overlong"] = overlong_penalty(r.tail_lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
+        # the length in the budget's unit: with tools, their replies count (verl); on the CPU, as the scores are
+        if cfg.algo.overlong_buffer > 0:
+            parts["overlong"] = overlong_penalty(r.tail_lengths.cpu(), cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer,
                                                  cfg.algo.overlong_penalty)
             rewards = rewards + parts["overlong"]
         b = Batch(r, rows, rewards, parts)

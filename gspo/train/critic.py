@@ -73,7 +73,8 @@ class Critic:
         adv = compute_advantages(a.advantage, both[:, 0], self.cfg.rollout.group_size, passk_k=a.passk_k,
                                  std_eps=a.std_eps, whiten=a.whiten, lengths=both[:, 1],
                                  components=None if parts is None else both[:, 2:], weights=weights)
-        return adv[lo : lo + len(rewards)], metrics
+        # on the rollout's device: the rewards are scored (and gathered) on the CPU, the loss runs where the policy is
+        return adv[lo : lo + len(rewards)].to(mask.device), metrics
 
     def trains_policy(self, step: int) -> bool:
         return True
