@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.config.schema import CONF_DIR
-from gspo.tasks import Verdict, build_task, is_heldout
-from gspo.tasks.word_problems import KINDS, STEP_WEIGHTS, read_answer
+from gspo.tasks import Problem, Verdict, build_task, is_heldout
+from gspo.tasks.word_problems import KINDS, STEP_WEIGHTS, arithmetic_key, read_answer
 from gspo.train.checks import check
 
 
@@ -31,8 +31,18 @@ from gspo.train.checks import check
     ("It costs $12.50 in total.", Fraction(25, 2), False),
     ("It went down to -5 degrees", -5, False),
     ("48 - 32 = 16", 16, False),  # a minus between numbers is not a sign
-    ("\\boxed{3, 4}", 4, True),
+    ("\\boxed{3, 4}", 3, True),  # the first number a box states
     ("no number here", None, False),
+    # the number the sentence states, not the last one in it
+    ("The answer is 13 apples, because she had 21 and gave away 8.", 13, True),
+    ("The answer is 21 - 8 = 13.", 13, True),  # an equation after it: its result
+    ("The answer is 5 x 3 = 15 = 15 stickers, since 5 packs", 15, True),
+    ("So she has \\boxed{13 apples}, because 21 - 8 = 13 and 2 were lost", 13, True),
+    ("\\boxed{21 - 8 = 13} since 2", 13, True),
+    # a format with no number in it states nothing: the reply's last number, not explicit
+    ("\\boxed{}", None, False),
+    ("I get 7, so \\boxed{?}", 7, False),
+    ("The answer is unknown.", None, False),
 ])
 def test_answers_are_read_as_the_numbers_they_say(text, value, explicit):
     assert read_answer(text) == ((Fraction(value) if value is not None else None), explicit)
@@ -72,6 +82,36 @@ def test_no_held_out_problem_has_a_twin_in_training():
     twins = [p for p in train if p.meta["op"] == first.meta["op"] and p.meta["numbers"] == first.meta["numbers"]]
     assert len({p.prompt[-1]["content"] for p in twins}) > 1 and len({task.canonical(p) for p in twins}) == 1
     assert task.eval_set(200) == task.eval_set(200)  # the same for every run
+
+
+# the operand orders of each kind that state the same arithmetic (sums and products commute)
+SAME_ARITHMETIC = {"x+y": [(1, 0)], "x*y": [(1, 0)], "x+y-z": [(1, 0, 2)], "x*y-z": [(1, 0, 2)], "z+x*y": [(1, 0, 2)],
+                   "x*y*z": [(1, 0, 2), (0, 2, 1), (2, 1, 0), (1, 2, 0), (2, 0, 1)], "x+y*z-w": [(0, 2, 1, 3)],
+                   "x-y*z+w": [(0, 2, 1, 3)]}
+
+
+@pytest.mark.parametrize("max_steps", [1, 3])
+def test_no_held_out_problem_has_an_operand_swapped_twin_in_training(max_steps):
+    """`3 + 12` held out and `12 + 3` trained would be one problem on both sides: every order of a sum's or a
+    product's operands, at every level, is on the held-out problem's side."""
+    task = _task(max_steps=max_steps)
+    twins = 0
+    for p in task.eval_set(200):
+        for order in SAME_ARITHMETIC.get(p.meta["op"], []):
+            numbers = tuple(p.meta["numbers"][i] for i in order)
+            twin = Problem(p.prompt, p.answer, meta={**p.meta, "numbers": numbers})
+            twins += 1
+            assert is_heldout(task.canonical(twin), task.eval_fraction), (p.meta, numbers)
+    assert twins > 30
+
+
+def test_equal_arithmetic_is_one_key():
+    assert arithmetic_key("x+y", (3, 12)) == arithmetic_key("x+y", (12, 3)) == "(12+3)"
+    assert arithmetic_key("z+x*y", (2, 3, 5)) == arithmetic_key("z+x*y", (3, 2, 5)) == "((2*3)+5)"
+    assert arithmetic_key("x+2x", (5,)) == arithmetic_key("z+x*y", (2, 5, 5))  # 5 + 2*5 either way
+    assert arithmetic_key("x-y*z+w", (20, 2, 3, 4)) == "(20+4-(2*3))"
+    assert arithmetic_key("x-y", (12, 3)) != arithmetic_key("x-y", (3, 12))  # not reordered: other problems
+    assert arithmetic_key("x/y", (12, 3)) != arithmetic_key("x/y", (3, 12))
 
 
 def test_held_out_and_training_draw_the_kinds_alike():

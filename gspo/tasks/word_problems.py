@@ -6,18 +6,24 @@ chat messages. A 135 M instruct model (SmolLM2, `model=smollm2`) solves some of 
 task's knob is `task.max_steps`, and one-step problems are drawn most often.
 
 **Answers are read from free text as a number** (`read_answer`): the last `\\boxed{...}`; else the sentence
-after the last "answer is" / "answer:" / "####"; else the whole reply; and of that, the last number, read as
-what it says: `$1,200` is 1200, `12.0` is 12, `1/2` is one half. Correct = that number equals the reference.
-Well-formed = the reply states its answer explicitly (a box or one of those markers), which the TinyZero reward
+after the last "answer is" / "answer:" / "####"; of that, the number it states: its first number, or the result of
+an equation that follows it ("The answer is 13 apples, because she had 21 and gave away 8." reads 13, "The answer
+is 21 - 8 = 13." reads 13); with neither, the reply's last number. A number reads as what it says: `$1,200` is
+1200, `12.0` is 12, `1/2` is one half. Correct = that number equals the reference. Well-formed = a box or a marker
+states a number (`\\boxed{}`, `\\boxed{?}` and "The answer is unknown." are not), which the TinyZero reward
 (`reward=tinyzero`) pays 0.1 for: a nudge towards stating it, never worth as much as being right.
 
-**The held-out split** is by the problem's *structure and numbers* (`canonical`: the operation, e.g.
-`x*y-z`, and its operands), not its wording: a held-out problem has no twin in training with other names,
-objects or phrasing.
+**The held-out split** is by the problem's *arithmetic* (`canonical` = `arithmetic_key`: sums and products with
+their operands sorted at every level), not its wording or its operands' order: a held-out problem has no twin in
+training with other names, objects, phrasing, or `12 + 3` for `3 + 12`. The held-out set draws each kind as
+training does while the kind's held-out part has room; the spaces are small, so at `task.max_steps=1` with the
+default `task.eval_fraction=0.25` it is the whole held-out part, 154 problems (88 `x-y`, 32 `x+y`, 23 `x/y`,
+11 `x*y`), while training draws each kind a quarter of the time.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 import random
 import re
@@ -95,6 +101,52 @@ STEP_WEIGHTS = {1: 0.5, 2: 0.35, 3: 0.15}  # most problems one step: the 135 M m
 _NUMBER = re.compile(r"(?<![\w.])(-?)\$?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?:/(\d+))?(?!\d)")
 _MARKER = re.compile(r"answer\s*(?:is|:)|####", re.IGNORECASE)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+# after a stated number: more operators and operands, then "=" (an equation whose result is the answer)
+_EQUATION = re.compile(r"(?:\s*[-+*/x×÷]\s*\$?\d[\d,]*(?:\.\d+)?)*\s*=\s*(?:-?\$?\d{1,3}(?:,\d{3})+|-?\$?\d+)(?:\.\d+)?(?:/\d+)?")
+
+
+def arithmetic_key(op: str, numbers: tuple[int, ...]) -> str:
+    """A canonical form of the arithmetic `op` states on `numbers` (`"z+x*y"`, (2, 3, 5) -> `"(5+(2*3))"`): sums and
+    products flattened and their operands sorted at every level, so `3+12` and `12+3`, or `5+2*3` and `3*2+5`, are
+    one key, and the held-out split never puts one order in training and another in the held-out set. Differences
+    keep their subtrahends apart (`x+y-z` is `(x+y-z)` with the terms added and the terms taken away each sorted);
+    division is not reordered."""
+    names = dict(zip("xyzw", numbers))
+    expr = re.sub(r"(\d)([a-z])", r"\1*\2", op)  # "2x" -> "2*x"
+    return _canon(ast.parse(re.sub(r"[a-z]", lambda m: str(names[m.group()]), expr), mode="eval").body)
+
+
+def _canon(node: ast.expr) -> str:
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+        plus, minus = [], []
+        _terms(node, True, plus, minus)
+        return "(" + "+".join(sorted(plus)) + "".join("-" + t for t in sorted(minus)) + ")"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        factors: list[str] = []
+        _factors(node, factors)
+        return "(" + "*".join(sorted(factors)) + ")"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return f"({_canon(node.left)}/{_canon(node.right)})"
+    raise ValueError(f"not an arithmetic expression of + - * /: {ast.dump(node)}")
+
+
+def _terms(node: ast.expr, positive: bool, plus: list[str], minus: list[str]) -> None:
+    """The signed terms of a sum (a - (b - c) = a - b + c)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+        _terms(node.left, positive, plus, minus)
+        _terms(node.right, positive == isinstance(node.op, ast.Add), plus, minus)
+    else:
+        (plus if positive else minus).append(_canon(node))
+
+
+def _factors(node: ast.expr, out: list[str]) -> None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        _factors(node.left, out)
+        _factors(node.right, out)
+    else:
+        out.append(_canon(node))
 
 
 def _numbers(text: str) -> list[Fraction]:
@@ -109,23 +161,40 @@ def _numbers(text: str) -> list[Fraction]:
     return out
 
 
-def read_answer(text: str) -> tuple[Optional[Fraction], bool]:
-    """The number a reply gives as its answer, and whether it states it explicitly (a box or a marker).
+def _stated(text: str) -> Optional[Fraction]:
+    """The number `text` states as its answer: its first number, or, where an equation follows that number
+    ("21 - 8 = 13", "5 x 3 = 15 = 15"), the equation's result. None: no number."""
+    first = _NUMBER.search(text)
+    if first is None:
+        return None
+    end = first.end()
+    while True:  # past the operators and operands up to "=", then to the number after it
+        eq = _EQUATION.match(text, end)
+        if eq is None:
+            break
+        end = eq.end()
+    return _numbers(text[first.start():end])[-1]
 
-    The last `\\boxed{...}`'s last number; else the last number of the sentence after the last "answer is",
-    "answer:" or "####" ("The answer is 54 + 27 = 81." gives 81); else the reply's last number. None: no number.
+
+def read_answer(text: str) -> tuple[Optional[Fraction], bool]:
+    """The number a reply gives as its answer, and whether it states one where a format says (a box or a marker).
+
+    The last `\\boxed{...}`; else the sentence after the last "answer is", "answer:" or "####"; of either, the number
+    it states (`_stated`: the first, or the result of an equation that follows it: "The answer is 13 apples,
+    because she had 21 and gave away 8." gives 13, "The answer is 54 + 27 = 81." gives 81). A box or a marker
+    with no number after it (`\\boxed{}`, "The answer is unknown.") states nothing: then the reply's last number,
+    not stated (explicit False). None: no number at all.
     """
     boxed = _BOXED.findall(text)
-    if boxed:
-        found = _numbers(boxed[-1])
-        return (found[-1] if found else None), True
+    value = _stated(boxed[-1]) if boxed else None
+    if value is not None:
+        return value, True
     markers = list(_MARKER.finditer(text))
     if markers:
         # the marker's sentence: up to a line break, or a full stop that ends a sentence (not 12.5's)
-        rest = re.split(r"\n|\.(?=\s|$)", text[markers[-1].end():], maxsplit=1)[0]
-        found = _numbers(rest)
-        if found:
-            return found[-1], True
+        value = _stated(re.split(r"\n|\.(?=\s|$)", text[markers[-1].end():], maxsplit=1)[0])
+        if value is not None:
+            return value, True
     found = _numbers(text)
     return (found[-1] if found else None), False
 
@@ -175,8 +244,9 @@ class WordProblems(_HeldOutSplit):
         return out
 
     def canonical(self, problem: Problem) -> str:
-        """The operation and its operands: every wording of one problem is one key."""
-        return f"{problem.meta['op']}:{','.join(map(str, problem.meta['numbers']))}"
+        """The problem's arithmetic in a canonical form (`arithmetic_key`): every wording of one problem, and every
+        order of the operands of a sum or a product, is one key."""
+        return arithmetic_key(problem.meta["op"], problem.meta["numbers"])
 
     def verify(self, completion: str, problem: Problem) -> Verdict:
         value, explicit = read_answer(completion)

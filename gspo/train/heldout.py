@@ -116,6 +116,7 @@ def heldout_problems(task: Task, tcfg) -> list[Problem]:
     ConfigError, since an accuracy over zero problems would read as 0%.
     """
     import sys
+    from collections import Counter
 
     from gspo.config.errors import ConfigError
 
@@ -124,6 +125,9 @@ def heldout_problems(task: Task, tcfg) -> list[Problem]:
         raise ConfigError(f"task={tcfg.name}: the held-out split is empty (task.eval_fraction={tcfg.eval_fraction}); "
                           "raise task.eval_fraction, or use a larger problem set")
     if len(problems) < tcfg.eval_size:
-        print(f"gspo: warning: task.eval_size={tcfg.eval_size} but the held-out split has {len(problems)} problems: "
-              f"evaluating those {len(problems)} (raise task.eval_fraction for a tighter estimate)", file=sys.stderr)
+        kinds = Counter(p.meta.get("op") for p in problems if p.meta and p.meta.get("op"))  # word problems' kinds
+        mix = f" ({', '.join(f'{op} {n}' for op, n in kinds.most_common())})" if kinds else ""
+        print(f"gspo: warning: task.eval_size={tcfg.eval_size} but the held-out split has {len(problems)} problems"
+              f"{mix}: evaluating those {len(problems)} (raise task.eval_fraction for a tighter estimate)",
+              file=sys.stderr)
     return problems
