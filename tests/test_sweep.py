@@ -222,3 +222,15 @@ def test_a_sweep_whose_process_was_killed_continues_from_its_checkpoints(tmp_pat
     assert "skipped" in res.stdout and "resuming from step" in res.stdout
     for job in ("seed-0", "seed-1"):
         assert steady(killed / job) == steady(whole / job)
+
+
+def test_record_writes_through_a_temporary_file_of_its_own(tmp_path):
+    """Two sweeps started at once in one directory each write sweep.json through their own temporary file: one
+    never renames the other's half-written file into place, nor finds it gone. (The other's file in flight stands
+    at the name a shared temporary would have.)"""
+    in_flight = tmp_path / "sweep.json.tmp"
+    in_flight.write_text('{"named_by": ["se')
+    sweep.record(tmp_path, ["seed"])
+    assert json.loads((tmp_path / "sweep.json").read_text()) == {"named_by": ["seed"]}
+    assert in_flight.read_text() == '{"named_by": ["se'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json", "sweep.json.tmp"]  # none of its own left

@@ -18,6 +18,8 @@ name the jobs, so that a later command may give one of them a single value (`alg
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -115,12 +117,19 @@ def check(sweep_dir: Optional[Path | str], overrides: list[str], combos: list[li
 
 
 def record(sweep_dir: Path | str, keys: list[str]) -> None:
-    """Write SWEEP_DIR/sweep.json: the keys that name its jobs."""
+    """Write SWEEP_DIR/sweep.json: the keys that name its jobs. Through a temporary file of this call's own, renamed
+    into place: two sweeps started at once in one directory never rename each other's half-written file, nor find
+    their own gone."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    tmp = sweep_dir / f"{RECORD}.tmp"
-    tmp.write_text(json.dumps({"named_by": keys}) + "\n")
-    tmp.replace(sweep_dir / RECORD)
+    fd, tmp = tempfile.mkstemp(dir=sweep_dir, prefix=f".{RECORD}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps({"named_by": keys}) + "\n")
+        os.replace(tmp, sweep_dir / RECORD)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 @dataclass
