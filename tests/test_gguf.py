@@ -118,3 +118,62 @@ def test_a_run_on_a_gguf_file(tmp_path, cache_dir):
     assert summary["status"] == "finished"
     saved = json.loads(next((tmp_path / "run" / "checkpoints").glob("*/config.json")).read_text())
     assert saved["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_the_cache_is_keyed_by_what_writes_it(tmp_path, monkeypatch):
+    """A copy written by other gspo code (another CACHE_VERSION) or by another transformers (whose GGUF loader
+    dequantizes and whose save_pretrained writes the config) is never reused: each gets its own directory, and
+    gguf.json records what wrote it."""
+    import transformers
+
+    from gspo.models import gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    first = checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=None)
+    version, library = gguf.CACHE_VERSION, transformers.__version__
+    monkeypatch.setattr(gguf, "CACHE_VERSION", version + 1)
+    newer = checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=None)
+    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    other = checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=None)
+    assert len({first, newer, other}) == 3
+    written = [json.loads((d / "gguf.json").read_text()) for d in (first, newer, other)]
+    assert [w["version"] for w in written] == [version, version + 1, version + 1]
+    assert [w["transformers"] for w in written] == [library, library, "0.0.1"]
+
+
+def test_one_process_dequantizes_while_the_others_wait(tmp_path, monkeypatch):
+    """Callers that ask for the same file at once (the ranks of a DDP run, the jobs of a sweep sharing cache_dir)
+    dequantize it once: one holds the cache's lock and writes, the others wait for it and reuse its copy (flock
+    between separate opens behaves across threads as across processes)."""
+    import threading
+    import time
+
+    from gspo.models import gguf
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    real, calls = gguf.dequantize, []
+
+    def slow(source, out, *rest):
+        calls.append(out)
+        time.sleep(0.5)  # long enough that the others arrive while it writes
+        return real(source, out, *rest)
+
+    monkeypatch.setattr(gguf, "dequantize", slow)
+    got: list = []
+    ranks = [threading.Thread(target=lambda: got.append(checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache",
+                                                                       log=None))) for _ in range(3)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1
+    assert not list((tmp_path / "cache").glob(".tmp-gguf-*"))  # nothing half-written left behind
+
+
+@pytest.mark.parametrize("arch", ["t5", "umt5"])
+def test_an_architecture_with_no_causal_lm_is_refused_before_work(tmp_path, arch):
+    """transformers reads a T5 / UMT5 GGUF (an encoder-decoder), but has no causal-LM class for it: refused from
+    the header, naming the reason, before anything is dequantized."""
+    write_tiny_gguf(tmp_path / "t5.gguf", arch=arch)
+    problem = model_dir_problem(tmp_path / "t5.gguf")
+    assert problem is not None and f"architecture {arch!r}" in problem and "no causal-LM class" in problem

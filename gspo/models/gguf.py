@@ -2,15 +2,20 @@
 
 transformers reads a GGUF file (`from_pretrained(dir, gguf_file=NAME)`, with the `gguf` package) into an
 ordinary float32 model, but that model says it is quantized (`save_pretrained` refuses it) and has no
-`architectures`. gspo dequantizes it once into `cache_dir/gguf-<name>-<content hash>/`: safetensors weights,
-a config with `architectures` set, the tokenizer and its chat template, as `save_pretrained` writes them. Every
-later run, evaluation, rollout worker and the vLLM engine load that directory like any checkpoint; a changed
-file (another content hash) makes a new one. Written to a temporary directory and renamed, so parallel jobs of
-a sweep never see half of one.
+`architectures`. gspo dequantizes it once into `cache_dir/gguf-<name>-<key>/`: safetensors weights, a config
+with `architectures` set, the tokenizer and its chat template, as `save_pretrained` writes them. Every later run,
+evaluation, rollout worker, distillation teacher and the vLLM engine load that directory like any checkpoint.
+The key is the file's content hash and what writes the copy (CACHE_VERSION, the transformers and gguf versions):
+a changed file, or a copy written by other code, is never reused; a new one is made beside it.
+
+One process writes a copy while the others that want it (the ranks of a DDP run, the jobs of a sweep sharing
+cache_dir) wait on its lock file and then reuse it: dequantizing holds the whole float32 model in memory, once.
+Written to a temporary directory and renamed, so nothing ever sees half of one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -19,46 +24,90 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from gspo.config import model_path
 
-CACHE_VERSION = 1  # bump when what is written changes
+CACHE_VERSION = 2  # bump when what is written changes (2: the key holds what writes the copy)
 
 
-def checkpoint_dir(path: str | Path, cache_dir: str | Path, log: Optional[Callable[[str], None]] = print) -> Path:
-    """The checkpoint directory `model.path` names: the directory itself, or for a GGUF file (`pkg:` included:
+def checkpoint_dir(path: str | Path, cache_dir: str | Path, log: Optional[Callable[[str], None]] = print,
+                   key: str = "model.path") -> Path:
+    """The checkpoint directory `path` names: the directory itself, or for a GGUF file (`pkg:` included:
     gspo/config/model_path.py) its dequantized copy in `cache_dir`, made on first use. `log` gets one line
-    saying the model comes from a quantized file (None: silent)."""
-    source = model_path.gguf_file(path)
+    saying the model comes from a quantized file (None: silent); `key` is the option that named `path`
+    (`model.path`, `teacher.path`), for that line and for errors."""
+    source = model_path.gguf_file(path, key)
     if source is None:
-        return model_path.resolve(path)
-    key = file_sha256(source)
-    target = Path(cache_dir) / f"gguf-{source.stem}-{key[:16]}"
+        return model_path.resolve(path, key)
+    written_by = _written_by()
+    digest = file_sha256(source)
+    name = hashlib.sha256(json.dumps({"sha256": digest, **written_by}, sort_keys=True).encode()).hexdigest()[:16]
+    target = Path(cache_dir) / f"gguf-{source.stem}-{name}"
     if (target / "config.json").is_file():
-        if log is not None and int(os.environ.get("RANK", "0")) == 0:
-            log(f"gspo: model.path={path}: a GGUF file ({_kind(target)}), dequantized to float32 once: "
-                f"reusing {target}")
+        _reused(path, target, log, key)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-gguf-"))
-    try:
-        kind = dequantize(source, tmp)
-        (tmp / "gguf.json").write_text(json.dumps({"source": str(source), "sha256": key, "file_type": kind,
-                                                   "version": CACHE_VERSION, "seconds": round(time.time() - t0, 1)}))
+    with _locked(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():  # made by the process that held the lock before this one
+            _reused(path, target, log, key)
+            return target
+        t0 = time.time()
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-gguf-"))
         try:
-            os.rename(tmp, target)
-        except OSError:  # another job of the sweep finished first: use its copy
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            kind = dequantize(source, tmp, key)
+            (tmp / "gguf.json").write_text(json.dumps({"source": str(source), "sha256": digest, "file_type": kind,
+                                                       **written_by, "seconds": round(time.time() - t0, 1)}))
+            try:
+                os.rename(tmp, target)
+            except OSError:  # without flock, another process may have finished first: use its copy
+                if not (target / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     if log is not None:
-        log(f"gspo: model.path={path}: a GGUF file ({kind}), dequantized to float32 by transformers in "
+        log(f"gspo: {key}={path}: a GGUF file ({kind}), dequantized to float32 by transformers in "
             f"{time.time() - t0:.0f} s into {target} (every later run reuses it)")
     return target
+
+
+def _written_by() -> dict[str, str | int]:
+    """What decides the copy's bytes besides the file: gspo's way of writing it (CACHE_VERSION), transformers (its
+    GGUF loader maps the tensors and the config, its save_pretrained writes them) and gguf (its dequantization)."""
+    from importlib import metadata
+
+    import transformers
+
+    try:
+        gguf_version = metadata.version("gguf")
+    except metadata.PackageNotFoundError:  # transformers then refuses the file, with its own message
+        gguf_version = "none"
+    return {"version": CACHE_VERSION, "transformers": transformers.__version__, "gguf": gguf_version}
+
+
+def _reused(path: str | Path, target: Path, log: Optional[Callable[[str], None]], key: str) -> None:
+    if log is not None and int(os.environ.get("RANK", "0")) == 0:
+        log(f"gspo: {key}={path}: a GGUF file ({_kind(target)}), dequantized to float32 once: reusing {target}")
+
+
+@contextlib.contextmanager
+def _locked(lock_file: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_file` for the block, waiting for any other holder. flock's lock goes with
+    the holder's open file: a process that dies releases it, so a stale one never blocks, and the file is left in
+    place (removing it would let two processes lock two different files)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): parallel callers each dequantize, and the rename keeps one copy
+        yield
+        return
+    with open(lock_file, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def tokenizer_of(path: str | Path):
@@ -72,9 +121,10 @@ def tokenizer_of(path: str | Path):
     return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
 
 
-def dequantize(source: Path, out: Path) -> str:
+def dequantize(source: Path, out: Path, key: str = "model.path") -> str:
     """Write the GGUF file `source` to `out` as a plain Hugging Face checkpoint (float32 safetensors, config with
-    `architectures`, tokenizer with its chat template); the quantization it was stored in, as a name."""
+    `architectures`, tokenizer with its chat template); the quantization it was stored in, as a name. `key`: the
+    option that named the file, for errors."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,7 +139,7 @@ def dequantize(source: Path, out: Path) -> str:
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError, RuntimeError) as e:  # an architecture or tensor type transformers cannot read
-        raise ConfigError(f"model.path={source}: transformers cannot read this GGUF file "
+        raise ConfigError(f"{key}={source}: transformers cannot read this GGUF file "
                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
     finally:
         reader.tqdm = bar
