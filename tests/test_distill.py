@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny
+from gguf_files import write_tiny_gguf
+from test_cli import one_line_exit_2
+from typer.testing import CliRunner
 
+from cli.main import app
 from gspo.algos.distill import distill_metrics, reverse_kl_term
 from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
@@ -125,3 +129,40 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path, cache
     tok.save_pretrained(tmp_path / "other")
     with pytest.raises(ConfigError, match=r"teacher.path=.*its tokenizer is not the student's"):
         train(compose(tiny(cache_dir, **{"teacher.path": str(tmp_path / "other")})), tmp_path / "run")
+
+
+def test_a_gguf_teacher_loads_as_a_gguf_student_does(tmp_path, cache_dir, capsys):
+    """`teacher.path=FILE.gguf` is dequantized into cache_dir as `model.path=FILE.gguf` is: the same file as student
+    and teacher is one cached copy (the teacher's line says it reuses it) and the reverse KL is 0."""
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    path = str(tmp_path / "tiny.gguf")
+    cfg = compose(tiny(cache_dir, model="hf", **{"model.path": path, "teacher.path": path, "teacher.rl_coef": 0.0,
+                                                 "train.minibatches": 1, "rollout.old_logprobs": "recompute",
+                                                 "task": "word_problems", "task.system_prompt": "null",
+                                                 "task.max_steps": 1, "rollout.max_new_tokens": 8, "task.eval_size": 4,
+                                                 "train.steps": 1, "hardware.threads": 1}))
+    train(cfg, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert f"gspo: teacher.path={path}: a GGUF file (F32)" in out and "reusing" in out
+    assert _metrics(tmp_path / "run")[-1]["distill/reverse_kl"] == 0.0
+
+
+def test_a_teacher_path_that_cannot_load_is_refused_naming_teacher_path(tmp_path, cache_dir):
+    """Before any work, in one line naming `teacher.path` (never `model.path`): a package that is not installed,
+    and a run directory, which is pointed at the checkpoint to give (its last), as `gspo eval RUN_DIR` scores:
+    the config records the path, and a run directory's last checkpoint moves while that run trains on."""
+    with pytest.raises(ConfigError, match=r"^teacher\.path=pkg:nosuchdist/x\.gguf: the Python package nosuchdist"):
+        compose(tiny(cache_dir, **{"teacher.path": "pkg:nosuchdist/x.gguf"}))
+    run = tmp_path / "teacher_run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    with pytest.raises(ConfigError, match=r"a gspo run directory with no checkpoint yet"):
+        compose(tiny(cache_dir, **{"teacher.path": str(run)}))
+    for step in ("step_000002", "step_000004"):
+        (run / "checkpoints" / step).mkdir()
+        (run / "checkpoints" / step / "trainer_state.pt").write_bytes(b"")
+    last = run / "checkpoints" / "step_000004"
+    with pytest.raises(ConfigError, match=rf"a gspo run directory: give one of its checkpoints, e\.g\. its last: "
+                                          rf"teacher\.path={last}$"):
+        compose(tiny(cache_dir, **{"teacher.path": str(run)}))
+    one_line_exit_2(CliRunner().invoke(app, ["train", f"teacher.path={run}"]), f"teacher.path={last}")

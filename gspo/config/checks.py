@@ -167,13 +167,13 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
-def model_dir_problem(path: str | Path) -> Optional[str]:
-    """What keeps `path` from loading as a Hugging Face model directory or a GGUF file
+def model_dir_problem(path: str | Path, key: str = "model.path") -> Optional[str]:
+    """What keeps `path` (given as the option `key`) from loading as a Hugging Face model directory or a GGUF file
     (gspo/config/model_path.py), or None."""
-    p = model_path.resolve(path)
+    p = model_path.resolve(path, key)
     if p.is_file() or model_path.gguf_file(p) is not None or (p.is_dir() and not (p / "config.json").is_file()
                                                              and any(p.glob("*.gguf"))):
-        return model_path.gguf_problem(p)
+        return model_path.gguf_problem(p, key)
     if not p.is_dir():
         return "no such directory"
     if not (p / "config.json").is_file():
@@ -184,6 +184,22 @@ def model_dir_problem(path: str | Path) -> Optional[str]:
     if not any(p.glob("*.safetensors")):
         return "no *.safetensors weights there (gspo loads safetensors only: model.save_pretrained(DIR))"
     return None
+
+
+def teacher_problem(path: str) -> Optional[str]:
+    """What keeps `teacher.path` from loading as the teacher (a checkpoint directory or a GGUF file, loaded as
+    `model.path` is), or None. A gspo run directory is pointed at its checkpoints rather than taken as its last
+    one, as `gspo eval RUN_DIR` takes it: config.yaml records the path, and that run's last checkpoint moves while
+    it trains on, so a resumed student would distil from another teacher."""
+    p = model_path.resolve(path, "teacher.path")
+    if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
+        from gspo.train.checkpoint import latest
+
+        last = latest(p)
+        if last is None:
+            return "a gspo run directory with no checkpoint yet: give one of a run's checkpoints/step_N directories"
+        return f"a gspo run directory: give one of its checkpoints, e.g. its last: teacher.path={last}"
+    return model_dir_problem(path, "teacher.path")
 
 
 def _max_positions(cfg: Any) -> Optional[int]:
@@ -258,7 +274,7 @@ def check_values(cfg: Any) -> None:
     problem = model_dir_problem(cfg.model.path) if cfg.model.arch == "hf" else None
     if problem:
         raise ConfigError(f"model.path={cfg.model.path}: {problem}")
-    problem = model_dir_problem(cfg.teacher.path) if cfg.teacher.path else None
+    problem = teacher_problem(cfg.teacher.path) if cfg.teacher.path else None
     if problem:
         raise ConfigError(f"teacher.path={cfg.teacher.path}: {problem}")
     r = cfg.rollout

@@ -309,7 +309,8 @@ class MoEConfig:
 class TeacherConfig:
     # on-policy distillation (gspo/algos/distill.py): a teacher checkpoint's per-token reverse KL on the student's own
     # samples, a loss component beside the RL term, each normalised by its own token count (as prime-rl's opd)
-    path: Optional[str] = None  # a Hugging Face checkpoint directory with the student's tokenizer; None = no teacher
+    # what model.path takes (a checkpoint directory, a GGUF file, pkg:DIST/FILE), with the student's tokenizer
+    path: Optional[str] = None  # None = no teacher
     coef: float = 1.0  # weight of the distillation component
     rl_coef: float = 1.0  # weight of the RL term (the policy loss, its KL term included); 0 = distillation alone
 

@@ -2,7 +2,9 @@
 the student's own samples make the distillation loss component (gspo/algos/distill.py).
 
 Built once by `setup` when `teacher.path` is set, never trained, never checkpointed (the path is in config.yaml,
-so a resumed run loads it again). It must share the student's tokenizer: the teacher scores the student's token
+so a resumed run loads it again). `teacher.path` names what `model.path` may name (a checkpoint directory, a GGUF
+file, `pkg:DIST/FILE`); a GGUF file is loaded from its dequantized copy in cache_dir, the one a student of the same
+file loads (gspo/models/gguf.py). It must share the student's tokenizer: the teacher scores the student's token
 ids, so a different vocabulary is refused in one line before any step.
 """
 
@@ -14,6 +16,7 @@ import torch
 
 from gspo.config.errors import ConfigError
 from gspo.models.build import load_pretrained
+from gspo.models.gguf import checkpoint_dir
 from gspo.rollout.generate import token_logprobs
 
 
@@ -29,8 +32,10 @@ class Teacher:
         the reference is; ConfigError when its tokenizer is not the student's."""
         if not cfg.teacher.path:
             return None
-        model, teacher_tokenizer = load_pretrained(cfg.teacher.path, dist.storage_dtype(dtype),
-                                                   cfg.model.attn_implementation, device=dist.device)
+        # a GGUF file: dequantized once into cache_dir, every rank waiting on the one that writes it
+        path = checkpoint_dir(cfg.teacher.path, cfg.cache_dir, log=print if dist.is_main else None, key="teacher.path")
+        model, teacher_tokenizer = load_pretrained(path, dist.storage_dtype(dtype), cfg.model.attn_implementation,
+                                                   device=dist.device)
         problem = tokenizer_difference(tokenizer, teacher_tokenizer)
         if problem:
             raise ConfigError(f"teacher.path={cfg.teacher.path}: its tokenizer is not the student's ({problem}); "
