@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from gspo.config.loading import compose
@@ -325,3 +326,170 @@ def test_a_resumed_finished_run_says_running_while_it_works(tmp_path, cache_dir,
     assert seen[0]["status"] == "running" and "final_accuracy" not in seen[0]
     final = json.loads((tmp_path / "summary.json").read_text())
     assert final["status"] == "finished" and final["steps"] == 5 and "final_accuracy" in final
+
+
+# --------------------------------------------------------------------------- a run's end, after a stop
+
+
+def _same_end(run: Path, whole: Path) -> None:
+    """`run`'s summary, metrics and final weights are `whole`'s (a run never interrupted): wall time aside."""
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (run, whole))
+    assert a.pop("wall_s") > 0 and b.pop("wall_s") > 0
+    assert a == b and a["status"] == "finished"
+    assert steady(metrics(run)) == steady(metrics(whole))
+    files = sorted(p.name for p in checkpoint.latest(whole).glob("*.safetensors"))  # LoRA: the adapter's
+    assert files and files == sorted(p.name for p in checkpoint.latest(run).glob("*.safetensors"))
+    for name in files:
+        x, y = (load_file(checkpoint.latest(d) / name) for d in (run, whole))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _counted(monkeypatch) -> dict[str, list]:
+    """Spies: the held-out evaluations run (their steps) and the metrics loggers closed (their exit codes; a W&B
+    run is finished there)."""
+    from gspo.train.evaluator import Evaluator
+    from gspo.train.logging import MetricsLogger
+
+    seen: dict[str, list] = {"evaluated": [], "closed": []}
+    run, close = Evaluator.run, MetricsLogger.close
+
+    def counted_run(self, step):
+        seen["evaluated"].append(step)
+        return run(self, step)
+
+    def counted_close(self, exit_code=0):
+        seen["closed"].append(exit_code)
+        return close(self, exit_code)
+
+    monkeypatch.setattr(Evaluator, "run", counted_run)
+    monkeypatch.setattr(MetricsLogger, "close", counted_close)
+    return seen
+
+
+KILL_AFTER_LAST_CHECKPOINT = """
+import os, signal, sys
+from omegaconf import OmegaConf
+from gspo.train.checkpointer import Checkpointer
+from gspo.train.trainer import train
+
+save = Checkpointer.save
+def save_then_die(self, step):
+    save(self, step)
+    if step == self.cfg.train.steps:  # the last checkpoint is written; its summary and merged export are not
+        os.kill(os.getpid(), signal.SIGKILL)
+Checkpointer.save = save_then_die
+train(OmegaConf.load(sys.argv[1]), sys.argv[2])
+"""
+
+
+def test_a_run_killed_between_its_last_checkpoint_and_its_end_is_finished_by_its_resume(tmp_path, cache_dir,
+                                                                                        monkeypatch):
+    """kill -9 right after the last step's checkpoint: the resume, with nothing left to train, ends the run as an
+    uninterrupted run ends: summary.json finished with its steps and final accuracy (the final evaluation read from
+    metrics.jsonl, not run again), the merged LoRA export, the logger (W&B) closed as finished, and a sweep rerun
+    skips it. (Before: `running` for good, no merged export, and every sweep rerun resumed it again.)"""
+    from gspo.train import sweep
+
+    overrides = opts(cache_dir, **{"train.steps": 3, "model.lora.r": 4, "model.lora.save_merged": True})
+    whole = tmp_path / "whole"
+    train(compose(overrides), whole)
+    killed = tmp_path / "killed"
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose(overrides), resolve=True))
+    proc = subprocess.run([sys.executable, "-c", KILL_AFTER_LAST_CHECKPOINT, str(tmp_path / "config.yaml"),
+                           str(killed)], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
+    left = json.loads((killed / "summary.json").read_text())
+    assert left["status"] == "running" and left["steps"] == 2 and "final_accuracy" not in left
+    assert checkpoint.load_state(checkpoint.latest(killed))["step"] == 3 and not (killed / "merged").exists()
+
+    (killed / ".tmp-merged-x1").mkdir()  # what an export killed midway leaves (adapters.export_merged's name)
+
+    seen = _counted(monkeypatch)
+    cfg = compose(overrides + [f"resume={killed}"])
+    assert train(cfg, killed)["status"] == "finished"
+    assert seen == {"evaluated": [], "closed": [0]}  # recorded in metrics.jsonl: not run twice
+    _same_end(killed, whole)
+    assert not list(killed.glob(".tmp-merged-*"))
+    x, y = (load_file(d / "merged" / "model.safetensors") for d in (killed, whole))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert sweep.plan(killed, compose(overrides), []).action == "skip"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir):
+    """A finished 2-step run (kept intact: tests copy it), and the warm-start cache."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    train(compose(opts(cache_dir, **{"train.steps": 2})), run)
+    return run, cache_dir
+
+
+@pytest.mark.parametrize("left", ["status", "last_checkpoint", "preempted", "failed"])
+def test_a_resume_with_nothing_left_to_train_finishes_the_record(tmp_path, finished_run, monkeypatch, capsys, left):
+    """summary.json as a stop left it after the last checkpoint: only the status not written (a kill after the
+    export), the summary of the checkpoint before (a kill right after the last checkpoint), `preempted` (a later
+    stop's), `failed` (the merged export failed). The resume writes the uninterrupted run's summary, without
+    building a model or evaluating again, and says so in one line."""
+    import shutil
+
+    whole, cache = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    summary = json.loads((run / "summary.json").read_text())
+    if left == "last_checkpoint":
+        summary = {k: v for k, v in summary.items() if k != "final_accuracy"} | {"steps": 1}
+    summary["status"] = {"failed": "failed", "preempted": "preempted"}.get(left, "running")
+    (run / "summary.json").write_text(json.dumps(summary))
+
+    seen = _counted(monkeypatch)
+    assert train(compose(opts(cache, **{"train.steps": 2}) + [f"resume={run}"]), run)["status"] == "finished"
+    assert seen == {"evaluated": [], "closed": [0]}
+    assert f"gspo: {run} has trained 2 steps (train.steps=2) but its summary says" in capsys.readouterr().out
+    _same_end(run, whole)
+
+
+def test_a_run_that_failed_at_its_last_step_stays_failed(tmp_path, finished_run):
+    """A non-finite loss at the last step (its checkpoint written, then the run stopped as failed): a resume with
+    nothing left to train ends it as the loop did, failed, not finished."""
+    import shutil
+
+    from gspo.config.errors import RunFailed
+
+    whole, cache = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(whole, run)
+    rows = metrics(run)
+    rows[-1]["train/loss"] = float("nan")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps(json.loads((run / "summary.json").read_text()) | {"status": "failed"}))
+    with pytest.raises(RunFailed, match="step 2: train/loss is nan"):
+        train(compose(opts(cache, **{"train.steps": 2}) + [f"resume={run}"]), run)
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_resume_to_fewer_steps_runs_the_final_evaluation_once(tmp_path, finished_run, monkeypatch):
+    """A 3-step run stopped after step 2 (preempted), resumed with train.steps=2: nothing left to train, and step
+    2's evaluation never ran (not due then). The resume runs it, into step 2's row of metrics.jsonl, and ends as the
+    2-step run never interrupted ends; a resume after a kill there does not run it again."""
+    import shutil
+
+    whole, cache = finished_run
+    run = tmp_path / "run"
+    train(compose(opts(cache, **{"train.steps": 3, "train.keep_checkpoints": 2})), run)
+    shutil.rmtree(run / "checkpoints" / "step_000003")  # as if preempted after step 2
+    summary = json.loads((run / "summary.json").read_text())
+    summary = {k: v for k, v in summary.items() if k != "final_accuracy"} | {"status": "preempted", "steps": 2}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert "eval/accuracy" not in metrics(run)[2]
+
+    seen = _counted(monkeypatch)
+    resume = compose(opts(cache, **{"train.steps": 2, "train.keep_checkpoints": 2}) + [f"resume={run}"])
+    assert train(resume, run)["status"] == "finished"
+    assert seen["evaluated"] == [2] and seen["closed"] == [0]
+    _same_end(run, whole)
+
+    (run / "summary.json").write_text(json.dumps(summary))  # killed after the evaluation was recorded
+    seen["evaluated"].clear()
+    train(resume, run)
+    assert seen["evaluated"] == []
+    _same_end(run, whole)

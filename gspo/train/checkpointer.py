@@ -6,6 +6,9 @@ The loop asks it two things and never decides their timing itself:
                                 after the last, a LoRA run's merged export), and summary.json's `steps`
     save_stopped(step)          a stopped run's last finished step, unless already saved
 
+A resume with nothing left to train finishes the run's record if a stop (kill -9) came between the last
+checkpoint and the run's end (`complete`, `final`, `finish`): the summary an uninterrupted run ends with.
+
 Set-up asks it where the run starts (`start`, `resume_from`: the newest readable checkpoint of a resumed run)
 and restores the resumed state into what it builds: `restore_weights` before the model is wrapped,
 `restore` into the optimizer and schedule (and the batches sampled ahead), `track` for the other parts a
@@ -17,6 +20,7 @@ The format on disk is gspo/train/checkpoint.py's; rank 0 alone writes (FSDP: ful
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,6 +44,14 @@ def resume_point(run_dir: Path | str, log=lambda msg: None) -> tuple[int, Option
     """(the step to continue after, its checkpoint): the newest readable checkpoint's, else (0, None)."""
     ckpt = checkpoint.resumable(run_dir, log=log)
     return (int(checkpoint.load_state(ckpt)["step"]), ckpt) if ckpt is not None else (0, None)
+
+
+def _step_of(line: str) -> Optional[int]:
+    """The step of a metrics.jsonl line (None: unreadable)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def next_step(run_dir: Path | str) -> int:
@@ -81,6 +93,14 @@ class Checkpointer:
         self.start, self.resume_from = self._resume_point()  # the last step already done (0: a new run), its checkpoint
         self.summary = Summary(self.run_dir, dist.is_main, resumed=self.resume_from is not None,
                                restarted=bool(cfg.resume))
+        # nothing left to train: the row of metrics.jsonl for the last step, and the final evaluation's metrics as
+        # the run recorded them (None: never run, e.g. train.steps lowered to where the run stands; run it again)
+        self.last_row: dict = {}
+        self.final: Optional[dict] = None
+        if self.start >= cfg.train.steps:
+            self.last_row, self.final = self._recorded_end()
+            if dist.is_main:
+                print(self._end_line(), flush=True)
         self.saved = self.start  # the step of the newest checkpoint
         self.pending: dict = {}  # a resumed run's batches sampled ahead (rollout.staleness), this rank's share
         self.policy: Optional[torch.nn.Module] = None
@@ -92,8 +112,39 @@ class Checkpointer:
 
     @property
     def finished(self) -> bool:
-        """The run already did its train.steps."""
+        """The run already did its train.steps (its record may still need finishing: `complete`, `final`)."""
         return self.start >= self.cfg.train.steps
+
+    @property
+    def complete(self) -> bool:
+        """summary.json records the run's end at its last checkpoint: finished, with its final accuracy, and a
+        LoRA run's merged export written if asked (the export is renamed into place whole, so one there is whole)."""
+        d = self.summary.data
+        return (d.get("status") == "finished" and d.get("steps") == self.start and "final_accuracy" in d
+                and (not self.cfg.model.lora.save_merged or (self.run_dir / "merged").is_dir()))
+
+    def _recorded_end(self) -> tuple[dict, Optional[dict]]:
+        """(metrics.jsonl's row of step `start`, the final evaluation's metrics as recorded or None). The row is
+        logged before the step's checkpoint is written, so a run stopped after it holds the evaluation of the last
+        step there; summary.json's final accuracy counts too (the row may be gone with a lost metrics.jsonl)."""
+        path, row = self.run_dir / "metrics.jsonl", {}
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            if _step_of(line) == self.start:
+                row = json.loads(line)  # the last one: the one the resume keeps
+        d = self.summary.data
+        if d.get("steps") == self.start and d.get("final_accuracy") is not None:
+            return row, {"eval/accuracy": d["final_accuracy"]}
+        evaluated = {k: v for k, v in row.items() if k.startswith("eval/")}
+        return row, evaluated if "eval/accuracy" in evaluated else None
+
+    def _end_line(self) -> str:
+        """What a resume with nothing left to train does, in one line."""
+        steps, status = self.cfg.train.steps, self.summary.data.get("status")
+        if self.complete:
+            return f"gspo: {self.run_dir} already finished its {self.start} steps (train.steps={steps}); nothing to do"
+        todo = "running its final evaluation, then " if self.final is None else ""
+        return (f"gspo: {self.run_dir} has trained {self.start} steps (train.steps={steps}) but its summary says "
+                f"{status!r}: nothing left to train; {todo}finishing its record")
 
     def _resume_point(self) -> tuple[int, Optional[Path]]:
         """(0, None) for a new run or one killed before its first checkpoint."""
@@ -155,9 +206,43 @@ class Checkpointer:
             return
         self.save(step)
         self.summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if last else {}))
-        if last and self.cfg.model.lora.save_merged and self.dist.is_main:  # LoRA: merged export
+        if last:
+            self._export_merged()
+
+    def _export_merged(self) -> None:
+        """A LoRA run's merged export of its newest checkpoint, if asked (rank 0); what an export killed midway left
+        (its temporary directory) goes first."""
+        if self.cfg.model.lora.save_merged and self.dist.is_main:
+            for left in self.run_dir.glob(".tmp-merged-*"):  # adapters.export_merged's temporary name
+                shutil.rmtree(left, ignore_errors=True)
             adapters.export_merged(checkpoint.latest(self.run_dir), self.run_dir / "merged",
                                    self.dist.storage_dtype(self.dtype))
+
+    def record_final(self, final: dict) -> None:
+        """The final evaluation `final`, just run (the run had not recorded it), into metrics.jsonl's row of its
+        step as the loop logs it (a second row of the step would make `gspo compare` refuse the run), the file
+        replaced whole (rank 0). The logger's handle then writes to the replaced file: nothing is logged after."""
+        if self.dist.is_main:
+            path = self.run_dir / "metrics.jsonl"
+            lines = path.read_text().splitlines() if path.is_file() else []
+            row = {"step": self.start, **{k: v for k, v in self.last_row.items() if k != "step"}, **final}
+            at = [i for i, line in enumerate(lines) if _step_of(line) == self.start]
+            if at:
+                lines[at[-1]] = json.dumps(row, allow_nan=True)
+            else:
+                lines.append(json.dumps(row, allow_nan=True))
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in lines))
+            tmp.replace(path)
+        self.final = final
+
+    def finish(self) -> None:
+        """A resume with nothing left to train: what the last step's `maybe_save` writes after its checkpoint, from
+        the final evaluation (`final`). The merged export is written again even when one is there: it may be an
+        earlier end's (a finished run resumed for more steps)."""
+        assert self.final is not None, "the final evaluation is run (record_final) before finish"
+        self.summary.write(steps=self.start, final_accuracy=self.final["eval/accuracy"])
+        self._export_merged()
 
     def save_stopped(self, step: int) -> None:
         """A stopped run's last finished step `step`, unless its checkpoint is already written."""

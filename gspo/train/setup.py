@@ -85,10 +85,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) ->
     dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/train/distributed.py)
     device = dist.device
     ckpt = Checkpointer(cfg, run_dir, dist, dtype)  # the resume point; summary.json
-    if ckpt.finished:  # a finished run: leave everything as it is
-        if dist.is_main:
-            print(f"gspo: {run_dir} already finished its {ckpt.start} steps (train.steps={cfg.train.steps}); "
-                  "nothing to do")
+    if ckpt.finished and ckpt.final is not None:  # nothing to train, its final evaluation recorded: no model to
+        # build (its record may still need finishing: train() does it; the checkpointer said so in one line)
         return Setup(dist, dtype, ckpt, finished=True)
     if dist.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

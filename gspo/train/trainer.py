@@ -27,6 +27,7 @@ from gspo.rollout.batch import Batch
 from gspo.rollout.generate import NonFiniteLogits, token_logprobs
 from gspo.train import checkpoint, distributed, failures, preemption
 from gspo.train.checkpointer import Checkpointer
+from gspo.train.logging import MetricsLogger, NullLogger
 from gspo.train.setup import Setup, setup
 
 
@@ -35,6 +36,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
 
     `setup` builds what the loop needs (gspo/train/setup.py); the loop is below. The checkpointer and the
     evaluator decide when they save and evaluate (gspo/train/checkpointer.py, gspo/train/evaluator.py).
+
+    A resume with nothing left to train finishes the run's record if a stop came before its end (`_finish`).
 
     Returns the summary (also RUN_DIR/summary.json, kept current at every checkpoint):
     base and final held-out accuracy, steps done, wall time, status.
@@ -46,18 +49,23 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         stop.restore()  # a refused setup leaves the caller's handlers as they were (train() called in-process)
         raise
     dist, ckpt, logger, source = s.dist, s.checkpointer, s.logger, s.source
-    if s.finished or s.stopped:
+    if s.stopped or (s.finished and ckpt.complete):
         stop.close()
         return ckpt.summary.data
+    if logger is None:  # nothing left to train, nothing built: the logger alone, to finish a W&B run left open
+        logger = MetricsLogger(run_dir, cfg, resume_step=ckpt.start) if dist.is_main else NullLogger()
     progress = _Progress(cfg.train.steps, ckpt.start, enabled=cfg.logger.progress and dist.is_main)
     status, step = "failed", ckpt.start  # the step in progress, for an error's message (0: the base's evaluation)
     try:
-        base = s.evaluator.maybe_run(0) if ckpt.start == 0 else None  # a new run: the base's held-out accuracy
-        if base is not None:
-            logger.log(base, step=0)
-        ckpt.running(base)  # summary.json: running (a resumed run: no longer `finished`)
-        source.start(ckpt.start, s.model, ckpt.pending)  # samples ahead what the first steps need (rollout.staleness)
-        for step in range(ckpt.start + 1, cfg.train.steps + 1):
+        if ckpt.finished:  # nothing left to train: a stop came between its last checkpoint and its end
+            _finish(s)
+        else:
+            base = s.evaluator.maybe_run(0) if ckpt.start == 0 else None  # a new run: the base's held-out accuracy
+            if base is not None:
+                logger.log(base, step=0)
+            ckpt.running(base)  # summary.json: running (a resumed run: no longer `finished`)
+            source.start(ckpt.start, s.model, ckpt.pending)  # samples ahead what the first steps need (staleness)
+        for step in range(ckpt.start + 1, cfg.train.steps + 1):  # (none when finishing)
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 _leave(stop, ckpt, step - 1)
                 break
@@ -77,12 +85,27 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
         e.gspo_step = step  # which step failed: a worker's failure record names it (gspo/train/failures.py)
         raise
     finally:
-        source.close()  # rollout workers stop (and never outlive the trainer)
+        if source is not None:  # (none when finishing a record without the model)
+            source.close()  # rollout workers stop (and never outlive the trainer)
         progress.close()
         logger.close(exit_code=0 if status == "finished" else 1)
         ckpt.summary.write(status=status)
         stop.close()  # in a submitit job, after a stop: submitit's own handler requeues the job
     return ckpt.summary.data
+
+
+def _finish(s: Setup) -> None:
+    """A resume with nothing left to train, whose record did not end (killed after its last checkpoint, or
+    train.steps lowered to where it stands): what the last step does after its checkpoint, as an uninterrupted
+    run does it. The final evaluation as recorded, else run now (set-up built the model for it; never twice: it
+    is recorded before anything else), the last step's loss checked as the loop checks it, the summary's steps
+    and final accuracy, a LoRA run's merged export; `train`'s end then closes the logger (W&B's finish) and says
+    `finished`."""
+    ckpt = s.checkpointer
+    _check_finite(ckpt.last_row, ckpt.start)  # a run that failed at its last step stays failed
+    if ckpt.final is None:
+        ckpt.record_final(s.evaluator.run(ckpt.start))  # every rank: the evaluation is split over them
+    ckpt.finish()
 
 
 def _leave(stop: preemption.StopSignals, ckpt: Checkpointer, done: int) -> None:
