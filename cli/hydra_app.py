@@ -12,6 +12,7 @@ back to `cli.main` (which sets HYDRA_FULL_ERROR so Hydra re-raises it).
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 
 import hydra
@@ -68,6 +69,7 @@ def _train_job(cfg: DictConfig, hc) -> float:
         cfg, before = plan.cfg, plan.before
     elif preemption.resume_requeued(run_dir):  # SLURM requeued this run (preempted): continue it
         print(f"gspo: requeued job: resuming {run_dir}", flush=True)
+        before = load_run_config(run_dir)  # what the run saved: a requeue changing a setting is recorded too
         cfg.resume = str(run_dir)
     elif launcher.is_main_process():  # a new run: never into a directory that holds one
         rundir.check_new(run_dir, "hydra.run.dir")
@@ -76,7 +78,10 @@ def _train_job(cfg: DictConfig, hc) -> float:
         run_dir = launcher.shared_run_dir(run_dir, cfg.hardware)
     with rundir.lock(run_dir) if launcher.is_main_process() else contextlib.nullcontext():
         if before is not None and launcher.is_main_process():
-            resume.record(run_dir, before, cfg, checkpointer.next_step(run_dir))  # e.g. train.steps, from step N on
+            entry = resume.record(run_dir, before, cfg, checkpointer.next_step(run_dir))  # e.g. train.steps, from N on
+            warning = resume.numbers_warning(entry)  # e.g. hardware.threads: the run no longer a function of its seed
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         if launch:  # a worker's failure comes back as one line (gspo/train/failures.py)
             summary = launcher.launch(cfg, run_dir)
         else:

@@ -209,6 +209,7 @@ def test_a_requeued_slurm_job_resumes_its_run(tmp_path, cache_dir, monkeypatch):
     assert res.exit_code == 0, res.output
     assert f"resuming {run}" in res.output
     assert [m["step"] for m in metrics(run)] == [0, 1, 2, 3]
+    assert not (run / "resumes.jsonl").exists()  # the same command: nothing changed, nothing recorded
 
 
 @pytest.mark.slow

@@ -256,16 +256,20 @@ def test_resume_falls_back_past_an_incomplete_checkpoint(tmp_path, cache_dir, ca
 
 
 def test_wall_s_counts_a_restart_from_step_0(tmp_path, cache_dir):
-    """A run killed before its first checkpoint restarts from step 0, but its earlier session still counts."""
+    """A run killed before its first checkpoint restarts from step 0, but its earlier session still counts, and so
+    does the record of what its resumes changed."""
     cfg = compose(tiny(cache_dir, **{"train.steps": 1}))
     train(cfg, tmp_path)
     import shutil
 
     shutil.rmtree(tmp_path / "checkpoints")
     summary = json.loads((tmp_path / "summary.json").read_text())
-    (tmp_path / "summary.json").write_text(json.dumps({**summary, "status": "running", "wall_s": 828.0}))
+    resumes = [{"from_step": 1, "time": "", "changes": {"hardware.threads": {"was": 0, "now": 1}}}]
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "status": "running", "wall_s": 828.0,
+                                                       "resumes": resumes}))
     cfg.resume = str(tmp_path)
-    assert train(cfg, tmp_path)["wall_s"] > 828.0
+    again = train(cfg, tmp_path)
+    assert again["wall_s"] > 828.0 and again["resumes"] == resumes
 
 
 # --------------------------------------------------------------------------- what a resume may change
@@ -304,6 +308,33 @@ def test_resume_records_what_it_changes_and_from_which_step(tmp_path, cache_dir,
     assert entry["changes"] == {"train.steps": {"was": 1, "now": 3}, "eval.every": {"was": 0, "now": 2},
                                 "hardware.threads": {"was": 0, "now": 1}}  # seed=0: the same value, no change
     assert [m["step"] for m in metrics(run)] == [0, 1, 2, 3] and "eval/accuracy" in metrics(run)[2]
+
+
+def test_a_resume_that_changes_the_numbers_is_said_and_kept_in_the_summary(tmp_path, cache_dir, monkeypatch):
+    """A resume may change hardware.threads (a sweep rerun did, mid-run): the run is then no longer the one its seed
+    gives (docs/contracts.md). summary.json lists every resume that changed a setting, from what to what and from
+    which step, and such a resume says so in one line; one that changes only train.steps does not warn."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1, "hardware.threads": 1})), run)
+    res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=2"])
+    assert res.exit_code == 0, res.output
+    assert "warning" not in res.output
+    res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=3", "hardware.threads=2"])
+    assert res.exit_code == 0, res.output
+    said = [line for line in res.output.splitlines() if "warning" in line]
+    assert said == ["gspo: warning: this resume changes hardware.threads 1 -> 2: from step 3 on, the run is no longer "
+                    "the one its seed and config give (docs/contracts.md); recorded in summary.json's resumes"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 3
+    assert [(r["from_step"], r["changes"]) for r in summary["resumes"]] == [
+        (2, {"train.steps": {"was": 1, "now": 2}}),
+        (3, {"train.steps": {"was": 2, "now": 3}, "hardware.threads": {"was": 1, "now": 2}})]
+    assert summary["resumes"] == [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
 
 
 def test_a_resumed_finished_run_says_running_while_it_works(tmp_path, cache_dir, monkeypatch):

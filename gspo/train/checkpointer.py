@@ -70,7 +70,8 @@ class Summary:
     def __init__(self, run_dir: Path, is_main: bool, resumed: bool, restarted: bool = False):
         self.path, self.is_main, self.t0 = run_dir / "summary.json", is_main, time.time()
         old: dict = json.loads(self.path.read_text()) if (resumed or restarted) and self.path.is_file() else {}
-        self.data = old if resumed else {}
+        # a restart from step 0 keeps the record of what its resumes changed (gspo/train/resume.py)
+        self.data = old if resumed else {k: old[k] for k in ("resumes",) if k in old}
         self.wall0 = float(old.get("wall_s", 0.0))  # a restart from step 0 still counts the sessions before it
 
     def write(self, **values) -> None:

@@ -4,7 +4,10 @@ A resume may change how long the run goes on (`train.steps`), how it is logged, 
 evaluated, and the hardware it runs on (a checkpoint loads under any world size or device). Every
 other key (algorithm, model, task, reward, rollout, loss hyperparameters, learning rate, seed, the
 training dtype) defines the experiment: changing it is refused in one line naming the keys. What a
-resume changes is appended to RUN_DIR/resumes.jsonl with the step it applies from.
+resume changes is appended to RUN_DIR/resumes.jsonl with the step it applies from, and to the list
+`resumes` in RUN_DIR/summary.json. Some of what a resume may change changes the run's numbers
+(NUMERICS: a run is a function of its seed and config only at one thread count, on one device, ...,
+docs/contracts.md): such a resume is said in one line (`numbers_warning`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ MAY_CHANGE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
               "model.gradient_checkpointing", "model.attn_implementation", "model.lora.save_merged", "name",
               "cache_dir", "resume")
 FIXED = ("hardware.dtype",)  # under a prefix above, but the numerics of training: part of the experiment
+# keys a resume may change that change the run's numbers from that step on (docs/contracts.md, `seed`): another
+# thread count splits float sums otherwise (the trainer's, the sampler's), another device or attention kernel
+# computes otherwise, another world size or backend reduces the gradients in another order, a compiled sampler
+# decodes with other kernels
+NUMERICS = ("hardware.threads", "rollout.worker_threads", "hardware.device", "model.attn_implementation",
+            "hardware.name", "hardware.nproc", "hardware.strategy", "hardware.backend", "hardware.compile")
+SUMMARY = "summary.json"
 
 
 def _flat(cfg: Any) -> dict[str, Any]:
@@ -79,11 +89,37 @@ def check(old: Any, new: Any) -> None:
 
 
 def record(run_dir: Path | str, old: Any, new: Any, from_step: int) -> dict:
-    """Append what this resume changes, and the first step it applies to, to RUN_DIR/resumes.jsonl."""
+    """Append what this resume changes, and the first step it applies to, to RUN_DIR/resumes.jsonl and to
+    summary.json's `resumes` (a resume that changes nothing is not listed: its run is the uninterrupted one).
+    Returns the entry ({} for no change)."""
     diff = {k: {"was": o, "now": n} for k, (o, n) in changes(old, new).items() if k != "resume"}
     if diff:
         entry = {"from_step": from_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": diff}
         with (Path(run_dir) / RECORD).open("a") as fh:
             fh.write(json.dumps(entry) + "\n")
+        _into_summary(Path(run_dir) / SUMMARY, entry)
         return entry
     return {}
+
+
+def _into_summary(path: Path, entry: dict) -> None:
+    """`entry` appended to summary.json's `resumes`, the file replaced whole (written before the resumed run starts,
+    which then keeps it: gspo/train/checkpointer.py's Summary)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet (killed before step 0's summary), or unreadable: the list alone
+        data = {}
+    data["resumes"] = [*data.get("resumes", []), entry]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def numbers_warning(entry: dict) -> str | None:
+    """One line when a resume's `entry` (from `record`) changes what changes the run's numbers, else None."""
+    changed = {k: v for k, v in entry.get("changes", {}).items() if k in NUMERICS}
+    if not changed:
+        return None
+    said = ", ".join(f"{k} {v['was']} -> {v['now']}" for k, v in changed.items())
+    return (f"gspo: warning: this resume changes {said}: from step {entry['from_step']} on, the run is no longer the "
+            "one its seed and config give (docs/contracts.md); recorded in summary.json's resumes")
