@@ -167,6 +167,12 @@ UPDATE_CASES = {  # batch-level advantages, and a rank whose every row the overl
     "gpg": ["algo=gpg"],
     "overlong_token_mean": ["algo=dapo", "algo.overlong_filter=true"],
     "overlong_seq_mean": ["algo=grpo", "algo.beta=0", "algo.overlong_filter=true"],
+    # objectives with a statistic of the minibatch's tokens (M2PO's second moment, Clip-Cov's covariance, token
+    # count and random draw): over every rank's tokens, as one process computes it; thresholds that bite. (KL-Cov's
+    # statistic is tested in test_losses.py: its |log pi - log pi_old| penalty has a gradient of +-coef wherever
+    # the ratio is 1 up to rounding, as on a step's first minibatch, so its update follows the rounding there.)
+    "m2po": ["algo=m2po", "algo.m2_threshold=1e-6"],
+    "clip_cov": ["algo=clip_cov", "algo.clip_cov_ratio=0.2", "algo.clip_cov_lb=-10", "algo.clip_cov_ub=10"],
 }
 
 

@@ -880,3 +880,66 @@ def test_entropy_bonus_is_the_mean_over_the_kept_tokens_with_its_gradient():
     total, n = entropy_bonus(ent, torch.tensor([[1.0, 1.0, 0.0]]))
     assert total.item() == 3.0 and n.item() == 2.0
     assert grad(total / n, ent).tolist() == [[0.5, 0.5, 0.0]]
+
+
+def _on_two_ranks(name: str, logp, old, adv, mask, split: int, **hyper) -> list:
+    """`policy_loss` on rows [:split] and [split:] in two threads standing for two ranks, whose `gather` exchanges
+    their token values as `Dist.all_gather_rows` does (concatenated in rank order, and where the caller's begin)."""
+    import threading
+
+    sent: list = [None, None]
+    barrier = threading.Barrier(2)
+
+    def gather(rank: int):
+        def exchange(x):
+            sent[rank] = x
+            barrier.wait()
+            both = torch.cat([sent[0], sent[1]])
+            lo = 0 if rank == 0 else len(sent[0])
+            barrier.wait()  # both have read before either sends again
+            return both, lo
+        return exchange
+
+    out: list = [None, None]
+
+    def run(rank: int) -> None:
+        rows = slice(0, split) if rank == 0 else slice(split, None)
+        lp = logp[rows].detach().requires_grad_()
+        loss, _ = policy_loss(name, lp, old[rows], adv[rows], mask[rows], gather=gather(rank),
+                              generator=torch.Generator().manual_seed(0), **hyper)
+        loss.backward()
+        out[rank] = (loss.detach(), lp.grad, mask[rows].sum())
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("name, hyper", [
+    ("m2po", {"m2_threshold": 2e-2}),
+    ("clip_cov", {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0}),
+    ("kl_cov", {"kl_cov_ratio": 0.2, "kl_cov_coef": 3.0}),
+])
+def test_a_batch_statistic_over_two_ranks_is_the_one_process_statistic(name, hyper):
+    """M2PO's second moment, Clip-Cov's and KL-Cov's covariance, token counts and picks are statistics of the
+    minibatch: on two ranks each holding some of its rows, the loss (token-weighted) and every row's gradient are
+    what one process computes, and they are not what each rank alone would compute."""
+    g = torch.Generator().manual_seed(3)
+    logp = -torch.rand(8, 6, generator=g)
+    rows = torch.arange(8.0)
+    old = logp + 0.05 * torch.randn(8, 6, generator=g) * (1 + rows[:, None])  # the halves' statistics differ
+    adv = torch.randn(8, generator=g) + rows * 0.3
+    mask = (torch.rand(8, 6, generator=g) > 0.3).float()
+    lp = logp.clone().requires_grad_()
+    one, _ = policy_loss(name, lp, old, adv, mask, generator=torch.Generator().manual_seed(0), **hyper)
+    one.backward()
+    (l0, g0, n0), (l1, g1, n1) = _on_two_ranks(name, logp, old, adv, mask, 3, **hyper)
+    assert float((l0 * n0 + l1 * n1) / (n0 + n1)) == pytest.approx(float(one), rel=1e-6)
+    n = mask.sum()
+    torch.testing.assert_close(torch.cat([g0 * n0 / n, g1 * n1 / n]), lp.grad, rtol=1e-5, atol=1e-7)
+    alone = [policy_loss(name, logp[r], old[r], adv[r], mask[r], generator=torch.Generator().manual_seed(0), **hyper)[0]
+             for r in (slice(0, 3), slice(3, None))]
+    assert float((alone[0] * n0 + alone[1] * n1) / n) != pytest.approx(float(one), rel=1e-3)

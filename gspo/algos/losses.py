@@ -66,6 +66,10 @@ class Hyper:
     kl_cov_ratio: float = _ALGO.kl_cov_ratio  # KL-Cov: share of tokens (top covariance, at least one) given |d_t|
     kl_cov_coef: float = _ALGO.kl_cov_coef  # KL-Cov: coefficient of that penalty
     generator: Optional[torch.Generator] = None  # Clip-Cov's random pick (a CPU generator); None = torch's global one
+    # every process's values of a (M,) tensor of this process's tokens, concatenated in rank order, and where this
+    # process's begin (`Dist.all_gather_rows`): the batch statistics of M2PO, Clip-Cov and KL-Cov are over the
+    # minibatch of every rank, as one process computes them; None = this process's tokens are the minibatch's
+    gather: Optional[Callable[[Tensor], tuple[Tensor, int]]] = None
     topk_old_logp: Optional[Tensor] = None  # (B, T, k) DPPO top-k: the sampler's log-probs of its k most likely tokens
     topk_logp: Optional[Tensor] = None  # (B, T, k) the policy's log-probs of the same tokens (no grad needed)
     topk_divergence: str = _ALGO.topk_divergence  # DPPO top-k: tv | kl
@@ -472,11 +476,19 @@ def dppo_topk(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hype
     return _dppo(logp, old_logp, adv, ~((div > h.eps_high) & grew), ~((div > h.eps_low) & shrank), h)
 
 
-def _token_cov(logp: Tensor, adv: Tensor, mask: Tensor) -> Tensor:
-    """(A_t - mean A) (log pi_t - mean log pi) per token, means over the batch's tokens (arXiv 2505.22617)."""
-    n = mask.sum().clamp(min=1.0)
+def _every(x: Tensor, h: Hyper) -> tuple[Tensor, int]:
+    """Every process's values of this process's (M,) token values `x` (one process: `x`), and where its begin."""
+    return h.gather(x) if h.gather is not None else (x, 0)
+
+
+def _token_cov(logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Tensor:
+    """(A_t - mean A) (log pi_t - mean log pi) per token, means over the minibatch's tokens of every process
+    (arXiv 2505.22617)."""
+    m = mask > 0
     lp = logp.detach()
-    return (adv - (adv * mask).sum() / n) * (lp - (lp * mask).sum() / n)
+    both, _ = _every(torch.stack([adv.expand_as(lp)[m], lp[m]], 1), h)
+    mean_adv, mean_lp = (both.mean(0) if len(both) else torch.zeros(2, dtype=lp.dtype, device=lp.device)).unbind()
+    return (adv - mean_adv) * (lp - mean_lp)
 
 
 @register_loss("clip_cov", agg="token_mean", ppo_clip=True, settings=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
@@ -485,20 +497,24 @@ def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper
 
     Of the tokens not already clipped whose covariance lies in (clip_cov_lb, clip_cov_ub),
     max(1, int(clip_cov_ratio * #tokens)) are drawn at random (`generator`: the trainer passes one keyed by
-    (seed, step, minibatch), so a run is a function of its seed) and drop out.
+    (seed, step, minibatch), so a run is a function of its seed) and drop out. The count and the draw are over
+    the minibatch's tokens of every process (`gather`), as one process draws them.
     """
     w = torch.exp(logp - old_logp)
     objective, low, high, dual = _ppo_clip(w, adv, h)
     with torch.no_grad():
-        cov = _token_cov(logp, adv, mask)
-        cand = (mask > 0) & ~low & ~high & (cov > h.clip_cov_lb) & (cov < h.clip_cov_ub)
-        idx = cand.flatten().nonzero().squeeze(1)
-        n_pick = max(int(h.clip_cov_ratio * float(mask.sum())), 1)
-        picked = torch.zeros(cand.numel(), dtype=torch.bool, device=cand.device)
+        m = mask > 0
+        cov = _token_cov(logp, adv, mask, h)
+        cand = m & ~low & ~high & (cov > h.clip_cov_lb) & (cov < h.clip_cov_ub)
+        every, lo = _every(cand[m].to(torch.uint8), h)  # each token of the minibatch: a candidate or not
+        idx = every.bool().nonzero().squeeze(1)
+        n_pick = max(int(h.clip_cov_ratio * every.numel()), 1)
         order = torch.randperm(idx.numel(), generator=h.generator) if h.generator is not None else \
             torch.randperm(idx.numel(), device=idx.device)
-        picked[idx[order.to(idx.device)[:n_pick]]] = True
-        picked = picked.view_as(cand)
+        chosen = torch.zeros(every.numel(), dtype=torch.bool, device=cand.device)
+        chosen[idx[order.to(idx.device)[:n_pick]]] = True
+        picked = torch.zeros_like(cand)
+        picked[m] = chosen[lo : lo + int(m.sum())]
     objective = torch.where(picked, torch.zeros_like(objective), objective)
     return Terms(objective, w, low, high, dual, clip_cov=picked)
 
@@ -506,18 +522,21 @@ def clip_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper
 @register_loss("kl_cov", agg="token_mean", settings=("kl_cov_ratio", "kl_cov_coef"))
 def kl_cov(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """KL-Cov, arXiv 2505.22617: the unclipped surrogate w A, minus kl_cov_coef |log pi - log pi_old| on the
-    max(1, int(kl_cov_ratio * #tokens)) tokens of highest covariance. No ratio clip."""
+    max(1, int(kl_cov_ratio * #tokens)) tokens of highest covariance among the minibatch's tokens of every
+    process (`gather`). No ratio clip."""
     d = logp - old_logp
     w = torch.exp(d)
     with torch.no_grad():
-        cov = _token_cov(logp, adv, mask).masked_fill(mask == 0, -torch.inf).flatten()
-        n_pick = min(max(int(h.kl_cov_ratio * float(mask.sum())), 1), int(mask.sum()))
-        picked = torch.zeros_like(cov, dtype=torch.bool)
-        picked[torch.topk(cov, n_pick).indices] = True
-        picked = picked.view_as(logp)
+        m = mask > 0
+        every, lo = _every(_token_cov(logp, adv, mask, h)[m], h)
+        chosen = torch.zeros(every.numel(), dtype=torch.bool, device=logp.device)
+        if every.numel():
+            n_pick = min(max(int(h.kl_cov_ratio * every.numel()), 1), every.numel())
+            chosen[torch.topk(every, n_pick).indices] = True
+        picked = torch.zeros_like(m)
+        picked[m] = chosen[lo : lo + int(m.sum())]
     objective = w * adv - h.kl_cov_coef * picked.to(logp.dtype) * d.abs()
     return Terms(objective, w.detach(), _no_clip(w), _no_clip(w), clip_cov=picked)
-
 
 @register_loss("topr", agg="seq_mean_token_sum_norm")
 def topr(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
@@ -565,13 +584,17 @@ def dro(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> 
     return Terms(adv * logp - 0.5 * h.dro_beta * d * d, w, _no_clip(w), _no_clip(w))
 
 
-def m2_keep(d: Tensor, mask: Tensor, threshold: float) -> Tensor:
+def m2_keep(d: Tensor, mask: Tensor, threshold: float,
+            gather: Optional[Callable[[Tensor], tuple[Tensor, int]]] = None) -> Tensor:
     """M2PO's mask (arXiv 2510.01161; AReaL's `_get_m2po_loss_mask`): over the tokens of `mask`, drop those of largest
     M2_t = d_t^2 one by one until the mean M2 of the rest is below `threshold`; at least one token is kept.
-    Returns a bool (B, T), False on padding and on the dropped tokens. Ties are broken by position (a stable sort)."""
+    Returns a bool (B, T), False on padding and on the dropped tokens. Ties are broken by position (a stable sort).
+    `gather` (`Hyper.gather`): the tokens are the minibatch's of every process, as one process sees them; this
+    process gets its own part of the mask."""
     m = mask.bool()
     keep = torch.zeros_like(m)
-    m2 = (d.detach() ** 2)[m]
+    local = (d.detach() ** 2)[m]
+    m2, lo = gather(local) if gather is not None else (local, 0)
     n = m2.numel()
     if n == 0:
         return keep
@@ -583,7 +606,7 @@ def m2_keep(d: Tensor, mask: Tensor, threshold: float) -> Tensor:
     n_drop = int(below[0]) if below.numel() else n - 1
     kept = torch.ones(n, dtype=torch.bool, device=m.device)
     kept[order[:n_drop]] = False
-    keep[m] = kept
+    keep[m] = kept[lo : lo + local.numel()]
     return keep
 
 
@@ -591,11 +614,11 @@ def m2_keep(d: Tensor, mask: Tensor, threshold: float) -> Tensor:
 def m2po(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, h: Hyper) -> Terms:
     """M2PO, arXiv 2510.01161 (AReaL's `m2_threshold`): the unclipped surrogate J_t = M_t w_t A, w_t = exp(d_t), where
     M_t drops the tokens of largest d_t^2 until the mean second moment of the rest is below m2_threshold
-    (`m2_keep`, over the tokens of the minibatch). A trust region on the second moment of the log-ratio: only the
+    (`m2_keep`, over the tokens of the minibatch, every process's). A trust region on the second moment of the log-ratio: only the
     extreme tokens go, so stale batches keep training. Dropped tokens count in clip/frac_low (A < 0) and _high (A > 0).
     """
     w = torch.exp(logp - old_logp)
-    keep = m2_keep(logp - old_logp, mask, h.m2_threshold)
+    keep = m2_keep(logp - old_logp, mask, h.m2_threshold, h.gather)
     gone = ~keep & (mask > 0)
     return Terms(keep.to(logp.dtype) * w * adv, w.detach(), gone & (adv < 0), gone & (adv > 0))
 

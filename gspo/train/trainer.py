@@ -252,7 +252,8 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
             loss, stats = policy_loss(
                 algo.loss, logp, old, adv_mb, m, router_shift=mb.router_shift(sub), ref_logp=cut(ref_logp),
                 is_weight=is_weight, keep=keep, generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
-                topk_old_logp=sub.topk_logp if topk else None, topk_logp=top[0] if topk else None, **hyper)
+                topk_old_logp=sub.topk_logp if topk else None, topk_logp=top[0] if topk else None,
+                gather=dist.all_gather_rows if dist.world > 1 else None, **hyper)
             # under several ranks: this rank's share of the one-process loss (1 x in one process)
             denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
             loss = loss * dist.loss_scale(denominator)
