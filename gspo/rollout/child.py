@@ -9,6 +9,11 @@ the timeout (hung), or a channel beside the socket breaking (`lost`: the engine'
 `on_fail` runs (the owner kills every child it has, each with the processes it started: it runs in a session of
 its own): no child outlives a failure.
 
+Connections over TCP (a shared engine's other ranks, `gspo vllm-serve`'s trainers, the weight group's store) are
+accepted by a `Gate`: each peer proves it holds the key within `AUTH_S` on a thread of its own, so a silent or
+wrong peer is dropped without holding up the next, and every accepted connection has TCP keepalive (`KEEPALIVE`),
+so a peer that vanished without closing it (power loss, a partition) ends the read waiting on it.
+
 The child's end (`serve`): ignores SIGINT / SIGTERM (the trainer finishes its step and stops it), dies with
 the trainer (PR_SET_PDEATHSIG), sends "ready" once its start-up is done, answers each message in order, and
 sends its own exception back as one line before exiting.
@@ -18,11 +23,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
 import sys
-from multiprocessing.connection import Connection
+import threading
+import time
+from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -30,6 +38,12 @@ from gspo.config.errors import ConfigError, RunFailed
 
 # torchrun's variables: a child is no rank of the trainer's process group
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+AUTH_S = 10.0  # how long a peer that connected has to prove the key: a handshake of four short messages
+# TCP keepalive on every accepted connection: (idle seconds before the first probe, seconds between probes, probes
+# unanswered). A peer that vanished without closing (power loss, a partition) is dropped after about 2 minutes, where
+# a blocked read would otherwise wait for ever; a peer that is alive answers the probes from its kernel, however long
+# it says nothing (a trainer between two steps).
+KEEPALIVE = (60, 10, 6)
 
 
 class Child:
@@ -196,34 +210,35 @@ class RemoteChild(Peer):
 
     def __init__(self, name: str, address: tuple[str, int], key: bytes, spec_of: Callable[[int], dict],
                  tensor_parallel_size: int, on_fail: Callable[[], None], timeout_s: float, stopped: str = ""):
-        from multiprocessing.connection import AuthenticationError, answer_challenge, deliver_challenge
-
         where = f"rollout.vllm.server={address[0]}:{address[1]}"
         try:
             sock = socket.create_connection(address, timeout=timeout_s)
-            sock.settimeout(None)
-            conn = Connection(sock.detach())
+            sock.settimeout(None)  # (a blocking socket: the Connection reads it with os.read)
         except OSError as e:
             raise RunFailed(f"{where}: cannot connect ({e.strerror or e}): is `gspo vllm-serve --port "
                             f"{address[1]}` running on {address[0]}?") from None
-        super().__init__(name, conn, "the engine or its server died", on_fail, stopped)
-        # (multiprocessing's Client, without its wait for ever while the server serves another run)
-        if not self.conn.poll(timeout_s):
-            self.conn.close()
-            raise RunFailed(f"{where}: the server did not answer for {timeout_s:g} s (it serves one run at a time: "
-                            "busy with another?; rollout.timeout_s)")
         try:
-            answer_challenge(self.conn, key)
-            deliver_challenge(self.conn, key)
+            conn = authenticate(sock, key, timeout_s, server=False)
         except AuthenticationError:
-            self.conn.close()
             raise ConfigError(f"{where}: the server refused this run's GSPO_VLLM_KEY (not the one it was started "
                               "with)") from None
+        except TimeoutError:
+            raise RunFailed(f"{where}: the server did not authenticate this run within {timeout_s:g} s "
+                            "(rollout.timeout_s)") from None
         except (EOFError, OSError) as e:
-            raise RunFailed(f"{where}: the connection closed while authenticating ({e})") from None
-        _, threads = self.expect("server", None, timeout_s, "rollout.timeout_s")
+            raise RunFailed(f"{where}: the connection closed while authenticating ({e or 'closed'})") from None
+        super().__init__(name, conn, "the engine or its server died", on_fail, stopped)
+        if not self.conn.poll(timeout_s):
+            raise self.fail(RunFailed(self.silent(None, timeout_s, "rollout.timeout_s")))
+        message = self.recv(None)
+        if message[0] == "busy":
+            self.kill()
+            raise RunFailed(f"{where}: the server is serving another run (it serves one at a time): start this run "
+                            "when that one has ended, or give it a server of its own")
+        if message[0] != "server":
+            raise self.fail(RunFailed(f"{self.name}: expected 'server', got {message[0]!r}"))
         self.send(("start", tensor_parallel_size))
-        self.send(("spec", spec_of(int(threads))))
+        self.send(("spec", spec_of(int(message[1]))))
 
 
 def at_step(step: Optional[int]) -> str:
@@ -233,6 +248,135 @@ def at_step(step: Optional[int]) -> str:
 def root() -> str:
     """The directory gspo is imported from (a child must import the same gspo)."""
     return str(Path(__file__).resolve().parents[2])
+
+
+def keepalive(sock: socket.socket) -> None:
+    """TCP keepalive on `sock` (`KEEPALIVE`), and the same bound on data it sent that is never acknowledged."""
+    idle, interval, count = KEEPALIVE
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
+                          ("TCP_USER_TIMEOUT", 1000 * (idle + interval * count))):
+        if hasattr(socket, option):  # (Linux names; elsewhere the system's keepalive defaults stand)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+class Gate:
+    """A listening socket at `address` (host, port; port 0: a free one, then `address` says which) whose peers must
+    prove they hold `key` (multiprocessing's HMAC challenge, both ways: `multiprocessing.connection.Client` passes
+    it) within `auth_s` of connecting. Each peer is authenticated on a thread of its own, so one that says nothing,
+    or the wrong thing, holds up no other: it is dropped, and `refused` gets one line about it (`auth_s`: AUTH_S
+    unless given). `accept` hands out the proven connections in the order they were proven, with TCP keepalive on
+    (`keepalive`)."""
+
+    def __init__(self, address: tuple[str, int], key: bytes, refused: Callable[[str], None],
+                 auth_s: Optional[float] = None):
+        self.key, self.refused, self.auth_s = key, refused, AUTH_S if auth_s is None else auth_s
+        self.sock = socket.create_server(address)
+        self.address = self.sock.getsockname()[:2]
+        self.proven: queue.Queue = queue.Queue()  # proven connections; None once closed
+        self.closed = False
+        threading.Thread(target=self._listen, name="gspo-gate", daemon=True).start()
+
+    def accept(self, timeout: Optional[float] = None) -> Optional[Connection]:
+        """The next proven connection; None after `timeout` seconds without one, or once the gate is closed."""
+        try:
+            conn = self.proven.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if conn is None:
+            self.proven.put(None)  # (for any other caller waiting)
+        return conn
+
+    def close(self) -> None:
+        """Stop listening; the proven connections no one accepted are closed."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept() (close alone does not)
+        except OSError:
+            pass
+        self.sock.close()
+        while True:
+            try:
+                conn = self.proven.get_nowait()
+            except queue.Empty:
+                break
+            if conn is not None:
+                conn.close()
+        self.proven.put(None)
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                sock, peer = self.sock.accept()
+            except OSError:
+                if self.closed:
+                    return
+                time.sleep(0.1)  # (a connection reset before it was accepted, no file descriptor left: try again)
+                continue
+            threading.Thread(target=self._prove, args=(sock, peer), name="gspo-gate-auth", daemon=True).start()
+
+    def _prove(self, sock: socket.socket, peer: tuple) -> None:
+        where = f"{peer[0]}:{peer[1]}"
+        try:
+            keepalive(sock)
+            conn = authenticate(sock, self.key, self.auth_s, server=True)
+        except (AuthenticationError, EOFError, OSError, ValueError) as e:  # a stranger, a wrong key, a silent peer
+            sock.close()  # (already, where `authenticate` got it)
+            self.refused(f"{where}: {type(e).__name__}: {' '.join(str(e).split()) or 'closed'}")
+            return
+        if self.closed:
+            conn.close()
+        else:
+            self.proven.put(conn)
+
+
+def authenticate(sock: socket.socket, key: bytes, timeout_s: float, server: bool) -> Connection:
+    """`sock` as a Connection whose peer proved it holds `key` and was shown that this side does (the server's side
+    challenges first, as multiprocessing's Listener; the client's answers first, as its Client), within
+    `timeout_s`: else TimeoutError (the socket is shut down at the deadline, which ends a blocked read),
+    AuthenticationError, EOFError or OSError, `sock` closed. On success `sock` itself is closed: the Connection
+    holds the socket."""
+    conn = Connection(os.dup(sock.fileno()))
+    lock, state = threading.Lock(), {"done": False, "expired": False}
+
+    def expire() -> None:
+        with lock:
+            if not state["done"]:
+                state["expired"] = True
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        if server:
+            deliver_challenge(conn, key)
+            answer_challenge(conn, key)
+        else:
+            answer_challenge(conn, key)
+            deliver_challenge(conn, key)
+    except BaseException:
+        conn.close()
+        if state["expired"]:
+            raise TimeoutError(f"did not prove the key within {timeout_s:g} s") from None
+        raise
+    finally:
+        with lock:
+            state["done"] = True
+        timer.cancel()
+        sock.close()
+    if state["expired"]:  # (shut down after the last read: the connection is unusable)
+        conn.close()
+        raise TimeoutError(f"did not prove the key within {timeout_s:g} s")
+    return conn
+
+
+def dial(address: tuple[str, int], key: bytes, timeout_s: float) -> Connection:
+    """A connection to a `Gate` (or multiprocessing Listener) at `address`, authenticated with `key` within
+    `timeout_s` (connecting included); raises as `authenticate`, or OSError when nothing listens there."""
+    sock = socket.create_connection(address, timeout=timeout_s)
+    sock.settimeout(None)  # (a blocking socket: the Connection reads it with os.read)
+    return authenticate(sock, key, timeout_s, server=False)
 
 
 def serve(fd: int, start: Callable[[dict], Callable[[tuple], Optional[tuple]]], syncs: tuple[str, ...] = ()) -> int:
@@ -291,26 +435,29 @@ def serve(fd: int, start: Callable[[dict], Callable[[tuple], Optional[tuple]]], 
 
 
 class Clients:
-    """The other processes a child serves beside the trainer (`serve`): a listener on a free port of `host`,
-    announced to the trainer as ("listening", port, key), then `n` clients accepted within `timeout_s`, each
-    proving it holds the key (multiprocessing's authentication). Their messages are taken in arrival order, each
-    once the weights for its step are loaded."""
+    """The other processes a child serves beside the trainer (`serve`): a `Gate` on a free port of `host`, announced
+    to the trainer as ("listening", port, key), then `n` clients accepted within `timeout_s`, each proving it holds
+    the key. A peer that does not (a stranger, a port scan, a wrong key) is dropped and `refused` gets a line about
+    it (by default on stderr: the trainer's console, or the server's); the ranks still join. Their messages are
+    taken in arrival order, each once the weights for its step are loaded."""
 
-    def __init__(self, n: int, timeout_s: float, host: str, send: Callable):
-        import threading
-        from multiprocessing.connection import Listener
-
+    def __init__(self, n: int, timeout_s: float, host: str, send: Callable,
+                 refused: Optional[Callable[[str], None]] = None):
+        refused = refused or (lambda line: print(f"gspo: the shared engine refused a connection from {line}",
+                                                 file=sys.stderr, flush=True))
         key = os.urandom(16)
-        listener = Listener((host, 0), authkey=key)
-        send(("listening", listener.address[1], key))
+        gate = Gate((host, 0), key, refused)
+        send(("listening", gate.address[1], key))
         self.conns: list[Connection] = []
-        accepting = threading.Thread(target=lambda: [self.conns.append(listener.accept()) for _ in range(n)],
-                                     daemon=True)
-        accepting.start()
-        accepting.join(timeout_s)
-        listener.close()
-        if len(self.conns) < n:
-            raise RuntimeError(f"{len(self.conns)} of the {n} other ranks connected within {timeout_s:g} s")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(self.conns) < n:
+                conn = gate.accept(max(0.0, deadline - time.monotonic()))
+                if conn is None:
+                    raise RuntimeError(f"{len(self.conns)} of the {n} other ranks connected within {timeout_s:g} s")
+                self.conns.append(conn)
+        finally:
+            gate.close()
         self.queue: list[tuple[Connection, tuple]] = []  # received, not yet served
         self.synced: Optional[int] = None
         send(("accepted",))

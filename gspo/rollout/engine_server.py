@@ -2,14 +2,18 @@
 
 A long-lived process on the engine's host, listening on HOST:PORT. A trainer's rank 0 connects; the connection
 must prove it holds the shared secret (`GSPO_VLLM_KEY`, multiprocessing's HMAC challenge: the messages are
-pickles, so nothing is read from a peer without the key). The server answers with the threads its engine will
-have, the trainer says how many tensor-parallel workers it wants, and the server starts the engine process a
-trainer starts on its own host (`python -m gspo.rollout.vllm_engine FD`, gspo/rollout/engine.py), on the
-accepted socket itself: from then on the trainer talks to its engine directly, as to a local one (the run's
-spec, "ready", weights over the weight group, samples; the trainer's other ranks connect to it as to a shared
-engine). The engine ends with the run: the trainer's "stop", or its connection closing (the trainer died). One
-run at a time; then the server waits for the next. SIGINT / SIGTERM stop the server and its engine: an engine
-dies with the server (Linux PR_SET_PDEATHSIG), so none is left behind.
+pickles, so nothing is read from a peer without the key) within a few seconds, on a thread of its own
+(gspo/rollout/child.py `Gate`): a peer that says nothing or holds another key is refused in a line and keeps no
+one out. The server answers with the threads its engine will have, the trainer says how many tensor-parallel
+workers it wants, and the server starts the engine process a trainer starts on its own host
+(`python -m gspo.rollout.vllm_engine FD`, gspo/rollout/engine.py), on the accepted socket itself: from then on
+the trainer talks to its engine directly, as to a local one (the run's spec, "ready", weights over the weight
+group, samples; the trainer's other ranks connect to it as to a shared engine). The engine ends with the run:
+the trainer's "stop", or its connection closing (the trainer died), or the connection's TCP keepalive going
+unanswered for about 2 minutes (the trainer's host lost power or was cut off without closing it:
+`child.KEEPALIVE`). One run at a time: a trainer that connects meanwhile is told the server is busy; then the
+server waits for the next. SIGINT / SIGTERM stop the server and its engine: an engine dies with the server
+(Linux PR_SET_PDEATHSIG), so none is left behind.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pickle
 import signal
 import subprocess
 import sys
-from multiprocessing.connection import AuthenticationError, Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from gspo.config.errors import ConfigError
@@ -48,29 +52,30 @@ def parse_address(address: str) -> tuple[str, int]:
 
 def serve_runs(host: str, port: int, threads: int, runs: Optional[int] = None,
                say: Callable[[str], None] = print) -> None:
-    """Listen on host:port and serve trainers one run at a time (`runs` of them; None: until stopped)."""
-    from gspo.rollout.child import RANK_VARS, root
+    """Listen on host:port and serve trainers one run at a time (`runs` of them; None: until stopped). A connection
+    that does not prove the key within `child.AUTH_S` (a port scan, a health check, a wrong key) is refused in a line
+    and holds up no one (`child.Gate`); a trainer that connects while a run is served is told the server is busy."""
+    from gspo.rollout.child import RANK_VARS, Gate, root
     from gspo.rollout.vllm_engine import environment
 
-    listener = Listener((host, port), authkey=key())
-    say(f"gspo vllm-serve: listening on {host}:{listener.address[1]} ({threads} threads an engine)")
+    gate = Gate((host, port), key(), refused=lambda line: say(f"gspo vllm-serve: refused a connection from {line}"))
+    say(f"gspo vllm-serve: listening on {host}:{gate.address[1]} ({threads} threads an engine)")
     engine: Optional[subprocess.Popen] = None
 
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    before = signal.signal(signal.SIGTERM, stop)
     served = 0
     try:
         while runs is None or served < runs:
-            try:
-                conn = listener.accept()
-            except (AuthenticationError, EOFError, OSError) as e:  # a peer without the key, or one that left
-                say(f"gspo vllm-serve: refused a connection ({type(e).__name__}: {e})")
+            conn = gate.accept(timeout=1.0)  # (a timeout: signals are handled between waits)
+            if conn is None:
                 continue
             try:
                 tensor_parallel_size = _greet(conn, threads)
-            except (EOFError, OSError, ValueError):
+            except (EOFError, OSError, ValueError, TypeError, pickle.UnpicklingError) as e:  # it left, or is no trainer
+                say(f"gspo vllm-serve: dropped a connection before its run started ({type(e).__name__}: {e})")
                 conn.close()
                 continue
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root(), os.environ.get("PYTHONPATH")])),
@@ -79,9 +84,10 @@ def serve_runs(host: str, port: int, threads: int, runs: Optional[int] = None,
                 env.pop(k, None)
             engine = subprocess.Popen([sys.executable, "-m", "gspo.rollout.vllm_engine", str(conn.fileno())], env=env,
                                       pass_fds=(conn.fileno(),), start_new_session=True)
-            conn.close()  # the engine holds the socket now
+            conn.close()  # the engine holds the socket now (with its keepalive: a trainer that vanishes ends it)
             say(f"gspo vllm-serve: serving a run (engine pid {engine.pid})")
-            engine.wait()
+            while engine.poll() is None:
+                _turn_away(gate.accept(timeout=0.5))
             say(f"gspo vllm-serve: the run ended (engine exit code {engine.returncode})")
             engine, served = None, served + 1
     except KeyboardInterrupt:
@@ -93,7 +99,19 @@ def serve_runs(host: str, port: int, threads: int, runs: Optional[int] = None,
             except ProcessLookupError:
                 pass
             engine.wait()
-        listener.close()
+        gate.close()
+        signal.signal(signal.SIGTERM, before)
+
+
+def _turn_away(conn: Optional[Connection]) -> None:
+    """Tell a trainer that connected while a run is served that the server is busy (it says so in one line)."""
+    if conn is None:
+        return
+    try:
+        conn.send_bytes(pickle.dumps(("busy",)))
+    except OSError:
+        pass
+    conn.close()
 
 
 def _greet(conn: Connection, threads: int) -> int:
