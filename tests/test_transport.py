@@ -1,16 +1,23 @@
 """Weights as tensors (gspo/rollout/transport.py, `rollout.vllm.weight_transport=tensors`) over a gloo group of two
 local processes, the trainer's side here and a receiver spawned: what arrives is what was pushed, bitwise (cast as
 the file push casts), in buckets no larger than asked; a receiver that dies or goes silent ends the push with
-`PeerLost`, never a hang."""
+`PeerLost`, never a hang; the group listens on loopback only on one host, and admits no peer without its
+store's secret."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
+import threading
 import time
+from datetime import timedelta
+from multiprocessing.connection import Client
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gspo.rollout import transport
@@ -19,10 +26,10 @@ from gspo.rollout.transport import ALIGN, Group, PeerLost, Sender, backend_for, 
 TIMEOUT_S = 300.0  # (a spawned receiver imports torch: slow on a busy machine)
 
 
-def _receiver(port: int, pushes: int, out: str, stop: bool) -> None:
+def _receiver(port: int, secret: bytes, pushes: int, out: str, stop: bool) -> None:
     """Rank 1: join, receive `pushes` pushes, save every bucket (names, tensors, the bucket's data bytes)."""
     torch.set_num_threads(1)
-    group = Group("gloo", 1, 2, TIMEOUT_S, torch.device("cpu"), port=port)
+    group = Group("gloo", 1, 2, TIMEOUT_S, torch.device("cpu"), port=port, secret=secret)
     if stop:  # joined, then silent: stopped as by SIGSTOP
         os.kill(os.getpid(), signal.SIGSTOP)
     got = []
@@ -32,11 +39,13 @@ def _receiver(port: int, pushes: int, out: str, stop: bool) -> None:
     group.close()
 
 
-def start(tmp_path, pushes: int = 1, stop: bool = False):
-    """A receiver process and the sender's group: (process, group, where the receiver saves what it got)."""
-    store, port = host_store(TIMEOUT_S)
+def start(tmp_path, pushes: int = 1, stop: bool = False, bind: str = transport.HOST):
+    """A receiver process and the sender's group, its store on `bind`: (process, group, where the receiver saves
+    what it got)."""
+    store = host_store(TIMEOUT_S, bind)
     out = str(tmp_path / "got.pt")
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(port, pushes, out, stop), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(store.port, store.secret, pushes, out, stop),
+                                           daemon=True)
     proc.start()
     group = Group("gloo", 0, 2, TIMEOUT_S, torch.device("cpu"), store=store, alive=proc.is_alive)
     return proc, group, out
@@ -129,7 +138,7 @@ def test_a_silent_receiver_ends_the_push_with_peer_lost_after_the_timeout(tmp_pa
 
 
 def test_a_receiver_that_never_joins_ends_the_wait_for_the_group_when_it_dies(tmp_path):
-    store, port = host_store(TIMEOUT_S)
+    store = host_store(TIMEOUT_S)
     proc = mp.get_context("spawn").Process(target=time.sleep, args=(0.5,), daemon=True)
     proc.start()
     t0 = time.monotonic()
@@ -150,3 +159,107 @@ def test_the_backend_is_nccl_only_between_distinct_gpus():
 def test_a_bucket_smaller_than_the_alignment_is_refused():
     with pytest.raises(ValueError, match="bucket_bytes"):
         Sender(None, ALIGN - 1)
+
+
+def listening() -> set[tuple[str, int]]:
+    """The (address, port) of every listening TCP socket this process holds (Linux: /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # (closed meanwhile)
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{table}") as f:
+            for row in f.readlines()[1:]:
+                local, state, inode = row.split()[1], row.split()[3], row.split()[9]
+                if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = local.split(":")
+                raw = bytes.fromhex(address)  # (each 32-bit word in the host's byte order)
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+def loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return (ip.ipv4_mapped or ip).is_loopback if ip.version == 6 else ip.is_loopback
+
+
+def test_on_one_host_nothing_of_the_weight_group_listens_beyond_loopback(tmp_path):
+    """The engine on the trainer's host (every layout but rollout.vllm.mode=server): the group's store and gloo's
+    own sockets listen on loopback only, where no other host reaches them."""
+    before = listening()
+    proc, group, out = start(tmp_path)
+    try:
+        opened = listening() - before
+        Sender(group, 1024, alive=proc.is_alive).push(weights())
+        proc.join(TIMEOUT_S)
+    finally:
+        group.close()
+    assert proc.exitcode == 0
+    assert opened and all(loopback(address) for address, _ in opened), opened
+
+
+def _stranger(port: int) -> list[str]:
+    """What a peer without the store's secret gets at `port`: with torch's own store client (as it would join a
+    group through torch's TCPStore), "joined" where it joined the group as the engine's rank, else its error; then,
+    where that failed, with multiprocessing's client and a key of its own."""
+    try:
+        store = dist.TCPStore(transport.HOST, port, None, False, timedelta(seconds=2))
+        store.list_keys()
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gspo-weights", store), 1, 2, timedelta(seconds=30))
+        options = dist.BroadcastOptions()
+        pg.broadcast([torch.zeros(1)], options).wait()
+        return ["joined"]
+    except Exception as e:  # noqa: BLE001
+        outcomes = [type(e).__name__]
+    try:
+        Client((transport.HOST, port), authkey=b"a key of its own").close()
+        outcomes.append("authenticated")
+    except Exception as e:  # noqa: BLE001
+        outcomes.append(type(e).__name__)
+    return outcomes
+
+
+def test_a_peer_without_the_stores_secret_neither_joins_the_weight_group_nor_reads_its_keys(tmp_path):
+    """rollout.vllm.mode=server: the store listens on every interface, for an engine on another host. A stranger that
+    reaches it while the trainer waits for its engine (torch's store client, or one with a wrong key) is refused:
+    it lists no key and joins nothing; the engine then joins and is sent every weight, bitwise."""
+    store = host_store(TIMEOUT_S, transport.EVERY)
+    assert any(not loopback(address) for address, port in listening() if port == store.port)  # reachable from afar
+    waiting, gone = {}, threading.Event()
+
+    def trainer():
+        try:
+            waiting["group"] = Group("gloo", 0, 2, TIMEOUT_S, torch.device("cpu"), store=store,
+                                     alive=lambda: not gone.is_set())
+        except Exception as e:  # noqa: BLE001
+            waiting["error"] = e
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    try:
+        assert _stranger(store.port) == ["DistNetworkError", "AuthenticationError"]
+        out = str(tmp_path / "got.pt")
+        proc = mp.get_context("spawn").Process(target=_receiver, args=(store.port, store.secret, 1, out, False),
+                                               daemon=True)
+        proc.start()
+        thread.join(TIMEOUT_S)
+        group = waiting["group"]
+        try:
+            Sender(group, 512, torch.float32, alive=proc.is_alive).push(weights())
+            proc.join(TIMEOUT_S)
+        finally:
+            group.close()
+    finally:
+        gone.set()
+        store.close()
+    assert proc.exitcode == 0
+    got = [(name, t) for b in torch.load(out)[0] for name, t, _ in b]
+    assert [name for name, _ in got] == [name for name, _ in weights()]
+    assert all(torch.equal(t, w.float()) for (_, t), (_, w) in zip(got, weights()))

@@ -38,7 +38,8 @@ from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, sto
 from gspo.rollout.params import SamplingParams
 from gspo.rollout.sampler import Sampler, sampler_dtype
 from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove, slot_path
-from gspo.rollout.transport import HOST, Group, PeerLost, Sender, backend_for, device_identity, host_store
+from gspo.rollout.transport import (EVERY, HOST, Group, PeerLost, Sender, backend_for, device_identity,
+                                   host_store)
 from gspo.rollout.vllm_engine import behaviour_logprobs, environment
 
 # the README's engine line without its venv: the CPU build pins gspo's torch; the torchvision it pulls in is built for
@@ -342,8 +343,10 @@ class EngineProcess:
         """The weight group: this process (rank 0, its tensors on `device`) and each of the engine's workers."""
         engine = self.child.ask(("devices",), "devices", self.timeout_s, self.hint)[1]
         backend = backend_for(device_identity(device), engine)
-        store, port = host_store(self.timeout_s)
-        self.child.send(("join", None, backend, port, 1 + len(engine), self.timeout_s))
+        # the group's store on loopback where the engine is on this host; on every interface for an engine on
+        # another, where only a peer holding the store's secret (sent over the engine's authenticated channel) joins
+        store = host_store(self.timeout_s, HOST if self.server is None else EVERY)
+        self.child.send(("join", None, backend, store.port, store.secret, 1 + len(engine), self.timeout_s))
         try:
             group = Group(backend, 0, 1 + len(engine), self.timeout_s, device, store=store, alive=self.alive)
         except PeerLost:
@@ -356,7 +359,7 @@ class EngineProcess:
         a free port of its host, `announce((host, port, key))` tells them where (a broadcast to the trainer's other
         ranks), and they connect (`SharedEngine`) within rollout.timeout_s."""
         # a server's engine listens on every interface of its host, and is reached at the host the run names
-        bind, host = (HOST, HOST) if self.server is None else ("0.0.0.0", self.server[0])
+        bind, host = (HOST, HOST) if self.server is None else (EVERY, self.server[0])
         self.child.send(("listen", ranks, self.timeout_s, bind))
         _, port, key = self.child.expect("listening", None, self.timeout_s, self.hint)
         announce((host, port, key))

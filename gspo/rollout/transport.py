@@ -4,8 +4,12 @@ The trainer (rank 0) broadcasts its weights to the engine's workers (ranks 1 .. 
 each loads every weight and keeps its shard) over a torch.distributed group of their own, apart from the
 trainer's DDP group: gloo where the tensors are on a CPU (or where trainer and engine share a GPU: NCCL refuses
 two ranks on one device), NCCL between distinct GPUs; the same calls either way (`backend_for`). The group meets
-through a TCP store on a free port of localhost that the trainer opens (`host_store`); the port travels over the
-engine's pipe.
+through a store the trainer serves (`host_store`, `KeyStore`) on a free port of loopback where the engine is on its
+host, of every interface where it is not (`rollout.vllm.mode=server`): a member must prove it holds the store's
+secret, fresh for each group, before it reads or writes a key (torch's TCPStore listens on every interface, admits
+any peer and lists its keys to it: a stranger could join as the engine and be sent the weights). The port and the
+secret travel over the engine's own channel (its socket pair, or the connection authenticated with
+GSPO_VLLM_KEY). Where the store is on loopback, gloo's own connections are too.
 
 A push is a stream of buckets (`Sender.push` / `receive`): weights packed whole, in order, into one flat byte
 buffer of `bucket_bytes` (each at a 64-byte offset), sent as three broadcasts: a header (the manifest's length,
@@ -23,17 +27,26 @@ A dead or silent peer does not hang the sender: each broadcast is polled, with t
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
+import pickle
+import socket
+import sys
 import threading
 import time
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from gspo.rollout.child import AUTH_S, Gate, dial
+
 ALIGN = 64  # bytes: every weight starts at a multiple of this in a bucket (any dtype can view it)
 HOST = "127.0.0.1"  # the engine runs on the trainer's host
+EVERY = "0.0.0.0"  # every interface: an engine on another host (rollout.vllm.mode=server)
 
 
 class PeerLost(RuntimeError):
@@ -63,35 +76,215 @@ def buffer_device(backend: str, device: torch.device) -> torch.device:
     return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
 
-def host_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """The trainer's TCP store on a free port of localhost (the OS picks it): (the store, its port)."""
-    store = dist.TCPStore(HOST, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-    return store, store.port
+def host_store(timeout_s: float, bind: str = HOST) -> "KeyStore":
+    """The trainer's store for the weight group, on a free port of `bind` (HOST: this host's loopback; EVERY: every
+    interface), with a fresh secret (`KeyStore`)."""
+    return KeyStore(bind, timeout_s)
+
+
+class KeyStore:
+    """The weight group's rendezvous, served by the trainer: keys and values in this process, on a free port
+    (`port`) of `bind`, to peers that prove they hold `secret` (a fresh random one; multiprocessing's HMAC
+    challenge, each peer on a thread of its own within `child.AUTH_S`). A peer without it reads and writes nothing:
+    it cannot join the group. The members use it through `StoreClient`; a key read waits up to `timeout_s`."""
+
+    # the operations of torch's Store that gloo and NCCL use to meet (each a method `_<name>` below)
+    OPERATIONS = ("set", "get", "add", "compare_set", "check", "wait", "delete_key", "num_keys")
+
+    def __init__(self, bind: str, timeout_s: float):
+        self.bind, self.timeout_s, self.secret = bind, timeout_s, os.urandom(32)
+        self.values: dict[str, bytes] = {}
+        self.changed = threading.Condition()  # (guards values, members and closed)
+        self.members: list[Connection] = []
+        self.closed = False
+        self.gate = Gate((bind, 0), self.secret, refused=lambda line: print(
+            f"gspo: the weight group's store refused a connection from {line}", file=sys.stderr, flush=True))
+        self.port = self.gate.address[1]
+        threading.Thread(target=self._accept, name="gspo-weight-store", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving: no one joins any more, and a member still waiting on a key is told at once."""
+        self.gate.close()
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+            members, self.members = self.members, []
+        for conn in members:
+            try:  # (wakes the member blocked reading it: it sees the connection close)
+                socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while (conn := self.gate.accept()) is not None:
+            with self.changed:
+                if self.closed:
+                    conn.close()
+                    return
+                self.members.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="gspo-weight-store", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        """One member's requests, (operation, arguments) each, answered in order until it leaves."""
+        with conn:
+            while True:
+                try:
+                    op, args = pickle.loads(conn.recv_bytes())  # (a proven member's pickle)
+                except (EOFError, OSError):
+                    return
+                try:
+                    if op not in self.OPERATIONS:
+                        raise ValueError(f"no operation {op!r}")
+                    reply = ("ok", getattr(self, f"_{op}")(*args))
+                except Exception as e:  # noqa: BLE001  (raised on the member's side)
+                    reply = ("error", f"{type(e).__name__}: {e}")
+                try:
+                    conn.send_bytes(pickle.dumps(reply))
+                except OSError:
+                    return
+
+    # the operations, on this process's dict
+    def _set(self, key: str, value: bytes) -> None:
+        with self.changed:
+            self.values[key] = bytes(value)
+            self.changed.notify_all()
+
+    def _get(self, key: str) -> bytes:
+        self._wait([key])
+        with self.changed:
+            return self.values[key]  # (a KeyError once closed)
+
+    def _add(self, key: str, amount: int) -> int:
+        with self.changed:
+            total = int(self.values.get(key, b"0")) + amount
+            self.values[key] = str(total).encode()
+            self.changed.notify_all()
+            return total
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self.changed:  # (torch's semantics: a missing key counts as the empty value)
+            current = self.values.get(key)
+            if (current if current is not None else b"") == bytes(expected):
+                self.values[key] = bytes(desired)
+                self.changed.notify_all()
+                return bytes(desired)
+            return current if current is not None else bytes(expected)
+
+    def _check(self, keys: list[str]) -> bool:
+        with self.changed:
+            return all(k in self.values for k in keys)
+
+    def _wait(self, keys: list[str], timeout_s: Optional[float] = None) -> None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.closed or all(k in self.values for k in keys),
+                                         timeout_s or self.timeout_s):
+                raise TimeoutError(f"the weight group's members did not all arrive within "
+                                   f"{timeout_s or self.timeout_s:g} s (keys {keys})")
+
+    def _delete_key(self, key: str) -> bool:
+        with self.changed:
+            return self.values.pop(key, None) is not None
+
+    def _num_keys(self) -> int:
+        with self.changed:
+            return len(self.values)
+
+
+class StoreClient(dist.Store):
+    """A member's view of the trainer's `KeyStore` at host:port, authenticated with its `secret`: a torch Store
+    (what gloo and NCCL meet through), each operation a request answered by the trainer. Whoever builds a process
+    group on it keeps a reference to it (torch holds only its C++ half)."""
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout_s: float):
+        super().__init__()
+        self.timeout_s, self.lock = timeout_s, threading.Lock()
+        self.conn = dial((host, port), secret, AUTH_S)
+
+    def _ask(self, op: str, *args):
+        with self.lock:
+            self.conn.send_bytes(pickle.dumps((op, args)))
+            if not self.conn.poll(self.timeout_s + AUTH_S):  # (the store answers within timeout_s)
+                raise TimeoutError(f"the weight group's store said nothing for {self.timeout_s + AUTH_S:g} s")
+            status, value = pickle.loads(self.conn.recv_bytes())
+        if status != "ok":
+            raise RuntimeError(f"the weight group's store: {value}")
+        return value
+
+    def set(self, key: str, value) -> None:
+        self._ask("set", key, value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._ask("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._ask("add", key, int(amount))
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        as_bytes = lambda v: v.encode() if isinstance(v, str) else bytes(v)  # noqa: E731
+        return self._ask("compare_set", key, as_bytes(expected), as_bytes(desired))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._ask("check", list(keys))
+
+    def wait(self, keys: list[str], timeout: Optional[timedelta] = None) -> None:
+        self._ask("wait", list(keys), None if timeout is None else timeout.total_seconds())
+
+    def delete_key(self, key: str) -> bool:
+        return self._ask("delete_key", key)
+
+    def num_keys(self) -> int:
+        return self._ask("num_keys")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is this host's loopback."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 class Group:
-    """One member of the weight group: rank 0 sends, the others receive. `store`: the trainer's (`host_store`) or,
-    for a receiver, None (it connects to `port` on `host`, the trainer's). Constructing it waits until every member
-    has joined; with `alive` (the sender's view of its peers) it stops waiting when they are gone."""
+    """One member of the weight group: rank 0 sends, the others receive. `store`: the trainer's (`host_store`), or
+    for a receiver None: it connects to the trainer's at `host`:`port` with the store's `secret`. Constructing it
+    waits until every member has joined; with `alive` (the sender's view of its peers) it stops waiting when they
+    are gone. Where the store is on loopback, gloo connects the members over loopback too."""
 
     def __init__(self, backend: str, rank: int, world: int, timeout_s: float, device: torch.device,
-                 store: Optional[dist.Store] = None, port: Optional[int] = None,
+                 store: Optional[KeyStore] = None, port: Optional[int] = None, secret: Optional[bytes] = None,
                  alive: Optional[Callable[[], bool]] = None, host: str = HOST):
         timeout = timedelta(seconds=timeout_s)
         self.backend, self.rank, self.world, self.timeout_s = backend, rank, world, timeout_s
         self.device = buffer_device(backend, device)
-        self.store = store if store is not None else dist.TCPStore(host, port, None, False, timeout)
-        prefixed = dist.PrefixStore("gspo-weights", self.store)
+        self.server, self.store, self.pg = store, None, None  # the trainer's store: stopped with the group
+        local = is_loopback(host if store is None else store.bind)
+        if store is not None:
+            port, secret, host = store.port, store.secret, HOST  # (the trainer reaches its own store on loopback)
 
         def connect():
             if backend == "nccl":  # (connects at its first collective)
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 return dist.ProcessGroupNCCL(prefixed, rank, world, options)
-            return dist.ProcessGroupGloo(prefixed, rank, world, timeout)  # (connects every member here)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            # on one host, gloo's sockets on loopback too; else on the interface the host name resolves to (or
+            # GLOO_SOCKET_IFNAME's), gloo's own choice
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST) if local else
+                                dist.ProcessGroupGloo.create_default_device()]
+            return dist.ProcessGroupGloo(prefixed, rank, world, options)  # (connects every member here)
 
-        self.pg = connect() if alive is None else _watched(connect, alive, timeout_s)
-        self.broadcast(torch.zeros(1, device=self.device), alive)  # every member is connected from here on
+        try:
+            self.store = StoreClient(host, port, secret, timeout_s)  # (kept: torch holds only its C++ half)
+            prefixed = dist.PrefixStore("gspo-weights", self.store)
+            self.pg = connect() if alive is None else _watched(connect, alive, timeout_s)
+            self.broadcast(torch.zeros(1, device=self.device), alive)  # every member is connected from here on
+        except BaseException:
+            self.close()
+            raise
 
     def broadcast(self, tensor: torch.Tensor, alive: Optional[Callable[[], bool]] = None) -> None:
         """Rank 0's `tensor` into every member's; on rank 0 polled, with `alive()` (the peer's liveness) checked."""
@@ -109,13 +302,17 @@ class Group:
 
     def close(self) -> None:
         """Leave the group (its connections closed; on the trainer, the store's server stopped)."""
-        pg, self.pg = getattr(self, "pg", None), None
+        pg, self.pg = self.pg, None
         if pg is not None:
             try:
                 pg.abort() if self.backend == "nccl" else pg.shutdown()
             except RuntimeError:
                 pass  # a backend without a shutdown: its connections close with the object
-        self.store = None
+        if self.store is not None:
+            self.store.close()
+        if self.server is not None:
+            self.server.close()
+        self.store = self.server = None
 
 
 def _poll(done: Callable[[], bool], alive: Callable[[], bool], timeout_s: float) -> None:

@@ -126,10 +126,10 @@ class VllmEngine:
         """Each worker's device (`transport.device_identity`), in worker order."""
         return self.llm.collective_rpc(_device)
 
-    def join(self, backend: str, port: int, world: int, timeout_s: float, host: str) -> None:
-        """Every worker joins the trainer's weight group (rank 1 + its own), whose store is at host:port: returns
-        once the group is complete."""
-        self.llm.collective_rpc(_join, args=(backend, port, world, timeout_s, host))
+    def join(self, backend: str, port: int, secret: bytes, world: int, timeout_s: float, host: str) -> None:
+        """Every worker joins the trainer's weight group (rank 1 + its own), whose store is at host:port and admits
+        those holding `secret`: returns once the group is complete."""
+        self.llm.collective_rpc(_join, args=(backend, port, secret, world, timeout_s, host))
 
     def load_pushed(self) -> float:
         """Serve the weights the trainer is pushing over the group (`join`), as `load_slot`."""
@@ -230,8 +230,9 @@ def _device(worker) -> str:
     return device_identity(worker.device)
 
 
-def _join(worker, backend: str, port: int, world: int, timeout_s: float, host: str) -> None:
-    worker.gspo_loader.group = Group(backend, 1 + worker.rank, world, timeout_s, worker.device, port=port, host=host)
+def _join(worker, backend: str, port: int, secret: bytes, world: int, timeout_s: float, host: str) -> None:
+    worker.gspo_loader.group = Group(backend, 1 + worker.rank, world, timeout_s, worker.device, port=port,
+                                     secret=secret, host=host)
 
 
 @torch.no_grad()
@@ -397,8 +398,9 @@ def _row(request_id: str, parents: dict[str, int], n: int) -> int:
 def start(spec: dict, trainer_host: str = HOST):
     """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py):
     ("load", step, path) the slot's weights (a file, or an adapter directory), ("push", step) the weights the
-    trainer is pushing over the group, which ("devices",) and ("join", None, backend, port, world, timeout_s) set
-    up (the group's store on `trainer_host`); ("sample", step, kwargs)."""
+    trainer is pushing over the group, which ("devices",) and ("join", None, backend, port, secret, world,
+    timeout_s) set up (the group's store on `trainer_host`, admitting those holding `secret`); ("sample", step,
+    kwargs)."""
     engine = VllmEngine(**spec["engine"])
     dtype = getattr(torch, spec["dtype"])
 
