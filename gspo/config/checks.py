@@ -193,12 +193,10 @@ def teacher_problem(path: str) -> Optional[str]:
     it trains on, so a resumed student would distil from another teacher."""
     p = model_path.resolve(path, "teacher.path")
     if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
-        from gspo.train.checkpoint import latest
-
-        last = latest(p)
-        if last is None:
+        steps = sorted((p / "checkpoints").glob("step_*"))  # (config sits below train: the names alone)
+        if not steps:
             return "a gspo run directory with no checkpoint yet: give one of a run's checkpoints/step_N directories"
-        return f"a gspo run directory: give one of its checkpoints, e.g. its last: teacher.path={last}"
+        return f"a gspo run directory: give one of its checkpoints, e.g. its last: teacher.path={steps[-1]}"
     return model_dir_problem(path, "teacher.path")
 
 
