@@ -8,6 +8,11 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: N workers share the cores, one thread each (subprocesses too)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def tiny(cache_dir, **extra: object) -> list[str]:
@@ -94,3 +99,25 @@ def verl_tree():
     for name in [m for m in sys.modules if m.split(".")[0] in (*peer._Stub.names, "verl")]:
         del sys.modules[name]
     sys.path.remove(src)
+
+
+# The default suite stays fast: a test that is not marked `slow` and runs longer than this fails the session
+# (GSPO_TEST_MAX_S overrides it; 0 turns it off). Long end-to-end runs belong under `-m slow`.
+TEST_MAX_S = float(os.environ.get("GSPO_TEST_MAX_S", "180"))
+_too_slow: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report) -> None:
+    if TEST_MAX_S and report.when == "call" and report.duration > TEST_MAX_S and "slow" not in report.keywords:
+        _too_slow.append((report.nodeid, report.duration))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _too_slow and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for nodeid, seconds in _too_slow:
+        terminalreporter.write_line(f"too slow for the default suite: {nodeid} took {seconds:.0f} s > "
+                                    f"{TEST_MAX_S:g} s (GSPO_TEST_MAX_S): make it cheaper or mark it slow", red=True)
