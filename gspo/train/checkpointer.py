@@ -35,6 +35,7 @@ from gspo.rollout.source import pending_of
 from gspo.train import checkpoint
 from gspo.train.components import BatchSource, Saved
 from gspo.train.distributed import Dist
+from gspo.train.rundir import replace_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -78,10 +79,8 @@ class Summary:
         self.data |= values
         self.data["wall_s"] = self.wall0 + time.time() - self.t0
         if self.is_main:
-            tmp = self.path.with_name(self.path.name + ".tmp")
             try:
-                tmp.write_text(json.dumps(self.data, indent=2))
-                tmp.replace(self.path)
+                replace_text(self.path, json.dumps(self.data, indent=2))
             except OSError as e:  # a full disk: keep the previous summary, do not hide the error that stopped the run
                 print(f"gspo: warning: cannot write {self.path}: {e}", file=sys.stderr)
 
@@ -232,9 +231,7 @@ class Checkpointer:
                 lines[at[-1]] = json.dumps(row, allow_nan=True)
             else:
                 lines.append(json.dumps(row, allow_nan=True))
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in lines))
-            tmp.replace(path)
+            replace_text(path, "".join(line + "\n" for line in lines))
         self.final = final
 
     def finish(self) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as tdist
 from gspo.config.errors import ConfigError, RunFailed
 from gspo.train import failures, preemption
 from gspo.train.distributed import check, device_of, in_torchrun, join
+from gspo.train.rundir import replace_text
 
 
 def is_main_process() -> bool:
@@ -183,9 +184,7 @@ def _mark_failed(run_dir: Path) -> None:
     except ValueError:
         data = {}
     if data.get("status") not in ("failed", *preemption.EXIT_CODES):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({**data, "status": "failed"}, indent=2))
-        tmp.replace(path)
+        replace_text(path, json.dumps({**data, "status": "failed"}, indent=2))
 
 
 def shared_run_dir(run_dir: Path, hw) -> Path:

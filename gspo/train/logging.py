@@ -19,7 +19,6 @@ RUN_DIR/wandb_id.txt.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import string
 import sys
@@ -29,6 +28,7 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from gspo.config.schema import LoggerConfig
+from gspo.train.rundir import replace_text
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -85,9 +85,7 @@ def truncate_jsonl(path: Path, last_step: int) -> int:
                 kept.append(line if line.endswith("\n") else line + "\n")
             else:
                 dropped += 1
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    replace_text(path, "".join(kept))
     return dropped
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.config.errors import ConfigError
+from gspo.train.rundir import replace_text
 
 RECORD = "resumes.jsonl"
 # keys (or key prefixes, ending in ".") a resume may change
@@ -110,9 +111,7 @@ def _into_summary(path: Path, entry: dict) -> None:
     except (OSError, ValueError):  # none yet (killed before step 0's summary), or unreadable: the list alone
         data = {}
     data["resumes"] = [*data.get("resumes", []), entry]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    replace_text(path, json.dumps(data, indent=2))
 
 
 def numbers_warning(entry: dict) -> str | None:

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -22,6 +23,20 @@ from gspo.config.errors import ConfigError
 
 LOCK = ".lock"
 RUN_FILES = ("config.yaml", "metrics.jsonl")  # what a directory holding a run has
+
+
+def replace_text(path: Path | str, text: str) -> None:
+    """Write `text` to `path` whole: into a temporary file of this call's own beside it, renamed over it, so a
+    reader (or a process killed midway) never sees half of it, and two writers never rename each other's file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def claim(path: Path | str) -> Path:

@@ -18,14 +18,13 @@ name the jobs, so that a later command may give one of them a single value (`alg
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from gspo.config.errors import ConfigError
 from gspo.config.loading import bare_key, job_name, load_run_config, swept_keys
+from gspo.train.rundir import replace_text
 from gspo.train.resume import experiment_key, listed, may_change, other_experiment
 
 RECORD = "sweep.json"
@@ -122,14 +121,7 @@ def record(sweep_dir: Path | str, keys: list[str]) -> None:
     their own gone."""
     sweep_dir = Path(sweep_dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=sweep_dir, prefix=f".{RECORD}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps({"named_by": keys}) + "\n")
-        os.replace(tmp, sweep_dir / RECORD)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    replace_text(sweep_dir / RECORD, json.dumps({"named_by": keys}) + "\n")
 
 
 @dataclass
