@@ -231,7 +231,7 @@ def test_a_wrong_key_or_a_silent_peer_keeps_no_rank_from_a_shared_engine(capsys)
     """rollout.vllm.mode=shared|server: the engine's listener for the trainer's other ranks. A peer with another key
     is dropped (a line on stderr), and so is one that says nothing; the rank still joins. Where no rank comes, the
     error says so after the wait it names, not before."""
-    joined = []
+    joined, threads = [], []
 
     def ranks(message: tuple) -> None:
         if message[0] != "listening":
@@ -245,9 +245,11 @@ def test_a_wrong_key_or_a_silent_peer_keeps_no_rank_from_a_shared_engine(capsys)
             joined.append(Client(("127.0.0.1", port), authkey=key))
             silent.close()
 
-        threading.Thread(target=connect, daemon=True).start()
+        threads.append(threading.Thread(target=connect, daemon=True))
+        threads[0].start()
 
     clients = Clients(1, DEADLINE_S, "127.0.0.1", ranks)
+    threads[0].join(DEADLINE_S)  # the engine may finish the handshake before the rank's side returns
     assert len(clients.conns) == 1 and len(joined) == 1
     joined[0].send_bytes(pickle.dumps(("sample", 3, {})))  # the rank's connection is the one the engine reads
     assert pickle.loads(clients.conns[0].recv_bytes()) == ("sample", 3, {})
