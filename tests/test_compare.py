@@ -105,7 +105,7 @@ def test_groups_by_algo_and_aggregates_seeds(tmp_path):
     md = (root / "compare" / "compare.md").read_text()
     # final acc 0.5, 0.6, 0.7: mean 0.6, s = 0.1, 95% CI 0.6 ± t(0.975, 2) · 0.1 / sqrt(3) = 0.6 ± 0.248
     assert grpo["final_acc"].ci == pytest.approx(4.302652729749464 * 0.1 / math.sqrt(3))
-    assert "| grpo | 3 | 20 | 0.300±0.000 | 0.600 [0.352, 0.848] | 0.600 [0.352, 0.848] |" in md and "| — |" in md
+    assert "| grpo | 3 | 20 | 0.300±0.000 | 0.600 [0.352, 0.848] | 0.500 / 0.600 / 0.700 | — | 0.600 [0.352, 0.848] |" in md and "| — |" in md
     assert json.loads((root / "compare" / "compare.json").read_text())["rows"][1]["runs"] == 2
     # `--by algo` is `algo.name`
     assert [g.label for g in compare([root], by="algo.name", plot=False).groups] == ["grpo", "gspo"]
@@ -372,6 +372,46 @@ def test_pairwise_against_a_baseline(tmp_path):
     assert saved["baseline"] == "grpo" and saved["pairwise"][0]["final_acc"]["diff"] == pytest.approx(0.25)
     with pytest.raises(CompareError, match=r"--baseline grpoo: no such group.*grpo, gspo"):
         compare([root], plot=False, baseline="grpoo")
+
+
+def test_several_comparisons_get_intervals_that_hold_together(tmp_path):
+    """With m groups against the baseline, the family column is Welch's interval at 1 - 0.05 / m (Bonferroni):
+    here m = 2, so t at 0.9875 instead of 0.975, and the same Welch df."""
+    from gspo.results.stats import t_quantile
+
+    root = sweep(tmp_path)  # grpo finals 0.5, 0.6, 0.7; gspo finals 0.8, 0.9
+    make_run(root / "9", "dapo", 0, acc={0: 0.3, 20: 0.55})
+    make_run(root / "10", "dapo", 1, acc={0: 0.3, 20: 0.75})
+    result = compare([root], plot=False, baseline="grpo")
+    for pair in result.pairwise:
+        one, family = pair.stats["final_acc"], pair.stats["final_acc_family"]
+        assert family.diff == one.diff and family.df == one.df
+        assert family.half_width == pytest.approx(one.half_width * t_quantile(1 - 0.025 / 2, one.df)
+                                                  / t_quantile(0.975, one.df))
+    gspo = next(p for p in result.pairwise if p.group == "gspo").stats["final_acc_family"]
+    assert f"| +0.250 [{gspo.low:+.3f}, {gspo.high:+.3f}] (df {gspo.df:.1f}) |" in result.table_path.read_text()
+    [alone] = compare([root / "0", root / "3", root / "4", root / "1", root / "2"], plot=False,
+                      baseline="grpo", out=tmp_path / "two").pairwise  # one comparison: the same as the 95% one
+    assert alone.stats["final_acc_family"].half_width == pytest.approx(alone.stats["final_acc"].half_width)
+
+
+def test_the_table_gives_each_seed_and_one_evaluations_binomial_error(tmp_path):
+    """final acc by seed: in seed order; eval SE: sqrt(p (1 - p) / n) at the final evaluation, n its eval/n,
+    averaged over the runs that logged it."""
+    for seed, final, n in ((2, 0.5, 100), (0, 0.25, 48), (1, 0.75, None)):
+        run = make_run(tmp_path / f"s{seed}", "grpo", seed, acc={0: 0.3, 20: final})
+        if n is not None:
+            lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            for line in lines:
+                if "eval/accuracy" in line:
+                    line["eval/n"] = n
+            (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = compare([tmp_path], plot=False)
+    [row] = result.rows
+    assert row["final_by_seed"] == [(0, 0.25), (1, 0.75), (2, 0.5)]
+    se = (math.sqrt(0.25 * 0.75 / 48) + math.sqrt(0.5 * 0.5 / 100)) / 2
+    assert row["final_eval_se"].mean == pytest.approx(se) and row["final_eval_se"].n == 2
+    assert f"| 0.250 / 0.750 / 0.500 | {se:.3f} |" in result.table_path.read_text()
 
 
 def test_compare_cli_baseline(tmp_path):

@@ -33,12 +33,12 @@ import numpy as np
 from gspo.results.groups import CompareResult, Group, Pairwise, Stat
 from gspo.results.report import print_report, write_markdown  # noqa: F401  (print_report: part of this module's API)
 from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of this module's API)
-    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, KL_OLD, LOSS, RATIO_MAX, REWARD, REWARD_STD, ROUTING,
+    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, KL_OLD, LOSS, RATIO_MAX, REWARD, REWARD_STD, ROUTING,
     STEP_S, VALUE_CLIP, VALUE_LOSS, VALUE_MEAN, BrokenRun,
     CompareError,
     Run, _flatten, _looks_like_run, load_runs, lookup,
 )
-from gspo.results.stats import welch
+from gspo.results.stats import LEVEL, welch
 
 PAIRWISE_STATS = ("final_acc", "best_acc")  # compared against the baseline group, with Welch intervals
 
@@ -270,10 +270,15 @@ def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
     tail = rewards[-max(1, round(0.1 * len(rewards))):] if len(rewards) else rewards
     reached = steps[(acc >= target) & (steps >= 1)] if target is not None else []
     trained = acc[steps >= 1]  # the step-0 eval is the base, not something training reached
+    n_steps, n = run.series(EVAL_N)
+    n_final = n[n_steps == steps[-1]] if len(trained) else []
     return {
         "base_acc": float(acc[0]) if len(acc) and steps[0] == 0 else None,
         "final_acc": float(acc[-1]) if len(trained) else None,
         "best_acc": float(trained.max()) if len(trained) else None,
+        # one evaluation's own noise: the binomial standard error of the final accuracy over the problems scored
+        "final_eval_se": (math.sqrt(acc[-1] * (1 - acc[-1]) / n_final[0]) if len(n_final) and n_final[0] > 0
+                          else None),
         "steps_to_target": float(reached[0]) if len(reached) else None,
         "final_reward": float(np.mean(tail)) if len(tail) else None,
         "clip_frac": train_mean(CLIP),
@@ -311,6 +316,12 @@ def accuracy_target(groups: Sequence[Group], threshold: float | None) -> tuple[f
                     f"= base {base:.3f} + 0.5 × (best group mean {best:.3f} − base).")
 
 
+def _seed_order(seed: Any) -> tuple:
+    """Numeric seeds in numeric order, then any others by their text."""
+    number = isinstance(seed, (int, float)) and not isinstance(seed, bool)
+    return (0, seed, "") if number else (1, 0, repr(seed))
+
+
 def summarize_group(group: Group, target: float | None) -> dict[str, Any]:
     stats = [run_stats(r, target) for r in group.runs]
     last = [r.last_step for r in group.runs]
@@ -326,14 +337,22 @@ def summarize_group(group: Group, target: float | None) -> dict[str, Any]:
     }
     for key in stats[0]:
         row[key] = Stat.of(s[key] for s in stats)
+    row["final_by_seed"] = sorted(((r.seed, s["final_acc"]) for r, s in zip(group.runs, stats)
+                                   if s["final_acc"] is not None), key=lambda pair: _seed_order(pair[0]))
     return row
 
 
 def pairwise(rows: Sequence[dict[str, Any]], baseline: str) -> list[Pairwise]:
-    """Each other group against `baseline` (a group label): Welch intervals for mean differences."""
+    """Each other group against `baseline` (a group label): Welch 95% intervals for mean differences, and for
+    the final accuracy also at the Bonferroni level 1 - 0.05 / m over the table's m comparisons, whose intervals
+    then all hold together with 95% probability (the same as the 95% one when m = 1)."""
     base = next(r for r in rows if r["group"] == baseline)
-    return [Pairwise(r["group"], baseline, {k: welch(r[k].values, base[k].values) for k in PAIRWISE_STATS})
-            for r in rows if r["group"] != baseline]
+    others = [r for r in rows if r["group"] != baseline]
+    family = 1 - (1 - LEVEL) / max(1, len(others))
+    return [Pairwise(r["group"], baseline, {**{k: welch(r[k].values, base[k].values) for k in PAIRWISE_STATS},
+                                            "final_acc_family": welch(r["final_acc"].values,
+                                                                      base["final_acc"].values, family)})
+            for r in others]
 
 
 # -- output --------------------------------------------------------------------

@@ -47,6 +47,8 @@ COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
      + (f" ({r['partial']} partial)" if r["partial"] else "")),
     ("base acc", lambda r: _fmt(r["base_acc"], "{:.3f}".format)),
     ("final acc [95% CI]", lambda r: _ci(r["final_acc"])),
+    ("final acc by seed", lambda r: " / ".join(f"{acc:.3f}" for _, acc in r["final_by_seed"]) or "—"),
+    ("eval SE", lambda r: "—" if r["final_eval_se"].mean is None else f"{r['final_eval_se'].mean:.3f}"),
     ("best acc [95% CI]", lambda r: _ci(r["best_acc"])),
     ("steps to target", lambda r: "—" if r["target"] is None else
      f"{_fmt(r['steps_to_target'], '{:.0f}'.format)} ({r['steps_to_target'].n}/{r['runs']})"),
@@ -62,6 +64,9 @@ COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
 
 LEGEND = ("a±b: mean ± sample std over seeds; [lo, hi]: 95% confidence interval of the mean over seeds "
           "(Student t, n − 1 degrees of freedom). Final acc: each run's last eval/accuracy after step 0; "
+          "final acc by seed: the runs' final accuracies in seed order; eval SE: the binomial standard error "
+          "of one run's final evaluation, sqrt(p (1 − p) / n) over the n problems it scored (eval/n), mean over "
+          "runs: the noise of the evaluation alone, beside the spread over seeds; "
           "best acc: its highest after step 0 (the step-0 base is not counted); final reward: mean "
           "reward/mean over a run's last 10% of steps; clip/frac, clip low / high, kl/old, routing vol., "
           "s/step: mean over training steps; max ratio: the largest policy/ratio_max of the run.")
@@ -103,11 +108,14 @@ PAIR_COLUMNS: list[tuple[str, Callable[[Any, dict], str]]] = [
     ("seeds (group / baseline)", lambda p, n: f"{n[p.group]} / {n[p.baseline]}"),
     ("Δ final acc [95% CI]", lambda p, n: _diff(p.stats["final_acc"])),
     ("Δ best acc [95% CI]", lambda p, n: _diff(p.stats["best_acc"])),
+    ("Δ final acc, all comparisons together [95%]", lambda p, n: _diff(p.stats["final_acc_family"])),
 ]
 
 PAIR_LEGEND = ("Δ: group mean − baseline mean; [lo, hi]: Welch 95% interval (unequal variances, "
                "Welch–Satterthwaite df). An interval that excludes 0 is a difference at the 5% level; "
-               "seeds: runs with the statistic in each group.")
+               "seeds: runs with the statistic in each group. All comparisons together: Welch intervals at the "
+               "Bonferroni level 1 − 0.05 / m for the table's m comparisons, which hold together with 95% "
+               "probability; a difference is settled when this interval excludes 0.")
 
 
 def _pair_cells(result: "CompareResult") -> list[list[str]]:
@@ -115,9 +123,10 @@ def _pair_cells(result: "CompareResult") -> list[list[str]]:
     return [[cell(p, n) for _, cell in PAIR_COLUMNS] for p in result.pairwise]
 
 
-def write_markdown(result: "CompareResult", path) -> None:
-    lines = [f"# gspo compare — grouped by `{result.by}`", ""]
-    lines += ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def tables_markdown(result: "CompareResult") -> list[str]:
+    """The comparison's tables with their legends, as markdown lines: what compare.md shows and what a results
+    page embeds (gspo/results/pages.py)."""
+    lines = ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cells) + " |" for cells in format_rows(result.rows)]
     lines += ["", f"{LEGEND} {result.target_note} (k/n) = runs that reached it. See docs/compare.md.", ""]
     if _critic_rows(result):
@@ -129,6 +138,11 @@ def write_markdown(result: "CompareResult", path) -> None:
         lines += ["| " + " | ".join(name for name, _ in PAIR_COLUMNS) + " |", "|" + "---|" * len(PAIR_COLUMNS)]
         lines += ["| " + " | ".join(cells) + " |" for cells in _pair_cells(result)]
         lines += ["", PAIR_LEGEND, ""]
+    return lines
+
+
+def write_markdown(result: "CompareResult", path) -> None:
+    lines = [f"# gspo compare — grouped by `{result.by}`", "", *tables_markdown(result)]
     lines += [f"![comparison]({f.name})" for f in result.figures if f.suffix == ".png"]
     collapsed = [(g.label, r) for g in result.groups for r in g.runs if r.collapse]
     if collapsed:

@@ -19,6 +19,7 @@ import numpy as np
 from gspo.config.errors import ConfigError
 
 REWARD, REWARD_STD, LOSS, ACC = "reward/mean", "reward/std", "train/loss", "eval/accuracy"
+EVAL_N = "eval/n"  # the problems one evaluation scored
 CLIP, CLIP_LOW, CLIP_HIGH = "clip/frac", "clip/frac_low", "clip/frac_high"
 KL_REF, KL_OLD, ENTROPY = "kl/ref", "kl/old", "policy/entropy"
 LENGTH, ROUTING, STEP_S = "response/len_mean", "moe/routing_volatility", "time/step_s"

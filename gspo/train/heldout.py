@@ -91,6 +91,7 @@ def evaluate(
         "eval/accuracy": sum(correct) / max(1, len(correct)),
         "eval/format": sum(formed) / max(1, len(formed)),
         "eval/len_mean": sum(lengths) / max(1, len(lengths)),
+        "eval/n": len(correct),  # problems scored: the binomial error of eval/accuracy is sqrt(p (1 - p) / n)
     } | {k: sum(v) / max(1, len(v)) for k, v in extra.items()}
     if pass_k > 0:
         n = 2 * pass_k
