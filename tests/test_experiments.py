@@ -31,6 +31,18 @@ def test_experiments_compose_and_differ_only_in_the_model():
     assert compose(["+experiment=moe_long", "algo=grpo", "train.steps=7"]).train.steps == 7
 
 
+@pytest.mark.parametrize("arm", ["algo=grpo", "algo=gspo", "algo=dapo", "+cell=gspo_wide", "+cell=gspo_wide30"])
+def test_the_matched_real_model_study_differs_from_smollm2_math_only_in_what_the_presets_add(arm):
+    """smollm2_matched: every arm on smollm2_math's setting, with no KL penalty, no dynamic sampling and no
+    overlong shaping; each keeps its objective (loss, clip range, aggregation)."""
+    matched, preset = compose(["+experiment=smollm2_matched", arm]), compose(["+experiment=smollm2_math", arm])
+    for group in ("model", "task", "reward", "rollout", "train", "eval"):
+        assert matched[group] == preset[group], group
+    assert (matched.algo.beta, matched.algo.dynamic_sampling, matched.algo.overlong_buffer) == (0.0, False, 0)
+    for key in ("loss", "agg", "advantage", "eps_low", "eps_high"):
+        assert matched.algo[key] == preset.algo[key], key
+
+
 def test_moe_mismatch_is_the_wide_moe_sampled_in_bf16_and_trained_in_float32():
     from gspo.rollout.sampler import old_logprobs_mode
 
