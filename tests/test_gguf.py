@@ -54,11 +54,16 @@ def test_a_gguf_file_becomes_a_checkpoint_once(tmp_path):
 
 def test_a_quantized_gguf_loads_its_dequantized_weights(tmp_path):
     """Q8_0 tensors come back as the values they dequantize to (gguf's own dequantization), and the line says
-    which quantization the file had."""
+    which quantization the file had. (Dequantizing parses the file once, gguf.py's _parsed_once: gguf's own
+    reader is back afterwards.)"""
+    import gguf
+
+    reader = gguf.GGUFReader
     src = write_tiny_gguf(tmp_path / "q.gguf", quantize=True)
     lines = []
     ckpt = checkpoint_dir(tmp_path / "q.gguf", tmp_path / "cache", log=lines.append)
     assert "(Q8_0)" in lines[0]
+    assert gguf.GGUFReader is reader
     model, tok = load_pretrained(ckpt)
     ids = tok("How many apples")["input_ids"]
     torch.testing.assert_close(_logits(model, ids), _logits(src, ids), rtol=0, atol=1e-5)

@@ -136,8 +136,9 @@ def dequantize(source: Path, out: Path, key: str = "model.path") -> str:
     bar = reader.tqdm
     reader.tqdm = functools.partial(bar, disable=True)  # its own per-tensor progress bar, between our lines
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        with _parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     except (ValueError, KeyError, RuntimeError) as e:  # an architecture or tensor type transformers cannot read
         raise ConfigError(f"{key}={source}: transformers cannot read this GGUF file "
                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
@@ -152,6 +153,33 @@ def dequantize(source: Path, out: Path, key: str = "model.path") -> str:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return _file_type(source)
+
+
+@contextlib.contextmanager
+def _parsed_once() -> Iterator[None]:
+    """While the block runs, gguf's reader and tensor-name maps are built once per file / architecture: transformers
+    parses the file's metadata (the whole vocabulary) anew for the config, the weights and the tokenizer, and builds
+    the name map again for each of the model's ~400 modules: half of dequantizing SmolLM2-135M (111 s, now 53 s, on
+    a loaded 2-core machine). Both are read-only there; outside the block gguf is as it was."""
+    try:
+        import gguf
+    except ImportError:  # transformers refuses the file, with its own message
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def read_once(path, mode="r"):
+        k = (os.fspath(path), mode)
+        if k not in readers:
+            readers[k] = reader(path, mode)
+        return readers[k]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def _file_type(source: Path) -> str:
