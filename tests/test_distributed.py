@@ -256,14 +256,27 @@ def merged_under_fsdp(rank: int, world: int, lora: int) -> dict:
             "total": sum(v.numel() for v in whole.values())}
 
 
-@pytest.mark.parametrize("lora", [0, 4])
-def test_fsdp_sends_a_sampler_the_whole_weights_one_unit_at_a_time(lora, tmp_path):
+FSDP_LORA = (0, 4)
+
+
+def merged_under_fsdp_each(rank: int, world: int) -> dict:
+    return {lora: merged_under_fsdp(rank, world, lora) for lora in FSDP_LORA}
+
+
+@pytest.fixture(scope="module")
+def fsdp_sent(tmp_path_factory) -> list[dict]:
+    """merged_under_fsdp for each LoRA rank, on one pair of gloo ranks (spawning them costs more than the work)."""
+    from gloo import run_ranks
+
+    return run_ranks(merged_under_fsdp_each, 2, tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.mark.parametrize("lora", FSDP_LORA)
+def test_fsdp_sends_a_sampler_the_whole_weights_one_unit_at_a_time(lora, fsdp_sent):
     """What an engine is pushed under FSDP (rollout.engine=vllm, hardware.strategy=fsdp): every weight whole (LoRA:
     merged), bitwise what the unsharded model gives, on every rank; gathered one FSDP unit at a time, so a rank never
     holds the model whole: at most the largest unit (the root: embeddings, norm, head), less than half the model."""
-    from gloo import run_ranks
-
-    for got in run_ranks(merged_under_fsdp, 2, tmp_path, lora):
+    for got in (rank[lora] for rank in fsdp_sent):
         assert sorted(got["names"]) == sorted(got["whole"])  # every weight, once
         for name, value in got["whole"].items():
             assert torch.equal(got["sent"][name], value), name
