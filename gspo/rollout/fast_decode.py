@@ -1,10 +1,10 @@
 """The `fast` decode engine (`rollout.engine`): decode steps of the Llama-shaped families without the generic forward.
 
-One engine for Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5 and Mistral: the same decoder layer (RMSNorm,
-q/k/v projections, RoPE, GQA attention, gated MLP or sparse MoE), the families differing only in what
-each module holds, read off it: q/k norms (Qwen3), projection biases (Qwen2's q/k/v; Llama's
-`attention_bias`, `mlp_bias`), the MoE block (Qwen3-MoE), the RoPE variant (Llama 3's `rope_scaling`,
-any `rope_type`: the model's own rotary module computes cos/sin), tied embeddings (the head is the
+One engine for Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5, Mistral and Mixtral: the same decoder layer
+(RMSNorm, q/k/v projections, RoPE, GQA attention, gated MLP or sparse MoE), the families differing only
+in what each module holds, read off it: q/k norms (Qwen3), projection biases (Qwen2's q/k/v; Llama's
+`attention_bias`, `mlp_bias`), the MoE block (Qwen3-MoE, Mixtral: a `gate` router and fused `experts`),
+the RoPE variant (Llama 3's `rope_scaling`, any `rope_type`: the model's own rotary module computes cos/sin), tied embeddings (the head is the
 `lm_head` module's weight, whichever tensor that is). Llama's `pretraining_tp` changes nothing: the
 model's forward no longer reads it.
 
@@ -30,7 +30,7 @@ It samples what the `hf` engine samples, given the same uniforms (tests/test_fas
 identical tokens, log-probs within 1e-5, identical captured routing). A peft LoRA policy decodes
 here too, its adapters computed unmerged as peft computes them (plain LoRA on the Linear projections and
 the LM head). Anything else falls back to `hf`, a warning saying why (once per reason): another family,
-adapters other than plain LoRA on Linear layers (the MoE experts' fused weights, DoRA), FSDP sharding, any other wrapper, `hardware.compile`, a sliding window that can bind (Mistral's
+adapters other than plain LoRA on Linear layers (the MoE experts' fused weights, DoRA), FSDP sharding, any other wrapper, `hardware.compile`, a sliding window that can bind (Mistral's and Mixtral's
 `sliding_window`, Qwen2/Qwen3's `use_sliding_window`: one shorter than the model's
 `max_position_embeddings`; the engine attends over every cached slot), an attention
 implementation other than sdpa/eager, forward hooks on modules other than the routers.
@@ -52,10 +52,11 @@ _LOGGED: set[str] = set()
 
 
 def _families() -> tuple[type, ...]:
-    from transformers import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-                              Qwen3MoeForCausalLM)
+    from transformers import (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
+                              Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
-    return Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM
+    return (Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
+            MixtralForCausalLM)
 
 
 def _sliding_window(cfg) -> Optional[int]:
