@@ -130,6 +130,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.moe_intermediate_size": (*_at_least(1), ""),
     "model.router_aux_loss_coef": (*_at_least(0), "0 = off"),
     "model.warm_start.steps": (*_at_least(0), "0 = no warm start"),
+    "model.split_experts.experts": (*_at_least(0), "0 = the dense model as it is"),
+    "model.split_experts.top_k": (*_at_least(1), ""),
+    "model.split_experts.calibration_sequences": (*_at_least(1), ""),
+    "model.split_experts.calibration_tokens": (*_at_least(16), ""),
     "model.warm_start.lr": (*_above(0), ""),
     "model.warm_start.batch_size": (*_at_least(1), ""),
     "reward.timeout_s": (*_at_least(0), "0 = no limit"),
@@ -250,6 +254,9 @@ def _cross_checks(cfg: Any) -> Optional[str]:
                 "(max_position_embeddings), which the prompt shares")
     if m.arch == "qwen3_moe" and m.top_k > m.num_experts:
         return f"model.top_k={m.top_k}: must be at most model.num_experts={m.num_experts}"
+    if m.split_experts.experts and m.split_experts.top_k > m.split_experts.experts:
+        return (f"model.split_experts.top_k={m.split_experts.top_k}: must be at most "
+                f"model.split_experts.experts={m.split_experts.experts}")
     if m.arch != "hf" and m.num_heads % m.num_kv_heads:
         return f"model.num_heads={m.num_heads}: must be a multiple of model.num_kv_heads={m.num_kv_heads}"
     return None
@@ -383,6 +390,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{f"logger.wandb_cfg.{k}": (lambda c: c.logger.wandb, "W&B is off: add logger=wandb")  # not samples_every:
        for k in ("project", "entity", "group", "tags", "name", "mode")},  # it also paces RUN_DIR/samples.jsonl
     "model.warm_start.": (lambda c: c.model.arch != "hf", "model=hf is used as it is, without a warm start"),
+    "model.split_experts.": (lambda c: c.model.arch == "hf", "only a model=hf checkpoint (a dense Llama) is split "
+                             "into experts: model=smollm2_moe, or model=hf model.path=DIR model.split_experts.experts=8"),
     "model.num_experts": (lambda c: c.model.arch == "qwen3_moe", "only the built-in MoE (model=qwen3-moe...) has it"),
     "model.top_k": (lambda c: c.model.arch == "qwen3_moe", "only the built-in MoE (model=qwen3-moe...) has it"),
     "model.moe_intermediate_size": (lambda c: c.model.arch == "qwen3_moe", "only the built-in MoE has it"),

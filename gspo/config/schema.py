@@ -95,6 +95,18 @@ class WarmStartConfig:
 
 
 @dataclass
+class SplitExpertsConfig:
+    # model=hf with a dense Llama: a mixture of experts built from it once (gspo/models/split_experts.py), its MLP's
+    # neurons split into `experts` groups by co-activation on text the model writes itself, `top_k` routed per token
+    # by routers fitted to each group's contribution; cached in cache_dir by the dense weights' content. 0 = off
+    experts: int = 0
+    top_k: int = 7
+    calibration_sequences: int = 64  # conversations the dense model writes for the construction
+    calibration_tokens: int = 160  # tokens per conversation, at most
+    seed: int = 0  # the calibration text's and the clustering's seed
+
+
+@dataclass
 class LoraConfig:
     r: int = 0  # LoRA rank through peft; 0 = off (full fine-tuning). See gspo/models/adapters.py
     alpha: Optional[float] = None  # LoRA scaling is alpha / r; None = 2 * r
@@ -130,6 +142,7 @@ class ModelConfig:
     use_chat_template: bool = False  # wrap prompts in the tokenizer's chat template (real checkpoints; always with tools)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0); the base stays frozen
+    split_experts: SplitExpertsConfig = field(default_factory=SplitExpertsConfig)  # model=hf: a dense Llama made a MoE
 
 
 @dataclass

@@ -140,9 +140,12 @@ def lora_capacity(r: int) -> int:
 
 
 def is_moe(cfg) -> bool:
-    """Whether the model has MoE layers: the tiny MoE, or a checkpoint whose config counts experts."""
+    """Whether the model has MoE layers: the tiny MoE, a checkpoint whose config counts experts, or a dense one
+    split into experts (`model.split_experts`)."""
     if cfg.model.arch != "hf":
         return cfg.model.arch == "qwen3_moe"
+    if cfg.model.split_experts.experts:  # a dense checkpoint gspo splits into experts (gspo/models/split_experts.py)
+        return True
     try:
         c = model_path.text_config(cfg.model.path)
     except (OSError, ValueError, TypeError):

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from gspo.config.errors import ConfigError
+from gspo.models import split_experts
 from gspo.models.build import build_model, char_tokenizer
 from gspo.models.gguf import checkpoint_dir, file_sha256
 from gspo.models.moe import is_moe
@@ -71,7 +72,10 @@ def base_model(cfg, task, log=print, stop=None) -> Path:
     if cfg.model.arch == "hf":
         if not cfg.model.path:
             raise ConfigError("model=hf needs model.path=DIR (a local Hugging Face checkpoint directory)")
-        return checkpoint_dir(cfg.model.path, cfg.cache_dir, log)  # a GGUF file: its dequantized copy
+        dense = checkpoint_dir(cfg.model.path, cfg.cache_dir, log)  # a GGUF file: its dequantized copy
+        if not cfg.model.split_experts.experts:
+            return dense
+        return split_experts.checkpoint(dense, cfg.model.split_experts, cfg.cache_dir, log)  # its MoE, built once
     target = Path(cfg.cache_dir) / f"base-{cfg.model.name}-{cfg.task.name}-{_base_key(cfg)}"
     if (target / "config.json").is_file():
         if int(os.environ.get("RANK", "0")) == 0:

