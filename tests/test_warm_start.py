@@ -33,7 +33,7 @@ def tiny_model(tok):
 
 
 def wcfg(**kw):
-    return OmegaConf.structured(WarmStartConfig(batch_size=16, **kw))
+    return OmegaConf.structured(WarmStartConfig(**{"batch_size": 16, **kw}))
 
 
 def test_warm_start_stops_at_the_target_accuracy():
@@ -46,7 +46,8 @@ def test_warm_start_stops_at_the_target_accuracy():
 
 
 def test_checks_come_five_times_as_often_from_half_the_target(monkeypatch):
-    """Coarse checks overshoot (52.5% for a 40% target, 25 steps apart): from half the target, every 5 steps."""
+    """Coarse checks overshoot (52.5% for a 40% target, 25 steps apart): from half the target, every 5 steps.
+    (The accuracies are given: 2 problems a step are enough to count steps.)"""
     import gspo.train.warm_start
 
     accuracies = iter([0.10, 0.19, 0.20, 0.30, 0.39, 0.41, 0.9])
@@ -56,14 +57,14 @@ def test_checks_come_five_times_as_often_from_half_the_target(monkeypatch):
     task = Echo()
     tok = char_tokenizer(task.alphabet)
     record = warm_start(tiny_model(tok), tok, task, wcfg(steps=400, lr=1e-3, target_accuracy=0.4, check_every=25,
-                                                         fine_check_every=5), log=lambda m: None)
+                                                         fine_check_every=5, batch_size=2), log=lambda m: None)
     # checks at 25, 50, 75 (0.20: half the target reached), then 80, 85, 90 (0.41 >= 0.4: stop)
     assert seen == [0.10, 0.19, 0.20, 0.30, 0.39, 0.41]
     assert record == {"steps": 90, "train_accuracy": 0.41}
     seen.clear()
     accuracies = iter([0.10, 0.19, 0.20, 0.30, 0.39, 0.41])
     record = warm_start(tiny_model(tok), tok, task, wcfg(steps=400, lr=1e-3, target_accuracy=0.4, check_every=25,
-                                                         fine_check_every=0), log=lambda m: None)
+                                                         fine_check_every=0, batch_size=2), log=lambda m: None)
     assert record == {"steps": 150, "train_accuracy": 0.41}  # 0: every 25 steps throughout
 
 
@@ -116,7 +117,9 @@ def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_
 def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_path):
     """SIGTERM while the warm start runs: exit 75 and the one-line resume message (before: killed by the signal,
     exit -15, no message), the partial warm start saved beside the cache and never taken for a finished base;
-    `gspo train resume=` continues it and builds the very base an uninterrupted warm start builds."""
+    `gspo train resume=` continues it and builds the very base an uninterrupted warm start builds. (The signal
+    comes after the first step's line, 199 steps before the end: a run and its resume cost one warm start; the
+    signal came after step 101 of 400 before, 800 steps in all where 400 now test the same.)"""
     import json
     import os
     import signal
@@ -130,7 +133,7 @@ def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
     opts = ["model=qwen3-tiny", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
-            "model.intermediate_size=64", "model.warm_start.steps=400", "model.warm_start.target_accuracy=0",
+            "model.intermediate_size=64", "model.warm_start.steps=200", "model.warm_start.target_accuracy=0",
             "model.warm_start.batch_size=16", "train.steps=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
             "rollout.max_new_tokens=4", "task.eval_size=8", "logger.progress=false", "hardware.threads=1"]
     whole = subprocess.run([sys.executable, "-m", "cli.main", "train", *opts, f"cache_dir={tmp_path / 'c1'}",
@@ -141,7 +144,7 @@ def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_
                              f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     seen = ""
-    while "warm start 101/400" not in seen:
+    while "warm start 1/200" not in seen:
         seen += proc.stdout.readline()
         assert proc.poll() is None, seen
     proc.send_signal(signal.SIGTERM)
