@@ -5,6 +5,7 @@ Hydra's sweep launchers (joblib, submitit) run a tiny sweep."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -120,7 +121,7 @@ def test_cli_rejects_a_prompt_count_that_does_not_split(tmp_path):
 # --------------------------------------------------------------------------- one update, 1 process vs 2 gloo ranks
 
 
-def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: int) -> dict:
+def one_update(rank: int, world: int, cfg, truncated_prompts: int) -> dict:
     """One `_update` (advantages, minibatch steps) on a fixed batch: P prompts x G completions sampled from a
     fresh tiny model, fixed rewards that differ within groups; this rank holds its share of the prompts. The
     first `truncated_prompts` prompts' completions are marked truncated (the overlong filter drops them)."""
@@ -134,7 +135,6 @@ def one_update(rank: int, world: int, overrides: list[str], truncated_prompts: i
     from gspo.train.setup import Setup
     from gspo.train.trainer import Batch, _update
 
-    cfg = compose(overrides)
     task = build_task(cfg.task)
     tok = char_tokenizer(task.alphabet)
     model = build_model(cfg.model, len(tok), tok, seed=0)
@@ -176,13 +176,17 @@ UPDATE_CASES = {  # batch-level advantages, and a rank whose every row the overl
 }
 
 
-def all_update_cases(rank: int, world: int) -> dict:
+def update_configs() -> dict:
+    """Each case's config, composed once here and handed to every process (composing is most of a case's time)."""
     base = ["model=qwen3-tiny", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1",
             "model.intermediate_size=64", "rollout.prompts_per_step=4", "rollout.group_size=4",
             "rollout.max_new_tokens=4", "train.minibatches=2"]
+    return {name: compose(base + extra) for name, extra in UPDATE_CASES.items()}
+
+
+def all_update_cases(rank: int, world: int, configs: dict) -> dict:
     # a group whose rewards all differ, and the first rank's two prompts truncated in the overlong cases
-    return {name: one_update(rank, world, base + extra, 2 if "overlong" in name else 0)
-            for name, extra in UPDATE_CASES.items()}
+    return {name: one_update(rank, world, cfg, 2 if "overlong" in name else 0) for name, cfg in configs.items()}
 
 
 def test_one_update_on_two_ranks_is_the_one_process_update(tmp_path):
@@ -193,8 +197,9 @@ def test_one_update_on_two_ranks_is_the_one_process_update(tmp_path):
     from gloo import run_ranks
 
     torch.set_num_threads(1)
-    one = all_update_cases(0, 1)
-    two = run_ranks(all_update_cases, 2, tmp_path)
+    configs = update_configs()
+    one = all_update_cases(0, 1, copy.deepcopy(configs))  # the ranks get them as composed
+    two = run_ranks(all_update_cases, 2, tmp_path, configs)
     for name in UPDATE_CASES:
         a, (b0, b1) = one[name], (two[0][name], two[1][name])
         assert (b0["loss"] + b1["loss"]) / 2 == pytest.approx(a["loss"], rel=1e-5, abs=1e-7), name
