@@ -536,12 +536,15 @@ def test_torchrun_by_hand_then_resume_with_two_ranks(tmp_path, cache_dir):
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
 
 
-def test_a_checkpoint_resumes_under_another_world_size(tmp_path, cache_dir):
-    """A one-process checkpoint continues under 2 ranks (and its optimizer state loads)."""
-    train(compose(small(cache_dir)), tmp_path)
-    cli("train", f"resume={tmp_path}", "train.steps=2", "hardware.strategy=ddp", "hardware.nproc=2", cwd=tmp_path)
-    assert [m["step"] for m in jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
-    assert OmegaConf.load(tmp_path / "config.yaml").hardware.strategy == "ddp"
+def test_a_checkpoint_resumes_under_another_world_size(one_process, tmp_path):
+    """A one-process checkpoint continues under 2 ranks (and its optimizer state loads). The run is a copy of
+    `one_process` (the same 1-step run this test trained itself before)."""
+    import shutil
+
+    run = shutil.copytree(one_process, tmp_path / "run")
+    cli("train", f"resume={run}", "train.steps=2", "hardware.strategy=ddp", "hardware.nproc=2", cwd=tmp_path)
+    assert [m["step"] for m in jsonl(run / "metrics.jsonl")] == [0, 1, 2]
+    assert OmegaConf.load(run / "config.yaml").hardware.strategy == "ddp"
 
 
 # --------------------------------------------------------------------------- real checkpoints
