@@ -120,7 +120,7 @@ def test_what_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):
     res = CliRunner().invoke(app, ["train", *run_config(dense_dir, tmp_path / "cache", **{
         "model.split_experts.experts": 4, "model.split_experts.top_k": 5}), f"hydra.run.dir={tmp_path / 'run'}"])
     one_line_exit_2(res, "model.split_experts.top_k=5", "model.split_experts.experts=4")
-    res = CliRunner().invoke(app, ["train", "model.split_experts.experts=4", f"hydra.run.dir={tmp_path / 'run2'}"])
+    res = CliRunner().invoke(app, ["train", "model.split_experts.experts=8", f"hydra.run.dir={tmp_path / 'run2'}"])
     one_line_exit_2(res, "model.split_experts.", "model=smollm2_moe")
 
 

@@ -254,7 +254,7 @@ def _cross_checks(cfg: Any) -> Optional[str]:
                 "(max_position_embeddings), which the prompt shares")
     if m.arch == "qwen3_moe" and m.top_k > m.num_experts:
         return f"model.top_k={m.top_k}: must be at most model.num_experts={m.num_experts}"
-    if m.split_experts.experts and m.split_experts.top_k > m.split_experts.experts:
+    if m.arch == "hf" and m.split_experts.experts and m.split_experts.top_k > m.split_experts.experts:
         return (f"model.split_experts.top_k={m.split_experts.top_k}: must be at most "
                 f"model.split_experts.experts={m.split_experts.experts}")
     if m.arch != "hf" and m.num_heads % m.num_kv_heads:
