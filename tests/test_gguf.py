@@ -172,7 +172,7 @@ def test_one_process_dequantizes_while_the_others_wait(tmp_path, monkeypatch):
     for t in ranks:
         t.join()
     assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1
-    assert not list((tmp_path / "cache").glob(".tmp-gguf-*"))  # nothing half-written left behind
+    assert not list((tmp_path / "cache").glob(".tmp-*"))  # nothing half-written left behind
 
 
 @pytest.mark.parametrize("arch", ["t5", "umt5"])

@@ -46,20 +46,35 @@ def checkpoint_dir(path: str | Path, cache_dir: str | Path, log: Optional[Callab
     digest = file_sha256(source)
     name = hashlib.sha256(json.dumps({"sha256": digest, **written_by}, sort_keys=True).encode()).hexdigest()[:16]
     target = Path(cache_dir) / f"gguf-{source.stem}-{name}"
-    if (target / "config.json").is_file():
+    t0, made = time.time(), {}
+
+    def write(tmp: Path) -> None:
+        made["kind"] = dequantize(source, tmp, key)
+        (tmp / "gguf.json").write_text(json.dumps({"source": str(source), "sha256": digest, "file_type": made["kind"],
+                                                   **written_by, "seconds": round(time.time() - t0, 1)}))
+
+    if not build_once(target, write):
         _reused(path, target, log, key)
         return target
+    if log is not None:
+        log(f"gspo: {key}={path}: a GGUF file ({made['kind']}), dequantized to float32 by transformers in "
+            f"{time.time() - t0:.0f} s into {target} (every later run reuses it)")
+    return target
+
+
+def build_once(target: Path, write: Callable[[Path], None]) -> bool:
+    """Make the cached checkpoint `target` (complete once it holds config.json) by `write(tmp)` into a temporary
+    directory beside it, then renamed into place, under a lock on the cache (one process builds, the others wait,
+    then reuse it: ranks, sweep jobs). False, without building, when it exists or another process made it meanwhile."""
+    if (target / "config.json").is_file():
+        return False
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.parent / f".{target.name}.lock"):
         if (target / "config.json").is_file():  # made by the process that held the lock before this one
-            _reused(path, target, log, key)
-            return target
-        t0 = time.time()
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-gguf-"))
+            return False
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
         try:
-            kind = dequantize(source, tmp, key)
-            (tmp / "gguf.json").write_text(json.dumps({"source": str(source), "sha256": digest, "file_type": kind,
-                                                       **written_by, "seconds": round(time.time() - t0, 1)}))
+            write(tmp)
             try:
                 os.rename(tmp, target)
             except OSError:  # without flock, another process may have finished first: use its copy
@@ -67,10 +82,7 @@ def checkpoint_dir(path: str | Path, cache_dir: str | Path, log: Optional[Callab
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    if log is not None:
-        log(f"gspo: {key}={path}: a GGUF file ({kind}), dequantized to float32 by transformers in "
-            f"{time.time() - t0:.0f} s into {target} (every later run reuses it)")
-    return target
+    return True
 
 
 def _written_by() -> dict[str, str | int]:

@@ -403,6 +403,7 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
     import os
 
     from gspo.models.build import load_pretrained
+    from gspo.models.gguf import build_once
 
     settings = SplitSettings.of(scfg)
     key = _key(dense_dir, settings)
@@ -419,7 +420,7 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
         record.update(dense=str(dense_dir), key=key, total_seconds=round(time.time() - t0, 1), **_written_by())
         (tmp / "split_experts.json").write_text(json.dumps(record, indent=1))
 
-    if _build_once(target, write):
+    if build_once(target, write):
         if log is not None:
             log(f"gspo: model.split_experts: {settings.experts} experts, top-{settings.top_k}, built from {dense_dir} "
                 f"in {time.time() - t0:.0f} s into {target} (every later run reuses it)")
@@ -452,30 +453,3 @@ def _key(dense_dir: Path, settings: SplitSettings) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _build_once(target: Path, write: Callable[[Path], None]) -> bool:
-    """Make `target` (complete once it holds config.json) by `write(tmp)` into a temporary directory beside it,
-    renamed into place, under the GGUF cache's lock (one process builds, the others wait and reuse); False
-    without building when it exists or another process made it meanwhile."""
-    import os
-    import shutil
-    import tempfile
-
-    from gspo.models.gguf import _locked
-
-    if (target / "config.json").is_file():
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():
-            return False
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-moe-"))
-        try:
-            write(tmp)
-            try:
-                os.rename(tmp, target)
-            except OSError:  # without flock, another process may have finished first: use its copy
-                if not (target / "config.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return True
