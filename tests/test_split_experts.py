@@ -1,4 +1,4 @@
-"""A mixture of experts split from a dense Llama (model.split_experts, gspo/models/split_experts.py; model=smollm2_moe).
+"""A mixture of experts split from a dense Llama (model.split_experts, gspo/train/split_experts.py; model=smollm2_moe).
 
 On tiny Llamas built here from LlamaConfig (nothing downloaded): with every expert active and a router that does
 not rescale, the split model computes the dense model's outputs; at top-k < E its outputs depend on the routing
@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 from cli.main import app
 from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
-from gspo.models import moe, split_experts
+from gspo.models import moe
+from gspo.train import split_experts
 from gspo.rollout import fast_decode
 from gspo.train.trainer import train
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from gspo.config.errors import ConfigError
-from gspo.models import split_experts
+from gspo.train import split_experts
 from gspo.models.build import build_model, char_tokenizer
 from gspo.models.gguf import checkpoint_dir, file_sha256
 from gspo.models.moe import is_moe
