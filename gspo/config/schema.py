@@ -96,7 +96,7 @@ class WarmStartConfig:
 
 @dataclass
 class SplitExpertsConfig:
-    # model=hf with a dense Llama: a mixture of experts built from it once (gspo/models/split_experts.py), its MLP's
+    # model=hf with a dense Llama: a mixture of experts built from it once (gspo/train/split_experts.py), its MLP's
     # neurons split into `experts` groups by co-activation on text the model writes itself, `top_k` routed per token
     # by routers fitted to each group's contribution; cached in cache_dir by the dense weights' content. 0 = off
     experts: int = 0

@@ -144,7 +144,7 @@ def is_moe(cfg) -> bool:
     split into experts (`model.split_experts`)."""
     if cfg.model.arch != "hf":
         return cfg.model.arch == "qwen3_moe"
-    if cfg.model.split_experts.experts:  # a dense checkpoint gspo splits into experts (gspo/models/split_experts.py)
+    if cfg.model.split_experts.experts:  # a dense checkpoint gspo splits into experts (gspo/train/split_experts.py)
         return True
     try:
         c = model_path.text_config(cfg.model.path)
