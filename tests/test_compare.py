@@ -414,6 +414,21 @@ def test_the_table_gives_each_seed_and_one_evaluations_binomial_error(tmp_path):
     assert f"| 0.250 / 0.750 / 0.500 | {se:.3f} |" in result.table_path.read_text()
 
 
+def test_the_table_counts_the_completions_each_run_sampled(tmp_path):
+    """completions: per training step the groups drawn (sampling/groups_drawn, logged where dynamic sampling redraws)
+    or prompts_per_step, times group_size, summed over the steps; mean over runs."""
+    make_run(tmp_path / "grpo", "grpo", 0, steps=5)  # 5 steps x 16 prompts x G=8
+    drawn = [16, 48, 32, 64, 16]  # a DAPO-like run that redrew on some steps
+    dapo = make_run(tmp_path / "dapo", "dapo", 0, steps=5)
+    lines = [json.loads(line) for line in (dapo / "metrics.jsonl").read_text().splitlines()]
+    for line in lines[1:]:
+        line["sampling/groups_drawn"] = drawn[line["step"] - 1]
+    (dapo / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = {r["group"]: r for r in compare([tmp_path], plot=False).rows}
+    assert rows["grpo"]["completions"].mean == 5 * 16 * 8 == 640
+    assert rows["dapo"]["completions"].mean == 8 * sum(drawn) == 1408
+
+
 def test_compare_cli_baseline(tmp_path):
     from typer.testing import CliRunner
 

@@ -33,7 +33,7 @@ import numpy as np
 from gspo.results.groups import CompareResult, Group, Pairwise, Stat
 from gspo.results.report import print_report, write_markdown  # noqa: F401  (print_report: part of this module's API)
 from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of this module's API)
-    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, KL_OLD, LOSS, RATIO_MAX, REWARD, REWARD_STD, ROUTING,
+    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, GROUPS_DRAWN, KL_OLD, LOSS, RATIO_MAX, REWARD, REWARD_STD, ROUTING,
     STEP_S, VALUE_CLIP, VALUE_LOSS, VALUE_MEAN, BrokenRun,
     CompareError,
     Run, _flatten, _looks_like_run, load_runs, lookup,
@@ -88,6 +88,18 @@ def sampling_se(run: Run) -> float:
     if not len(std) or not all(isinstance(x, int) and x > 0 for x in per_step):
         return 0.0
     return float(np.sqrt(np.mean(std**2))) / math.sqrt(per_step[0] * per_step[1])  # pooled: sparse steps' std is 0
+
+
+def completions_sampled(run: Run) -> float | None:
+    """The completions a run sampled over its training steps: per step its groups drawn (`sampling/groups_drawn`,
+    logged where dynamic sampling draws more than one batch) or else `rollout.prompts_per_step`, times
+    `rollout.group_size`; None when the config does not say the batch's size."""
+    prompts, group = lookup(run.config, "rollout.prompts_per_step"), lookup(run.config, "rollout.group_size")
+    if not all(isinstance(x, int) and x > 0 for x in (prompts, group)):
+        return None
+    steps = run.series(REWARD)[0]
+    drawn = dict(zip(*(a.tolist() for a in run.series(GROUPS_DRAWN))))
+    return float(group * sum(drawn.get(s, prompts) for s in steps.tolist() if s >= 1))
 
 
 def detect_collapse(run: Run) -> tuple[str | None, int | None]:
@@ -288,6 +300,7 @@ def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
         "ratio_max": train_max(RATIO_MAX),
         "routing_volatility": train_mean(ROUTING),
         "step_s": train_mean(STEP_S),
+        "completions": completions_sampled(run),
         "value_loss": train_mean(VALUE_LOSS),
         "explained_variance": tail_mean(EXPLAINED_VAR),
         "value_mean": train_mean(VALUE_MEAN),
