@@ -123,3 +123,16 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for nodeid, seconds in _too_slow:
         terminalreporter.write_line(f"too slow for the default suite: {nodeid} took {seconds:.0f} s > "
                                     f"{TEST_MAX_S:g} s (GSPO_TEST_MAX_S): make it cheaper or mark it slow", red=True)
+
+
+# The modules whose tests cost the most (CPU seconds, one process on 2 cores: the real model's quick test ~100, the
+# every-preset seeds test ~40, the warm start's SIGTERM test ~36, the two-rank tests ~20-25 each) are collected
+# first: under `pytest -n auto` xdist hands out the first quarter of the tests round-robin, so these start at once on
+# both workers instead of forming the suite's tail. Whole modules move (module fixtures are still built once); the
+# rest keep their order.
+FIRST = ("test_real_model.py", "test_seeds.py", "test_warm_start.py", "test_distributed.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable
