@@ -177,3 +177,27 @@ def test_the_moe_preset_builds_and_runs_two_steps(tmp_path, cache_dir):
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2] and all("moe/routing_volatility" in r for r in steps)
     assert any(Path(cache_dir).glob("moe-gguf-SmolLM2-135M-Instruct*"))
+
+
+def test_recovery_distils_the_dense_model_into_the_experts_and_leaves_the_rest_alone():
+    """recover(): the training KL to the dense model falls over epochs, the held-out KL ends below where the split
+    began, and only the MoE blocks (experts, routers) moved; a build without recovery keeps its key."""
+    dense = _dense().eval()
+    tok = TOK
+    ids, mask = split_experts.calibration_ids(dense, tok, 12, 24, seed=0)
+    groups = split_experts.group_all_layers(dense, ids, mask, E, 0)
+    routers, spreads = split_experts.fit_routers(dense, ids, mask, groups)
+    moe = split_experts.to_mixtral(dense, groups, routers, K)
+    split_experts._set_routers(moe, routers, [0.01 / max(s, 1e-12) for s in spreads])
+    held, held_mask = ids[-4:], mask[-4:]
+    ref = [split_experts.token_logps(dense, held, held_mask)]
+    before = split_experts.next_token_kl(ref, moe, held, held_mask)
+    frozen = {k: v.clone() for k, v in moe.state_dict().items() if ".mlp." not in k}
+    losses = split_experts.recover(dense, moe, ids[:-4], mask[:-4], epochs=4, lr=3e-5, batch=4, log=lambda m: None)
+    after = split_experts.next_token_kl(ref, moe, held, held_mask)
+    assert losses[-1] < losses[0] and after < before, (losses, before, after)
+    assert all(torch.equal(moe.state_dict()[k], v) for k, v in frozen.items())
+    assert not any(p.requires_grad for p in moe.parameters()) and not moe.training
+    plain = split_experts.SplitSettings(experts=E, top_k=K)
+    assert plain.keyed() == {k: v for k, v in plain.__dict__.items() if not k.startswith("recovery_")}
+    assert split_experts.SplitSettings(experts=E, top_k=K, recovery_epochs=1).keyed()["recovery_epochs"] == 1

@@ -134,6 +134,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.split_experts.top_k": (*_at_least(1), ""),
     "model.split_experts.calibration_sequences": (*_at_least(1), ""),
     "model.split_experts.calibration_tokens": (*_at_least(16), ""),
+    "model.split_experts.recovery_epochs": (*_at_least(0), "0 = no distillation from the dense model"),
+    "model.split_experts.recovery_lr": (*_above(0), ""),
     "model.warm_start.lr": (*_above(0), ""),
     "model.warm_start.batch_size": (*_at_least(1), ""),
     "reward.timeout_s": (*_at_least(0), "0 = no limit"),

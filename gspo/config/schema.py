@@ -104,6 +104,8 @@ class SplitExpertsConfig:
     calibration_sequences: int = 64  # conversations the dense model writes for the construction
     calibration_tokens: int = 160  # tokens per conversation, at most
     seed: int = 0  # the calibration text's and the clustering's seed
+    recovery_epochs: int = 0  # passes of distillation from the dense model on the calibration text (experts, routers)
+    recovery_lr: float = 3.0e-5  # AdamW's learning rate for that distillation
 
 
 @dataclass

@@ -18,7 +18,9 @@ chat template's opening, then answers it), so no data is read or downloaded:
      0.32 for the log fit, at 7 of 8 experts on SmolLM2-135M);
   3. the result is a MixtralForCausalLM (`to_mixtral`): Mixtral's attention, norms and RoPE are Llama's exactly
      (no biases; a sliding window only if the config sets one), so the only difference from the dense model is
-     the MoE block.
+     the MoE block;
+  4. optionally (`recovery_epochs` > 0), the dense model distilled into the experts and routers on the same text
+     (`recover`: teacher-forced per-token KL(dense || MoE), everything but the MoE blocks frozen).
 
 Mixtral's router renormalises its top-k softmax weights to sum 1, so the k chosen experts get weights of about
 1/k where the dense model gives each group weight 1. The factor k is folded into every expert's down projection,
@@ -60,11 +62,18 @@ class SplitSettings:
     calibration_sequences: int = 64
     calibration_tokens: int = 160
     seed: int = 0
+    recovery_epochs: int = 0
+    recovery_lr: float = 3e-5
 
     @classmethod
     def of(cls, scfg) -> "SplitSettings":
         return cls(int(scfg.experts), int(scfg.top_k), int(scfg.calibration_sequences),
-                   int(scfg.calibration_tokens), int(scfg.seed))
+                   int(scfg.calibration_tokens), int(scfg.seed), int(scfg.recovery_epochs), float(scfg.recovery_lr))
+
+    def keyed(self) -> dict:
+        """What of the settings decides the build: all of them, the recovery's only where it runs (a split built
+        without it keeps the key it had before the recovery existed)."""
+        return {k: v for k, v in self.__dict__.items() if self.recovery_epochs or not k.startswith("recovery_")}
 
 
 # ----------------------------------------------------------------------------- calibration text
@@ -364,6 +373,44 @@ def _set_routers(moe, routers: list[torch.Tensor], scales: list[float]) -> None:
             layer.mlp.gate.weight.copy_(r * s)
 
 
+# ----------------------------------------------------------------------------- recovery: the dense model distilled
+def recover(dense, moe, ids: torch.Tensor, mask: torch.Tensor, epochs: int, lr: float, batch: int = 8,
+            log: Callable[[str], None] = print) -> list[float]:
+    """Distil the dense model into the MoE's blocks on the calibration text, teacher-forced: `epochs` passes of
+    AdamW (lr `lr`, batches of `batch` sequences) on every expert's and router's weights, the loss the per-token
+    KL(dense || MoE) of the next-token distributions on the real tokens; attention, norms and embeddings stay the
+    dense model's, frozen. The mean training loss of each epoch."""
+    blocks = [p for layer in moe.model.layers for p in layer.mlp.parameters()]
+    for p in moe.parameters():
+        p.requires_grad_(False)
+    for p in blocks:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(blocks, lr=lr, weight_decay=0.0)
+    order = torch.Generator().manual_seed(0)
+    losses = []
+    moe.train()
+    try:
+        for epoch in range(epochs):
+            total, count = 0.0, 0
+            for rows in torch.randperm(ids.shape[0], generator=order).split(batch):
+                ref = token_logps(dense, ids[rows], mask[rows])
+                logits = moe(input_ids=ids[rows], attention_mask=mask[rows], use_cache=False).logits
+                logp = F.log_softmax(logits.float(), -1)[mask[rows].bool()]
+                loss = (ref.exp() * (ref - logp)).sum(-1).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total, count = total + loss.item() * ref.shape[0], count + ref.shape[0]
+            losses.append(total / max(count, 1))
+            log(f"gspo: split experts: recovery epoch {epoch + 1}/{epochs}: KL(dense || MoE) {losses[-1]:.4f} per "
+                "token on the calibration text")
+    finally:
+        moe.eval()
+        for p in moe.parameters():
+            p.requires_grad_(False)
+    return losses
+
+
 # ----------------------------------------------------------------------------- the whole construction, cached
 def build(dense, tokenizer, settings: SplitSettings, log: Callable[[str], None] = print) -> tuple[object, dict]:
     """The MixtralForCausalLM split from `dense` (a LlamaForCausalLM) as `settings` ask, and a record of the
@@ -394,6 +441,14 @@ def build(dense, tokenizer, settings: SplitSettings, log: Callable[[str], None] 
     spread, kls = choose_scale(dense, moe, routers, spreads, held, held_mask, log)
     record.update(router_logit_spread=spread, kl_by_spread=kls, kl_to_dense=kls[spread])
     lap("scale", f"router logit spread {spread} chosen")
+    if settings.recovery_epochs:
+        record["recovery_train_kl"] = recover(dense, moe, ids, mask, settings.recovery_epochs, settings.recovery_lr,
+                                              log=log)
+        dense_logps = [token_logps(dense, held[s : s + 8], held_mask[s : s + 8]) for s in range(0, held.shape[0], 8)]
+        record["kl_to_dense_before_recovery"] = record["kl_to_dense"]
+        record["kl_to_dense"] = next_token_kl(dense_logps, moe, held, held_mask)
+        lap("recovery", f"recovered: KL(dense || MoE) {record['kl_to_dense_before_recovery']:.4f} -> "
+                        f"{record['kl_to_dense']:.4f} per token on held-out calibration text")
     return moe, record
 
 
@@ -449,7 +504,7 @@ def _key(dense_dir: Path, settings: SplitSettings) -> str:
     from gspo.models.gguf import file_sha256
 
     files = sorted(p for p in dense_dir.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
-    blob = {"files": {p.name: file_sha256(p) for p in files}, "settings": settings.__dict__, **_written_by()}
+    blob = {"files": {p.name: file_sha256(p) for p in files}, "settings": settings.keyed(), **_written_by()}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
