@@ -33,8 +33,8 @@ import numpy as np
 from gspo.results.groups import CompareResult, Group, Pairwise, Stat
 from gspo.results.report import print_report, write_markdown  # noqa: F401  (print_report: part of this module's API)
 from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of this module's API)
-    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, GROUPS_DRAWN, KL_OLD, LOSS, RATIO_MAX, REWARD, REWARD_STD, ROUTING,
-    STEP_S, VALUE_CLIP, VALUE_LOSS, VALUE_MEAN, BrokenRun,
+    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, GROUPS_DRAWN, KL_OLD, LOSS, RATIO_MAX, REWARD,
+    REWARD_STD, ROUTING, STEP_S, VALUE_CLIP, VALUE_LOSS, VALUE_MEAN, BrokenRun,
     CompareError,
     Run, _flatten, _looks_like_run, load_runs, lookup,
 )

@@ -388,8 +388,7 @@ def recover(dense, moe, ids: torch.Tensor, mask: torch.Tensor, epochs: int, lr: 
     opt = torch.optim.AdamW(blocks, lr=lr, weight_decay=0.0)
     order = torch.Generator().manual_seed(0)
     losses = []
-    moe.train()
-    try:
+    try:  # (in eval mode: nothing in the model draws at random, the gradients flow all the same)
         for epoch in range(epochs):
             total, count = 0.0, 0
             for rows in torch.randperm(ids.shape[0], generator=order).split(batch):
@@ -405,7 +404,6 @@ def recover(dense, moe, ids: torch.Tensor, mask: torch.Tensor, epochs: int, lr: 
             log(f"gspo: split experts: recovery epoch {epoch + 1}/{epochs}: KL(dense || MoE) {losses[-1]:.4f} per "
                 "token on the calibration text")
     finally:
-        moe.eval()
         for p in moe.parameters():
             p.requires_grad_(False)
     return losses
