@@ -346,17 +346,22 @@ def token_logps(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(logits.float(), -1)[mask.bool()]
 
 
+def batched_logps(model, ids: torch.Tensor, mask: torch.Tensor, batch: int = 8) -> list[torch.Tensor]:
+    """`token_logps` of `model` on `ids`, per batch of `batch` rows: what `next_token_kl` takes as `dense_logps`."""
+    return [token_logps(model, ids[s : s + batch], mask[s : s + batch]) for s in range(0, ids.shape[0], batch)]
+
+
 # the logit spreads tried: the typical spread across experts of a token's router logits, in nats; small keeps the
 # chosen experts' weights near 1/k (select, hardly rescale), large lets the router weigh them
 SCALES = (0.01, 0.03, 0.1)
 
 
 @torch.no_grad()
-def choose_scale(dense, moe, routers: list[torch.Tensor], spreads: list[float], ids: torch.Tensor,
-                 mask: torch.Tensor, log: Callable[[str], None]) -> tuple[float, dict[float, float]]:
-    """The logit spread of SCALES whose MoE is closest to the dense model (next-token KL on `ids`), set into `moe`'s
-    routers; and the KL of each spread tried."""
-    dense_logps = [token_logps(dense, ids[s : s + 8], mask[s : s + 8]) for s in range(0, ids.shape[0], 8)]
+def choose_scale(dense_logps: list[torch.Tensor], moe, routers: list[torch.Tensor], spreads: list[float],
+                 ids: torch.Tensor, mask: torch.Tensor, log: Callable[[str], None]) -> tuple[float, dict[float, float]]:
+    """The logit spread of SCALES whose MoE is closest to the dense model (next-token KL on `ids`, where the dense
+    model's log-probs are `dense_logps`: `batched_logps`), set into `moe`'s routers; and the KL of each spread
+    tried."""
     kls = {}
     for spread in SCALES:
         _set_routers(moe, routers, [spread / max(s, 1e-12) for s in spreads])
@@ -436,15 +441,15 @@ def build(dense, tokenizer, settings: SplitSettings, log: Callable[[str], None] 
     routers, spreads = fit_routers(dense, ids, mask, groups)
     lap("routers", "routers fitted")
     moe = to_mixtral(dense, groups, routers, settings.top_k)
-    spread, kls = choose_scale(dense, moe, routers, spreads, held, held_mask, log)
+    held_logps = batched_logps(dense, held, held_mask)  # the dense model on the held-out text, for every KL below
+    spread, kls = choose_scale(held_logps, moe, routers, spreads, held, held_mask, log)
     record.update(router_logit_spread=spread, kl_by_spread=kls, kl_to_dense=kls[spread])
     lap("scale", f"router logit spread {spread} chosen")
     if settings.recovery_epochs:
         record["recovery_train_kl"] = recover(dense, moe, ids, mask, settings.recovery_epochs, settings.recovery_lr,
                                               log=log)
-        dense_logps = [token_logps(dense, held[s : s + 8], held_mask[s : s + 8]) for s in range(0, held.shape[0], 8)]
         record["kl_to_dense_before_recovery"] = record["kl_to_dense"]
-        record["kl_to_dense"] = next_token_kl(dense_logps, moe, held, held_mask)
+        record["kl_to_dense"] = next_token_kl(held_logps, moe, held, held_mask)
         lap("recovery", f"recovered: KL(dense || MoE) {record['kl_to_dense_before_recovery']:.4f} -> "
                         f"{record['kl_to_dense']:.4f} per token on held-out calibration text")
     return moe, record
