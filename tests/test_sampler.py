@@ -44,6 +44,10 @@ def test_the_sampler_and_the_old_logprobs_follow_the_dtypes():
         ("rollout.dtype=float16",): (True, "recompute"),
         ("hardware.dtype=bfloat16",): (False, "recompute"),
         ("rollout.dtype=bfloat16", "rollout.old_logprobs=sampler"): (True, "sampler"),  # seed 003's regime
+        # LoRA's merged copy in the trainer's float32: the trainer's function to rounding, its log-probs serve
+        ("model.lora.r=4", "model.lora.sample_merged=true"): (True, "sampler"),
+        ("model.lora.r=4", "model.lora.sample_merged=true", "rollout.dtype=bfloat16"): (True, "recompute"),
+        ("model.lora.r=4",): (False, "sampler"),
     }
     for overrides, (sep, mode) in cases.items():
         cfg = compose(list(overrides))
@@ -55,6 +59,10 @@ def test_bad_combinations_are_refused_in_one_line():
         check(compose(["rollout.dtype=bf16"]))
     with pytest.raises(ConfigError, match="rollout.dtype=float32.*fsdp"):
         check(compose(["hardware=gpu-fsdp", "rollout.dtype=float32"]))
+    with pytest.raises(ConfigError, match="model.lora.sample_merged=true needs adapters"):
+        check(compose(["model.lora.sample_merged=true"]))
+    with pytest.raises(ConfigError, match="model.lora.sample_merged=true: a merged sampling copy.*fsdp"):
+        check(compose(["hardware=gpu-fsdp", "model.lora.r=4", "model.lora.sample_merged=true"]))
     with pytest.raises(ConfigError, match="rollout.mask=token.*recompute"):
         check(compose(["rollout.mask=token"]))  # float32 sampler = trainer: there is nothing to mask
     check(compose(["rollout.mask=token", "rollout.tis=token", "rollout.dtype=bfloat16"]))  # auto recomputes: allowed
@@ -124,6 +132,32 @@ def test_a_lora_copy_under_gradient_checkpointing_can_use_the_fast_engine():
     copy = _Copy(model, torch.bfloat16)
     assert fast_decode.unsupported(copy.module) is None
     assert model.get_input_embeddings()._forward_hooks  # and stays there
+
+
+def test_a_lora_runs_merged_float32_copy_samples_what_the_adapters_sample(tmp_path, cache_dir):
+    """model.lora.sample_merged: the merged copy in float32 draws the tokens the LoRA policy draws from the same
+    uniforms, log-probs within 1e-5 (why `rollout.old_logprobs=auto` takes them), and a run with it records a
+    mismatch of that size."""
+    cfg = compose(["model=qwen3-tiny", "model.lora.r=4", "model.lora.sample_merged=true"])
+    model = adapters.apply(model_of(cfg), cfg.model.lora, "/tmp/base", seed=0).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)
+    sampler = Sampler.for_run(model, cfg)
+    assert not adapters.is_adapted(sampler.module)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, engine="fast")
+    with sampler.serve(model, dist=None) as copy:
+        merged = generate(copy, TOK, PROMPTS, 4, params, generator=gens())
+    adapted = generate(model, TOK, PROMPTS, 4, params, generator=gens())
+    assert torch.equal(merged.input_ids, adapted.input_ids)
+    torch.testing.assert_close(merged.sampler_logp, adapted.sampler_logp, rtol=0, atol=1e-5)
+
+    opts = tiny(cache_dir, **{"model": "qwen3-tiny", "model.lora.r": 4, "model.lora.sample_merged": True,
+                              "train.steps": 2, "rollout.mismatch_every": 1})
+    assert train(compose(opts), tmp_path)["status"] == "finished"
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(r["time/weight_sync_s"] >= 0 and r["rollout/logprob_abs_diff_max"] < 1e-4 for r in steps)
 
 
 def test_top_p_ratios_carry_no_kept_mass_bias():

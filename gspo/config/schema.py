@@ -118,6 +118,9 @@ class LoraConfig:
     target_parameters: list[str] = field(default_factory=lambda: [  # fused 3-D MoE expert weights (transformers 5), where present
         "experts.gate_up_proj", "experts.down_proj"])
     save_merged: bool = False  # at the end also write RUN_DIR/merged/: base + adapter as one plain HF checkpoint
+    # sample with a plain copy of the policy, the adapters merged into its base (its adapted weights refreshed before
+    # every rollout): one more model's weights in memory, no adapter products beside every projection while decoding
+    sample_merged: bool = False
 
 
 @dataclass

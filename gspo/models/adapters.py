@@ -47,8 +47,9 @@ def check(cfg) -> None:
     if lora.r < 0:
         raise ConfigError(f"model.lora.r={lora.r}: the LoRA rank must be >= 0 (0 = off, full fine-tuning)")
     if lora.r == 0:
-        if lora.save_merged:
-            raise ConfigError("model.lora.save_merged=true needs adapters: set model.lora.r > 0")
+        for key in ("save_merged", "sample_merged"):
+            if lora[key]:
+                raise ConfigError(f"model.lora.{key}=true needs adapters: set model.lora.r > 0")
         return
     if lora.alpha is not None and not lora.alpha > 0:
         raise ConfigError(f"model.lora.alpha={lora.alpha}: must be > 0 (or null for 2 * r)")

@@ -3,7 +3,8 @@
 By default the trainer's own model samples (`rollout.dtype` unset = `hardware.dtype`). With
 `rollout.dtype` set to another precision, a copy of the policy in that precision samples, the
 way an inference engine (vLLM, SGLang) serves a bf16 policy while the trainer keeps float32
-weights. Like an engine's weight sync, the copy is refreshed from the trainer's weights before
+weights. A LoRA run may sample with such a copy in its own precision (`model.lora.sample_merged`): the
+adapters merged, so decoding runs the base's products only, for one more model's weights in memory. Like an engine's weight sync, the copy is refreshed from the trainer's weights before
 every rollout (`time/weight_sync_s`); a LoRA run's copy carries the adapters merged into the base,
 as an engine that serves one merged checkpoint does. Under DDP every rank holds and syncs its
 own copy from its own (identical) replica; FSDP2 shards the trainer's weights, so the
@@ -34,9 +35,16 @@ def sampler_dtype(cfg) -> str:
 
 
 def separate(cfg) -> bool:
-    """Whether something other than the trainer's model samples: an inference engine (rollout.engine=vllm), or a
-    copy of the policy in another precision (rollout.dtype != hardware.dtype)."""
-    return cfg.rollout.engine == "vllm" or sampler_dtype(cfg) != cfg.hardware.dtype
+    """Whether something other than the trainer's model samples: an inference engine (rollout.engine=vllm), a
+    copy of the policy in another precision (rollout.dtype != hardware.dtype), or a LoRA policy's merged copy
+    (model.lora.sample_merged)."""
+    return cfg.rollout.engine == "vllm" or sampler_dtype(cfg) != cfg.hardware.dtype or merged_copy(cfg)
+
+
+def merged_copy(cfg) -> bool:
+    """A LoRA run samples with a plain copy of its policy in the trainer's precision, the adapters merged
+    (model.lora.sample_merged): the same function to rounding, decoded without the adapters' products."""
+    return bool(cfg.model.lora.r and cfg.model.lora.sample_merged)
 
 
 def old_logprobs_mode(cfg) -> str:
@@ -53,7 +61,10 @@ def old_logprobs_mode(cfg) -> str:
         return mode
     # a stale batch (rollout.staleness > 0) was sampled by an older policy: the ratio is taken against the current
     # weights (the proximal policy), the behaviour gap left to the mismatch corrections
-    same = cfg.hardware.dtype == "float32" and not separate(cfg) and not cfg.rollout.staleness
+    # a float32 merged copy (model.lora.sample_merged) is the trainer's function to rounding: W x + s B A x against
+    # (W + s B A) x, ~1e-6 per token (tests/test_sampler.py)
+    same = cfg.hardware.dtype == "float32" and not cfg.rollout.staleness and cfg.rollout.engine != "vllm" \
+        and sampler_dtype(cfg) == cfg.hardware.dtype
     return "sampler" if same else "recompute"
 
 
@@ -61,9 +72,11 @@ def check(cfg) -> None:
     """Refuse what a copy in another precision cannot do (called by gspo.train.checks.check; the engine's
     checks are gspo/rollout/engine.py `check`)."""
     if separate(cfg) and cfg.rollout.engine != "vllm" and cfg.hardware.strategy == "fsdp":
-        raise ConfigError(f"rollout.dtype={cfg.rollout.dtype}: a sampler in another precision than the trainer "
-                          f"({cfg.hardware.dtype}) is not supported with hardware.strategy=fsdp (sharded weights); "
-                          "use hardware.strategy=ddp, or leave rollout.dtype unset")
+        what = (f"rollout.dtype={cfg.rollout.dtype}: a sampler in another precision than the trainer "
+                f"({cfg.hardware.dtype})") if sampler_dtype(cfg) != cfg.hardware.dtype else \
+            "model.lora.sample_merged=true: a merged sampling copy"
+        raise ConfigError(f"{what} is not supported with hardware.strategy=fsdp (sharded weights); use "
+                          "hardware.strategy=ddp, or sample with the trainer's model")
 
 
 class Sampler:
