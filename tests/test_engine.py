@@ -198,6 +198,44 @@ def test_a_child_that_breaks_a_side_channel_ends_the_run_with_its_error_its_deat
         assert stopped and child.proc.poll() is not None, kind
 
 
+def test_a_killed_child_leaves_no_shared_memory_and_others_keep_theirs(tmp_path):
+    """A child killed with what it started (`Child.kill`, as when the engine dies or hangs) cannot unlink the
+    shared memory it created (vLLM's tensor-parallel queues); `kill` removes what no living process holds, and
+    leaves alone a segment that a living process still maps, though it was created after the child."""
+    from multiprocessing import shared_memory
+
+    from gspo.rollout.child import Child, root, shm_segments
+
+    (tmp_path / "standin.py").write_text(
+        "import subprocess, sys\n"
+        "from multiprocessing import shared_memory\n"
+        "from gspo.rollout.child import serve\n"
+        "def start(spec):\n"
+        "    def handle(message):\n"
+        "        mine = shared_memory.SharedMemory(create=True, size=1 << 20)\n"  # this process's own
+        "        code = 'from multiprocessing import shared_memory as s, connection as c; import sys, time; ' \\\n"
+        "               'm = s.SharedMemory(create=True, size=1 << 20); print(m.name, flush=True); time.sleep(600)'\n"
+        "        worker = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True)\n"
+        "        handle.kept = (mine, worker)\n"
+        "        return ('made', [mine.name, worker.stdout.readline().strip()])\n"
+        "    return handle\n"
+        "sys.exit(serve(int(sys.argv[1]), start))\n")
+    child = Child("the stand-in", "standin", {}, on_fail=lambda: None, env={"PYTHONPATH": f"{root()}:{tmp_path}"})
+    try:
+        child.expect("ready", None, 120)
+        _, made = child.ask(("make",), "made", 120)
+        live = shared_memory.SharedMemory(create=True, size=4096)  # another program's, after the child started
+        assert set(made) | {live.name} <= shm_segments()
+    finally:
+        child.kill()
+    try:
+        assert not set(made) & shm_segments()  # both of the child's, its own and its worker's, removed
+        assert live.name in shm_segments()  # still mapped here: kept
+    finally:
+        live.close()
+        live.unlink()
+
+
 def test_another_rank_on_a_shared_engine_ends_the_run_with_its_error_its_death_or_its_silence():
     """`SharedEngine` (rollout.vllm.mode=shared or server, ranks > 0): each request answered in turn; the
     engine's own error (a `ConfigError` when the user's code caused it), its connection closing, its silence for

@@ -31,6 +31,7 @@ from gspo.algos.mismatch import routing_mismatch  # noqa: E402
 from gspo.config.loading import compose  # noqa: E402
 from gspo.models import adapters, moe  # noqa: E402
 from gspo.models.build import build_model, char_tokenizer  # noqa: E402
+from gspo.rollout.child import shm_segments, unlink_orphans  # noqa: E402
 from gspo.rollout.engine import Engine, EngineProcess, spec  # noqa: E402
 from gspo.rollout.generate import stop_ids, token_logprobs  # noqa: E402
 from gspo.rollout.params import SamplingParams  # noqa: E402
@@ -306,6 +307,31 @@ def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(tra
     assert no_engine_left()
 
 
+def test_the_engine_serves_a_mixtral_split_from_a_dense_llama_and_r3_replays_its_routing(tmp_path, cache_dir):
+    """model.split_experts (the construction of model=smollm2_moe) on a tiny Llama, saved as transformers'
+    MixtralForCausalLM and served by the float32 engine: after each update its log-probs are the trainer's to 1e-3
+    per token (the issue's bound), the experts it routed are recorded (rollout/routing_mismatch), and R3's update
+    replays them (moe/update_mismatch 0)."""
+    from test_split_experts import SETTINGS, _dense
+    from test_fast_decode import TOK as SPLIT_TOK
+
+    from gspo.train import split_experts
+
+    built, _ = split_experts.build(_dense(), SPLIT_TOK, SETTINGS, log=lambda m: None)
+    built.float().save_pretrained(tmp_path / "moe")
+    SPLIT_TOK.save_pretrained(tmp_path / "moe")
+    train(compose(opts(cache_dir, **{"model": "hf", "model.path": str(tmp_path / "moe"), "moe.routing_replay": "R3",
+                                     "rollout.old_logprobs": "recompute", "algo": "grpo", "train.lr": 0.01,
+                                     "train.warmup_steps": 0})), tmp_path / "run")
+    rows = steady(tmp_path / "run")[1:]
+    assert len(rows) == 3 and all(r["rollout/logprob_abs_diff_max"] <= 1e-3 for r in rows), \
+        [r["rollout/logprob_abs_diff_max"] for r in rows]
+    # the engine's recorded experts are the trainer's (0.0 measured; near-ties may flip a few on another CPU)
+    assert all(r["rollout/routing_mismatch"] < 0.05 and r["moe/update_mismatch"] == 0.0 for r in rows)
+    assert min(r["kl/old"] for r in rows) > 0  # the updates moved the policy: a stale engine would show it
+    assert no_engine_left()
+
+
 def two_ranks(cache_dir, run: Path, **extra) -> list[dict]:
     """`gspo train hardware=cpu-ddp` (2 gloo ranks) with the engine, 3 steps; its metrics."""
     res = gspo("train", *opts(cache_dir, **{"model": "qwen3-tiny", "hardware": "cpu-ddp", "rollout.mismatch_every": 1,
@@ -483,6 +509,7 @@ def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, extra
     import re
 
     (tmp_path / "fns.py").write_text(FAULT.format(counter=str(tmp_path / "calls")).replace("MODE", repr(mode)))
+    before = shm_segments()
     res = gspo("train", *opts(cache_dir, **{"reward": "python", "reward.fn": f"{tmp_path}/fns.py:reward",
                                             "rollout.timeout_s": 5 if mode == "hang" else 300, "train.steps": 6,
                                             **extra}),
@@ -492,6 +519,8 @@ def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, extra
     assert "Traceback" not in res.stderr
     assert checkpoint.load_state(checkpoint.latest(tmp_path / "run"))["step"] == 3
     assert no_engine_left()
+    # nor the shared memory its processes made (vLLM's tensor-parallel queues), but what living processes hold
+    assert not unlink_orphans(before), "a killed engine's shared memory was left for gspo's test to remove"
 
 
 def test_an_engine_that_cannot_start_ends_the_run_in_one_line(tmp_path, cache_dir):

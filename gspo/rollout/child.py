@@ -59,6 +59,7 @@ class Child:
         for k in RANK_VARS:
             full.pop(k, None)
         ours, theirs = socket.socketpair()
+        self.segments = shm_segments()  # the shared memory that was there before it (`kill` removes what it leaks)
         # a session of its own: what it starts (the engine's tensor-parallel workers) is killed with it (`kill`)
         self.proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], env=full,
                                      pass_fds=(theirs.fileno(),), start_new_session=True)
@@ -154,12 +155,59 @@ class Child:
         self.conn.close()
 
     def kill(self) -> None:
-        """SIGKILL to it and every process it started (its session's group)."""
+        """SIGKILL to it and every process it started (its session's group), then remove the shared memory they
+        left: a process killed so cannot unlink the segments it created (vLLM's tensor-parallel message queues,
+        160-240 MiB each, held in RAM by /dev/shm until the machine restarts)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass  # none left
         self.proc.wait()
+        unlink_orphans(self.segments)
+
+
+SHM = Path("/dev/shm")
+
+
+def shm_segments() -> set[str]:
+    """The names of Python's shared-memory segments (`multiprocessing.shared_memory`: `psm_*`) in /dev/shm now."""
+    try:
+        return {p.name for p in SHM.iterdir() if p.name.startswith("psm_")}
+    except OSError:  # no /dev/shm (not Linux)
+        return set()
+
+
+def _in_use() -> set[str]:
+    """The segments some living process maps or holds open (/proc/PID/maps and fd)."""
+    used, prefix = set(), str(SHM) + "/"
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            maps = (proc / "maps").read_text()
+            fds = list((proc / "fd").iterdir())
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        used.update(line.split(prefix, 1)[1].split()[0] for line in maps.splitlines() if prefix in line)
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:  # closed meanwhile (the listing's own descriptor among them)
+                continue
+            if target.startswith(prefix):
+                used.add(target[len(prefix):])
+    return used
+
+
+def unlink_orphans(before: set[str]) -> list[str]:
+    """Unlink the segments created since `before` that no living process maps or holds open (another program's live
+    ones are kept); the names removed."""
+    new = shm_segments() - before
+    orphans = sorted(new - _in_use()) if new else []
+    for name in orphans:
+        try:
+            (SHM / name).unlink()
+        except OSError:
+            pass  # someone else removed it
+    return orphans
 
 
 class Peer(Child):

@@ -313,7 +313,7 @@ class _Routing:
 
     Hooks: a pre-hook on the model reads which request and position each row of the forward is (the model
     runner's `req_indices` and the forward's `positions`), each router's capture function gets its top-k ids,
-    a hook on each MoE layer's gate its logits. Prompt positions served from the prefix cache are not computed
+    a hook on each MoE layer's gate (the layer's, or its block's: Mixtral) its logits. Prompt positions served from the prefix cache are not computed
     and so not recorded (-1); R3 needs the positions from the prompt's last token on, which the engine always
     computes (it needs their logits). The CPU router returns its top-k unsorted: they are sorted by logit, as
     transformers' routers return them."""
@@ -323,18 +323,22 @@ class _Routing:
 
         self.runner, self.enabled = runner, False
         layers = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
-        if not layers or any(getattr(m, "gate", None) is None for m in layers):
-            raise ConfigError("this model's MoE layers take router logits computed outside them: the vLLM engine "
-                              "cannot record its routing for it (use moe.routing_replay=none or R2 with "
+        # the router: the MoE layer's own `gate` (Qwen3-MoE hands it in), else its block's (Mixtral's block computes
+        # the logits and passes them to the layer)
+        parent = {id(child): module for module in runner.model.modules() for child in module.children()}
+        gates = [getattr(m, "gate", None) or getattr(parent.get(id(m)), "gate", None) for m in layers]
+        if not layers or any(g is None for g in gates):
+            raise ConfigError("this model's MoE layers take router logits from no `gate` module the vLLM engine can "
+                              "find: it cannot record its routing (use moe.routing_replay=none or R2 with "
                               "rollout.old_logprobs=recompute)")
         self.index = {m.layer_id: i for i, m in enumerate(sorted(layers, key=lambda m: m.layer_id))}
         self.top_k = layers[0].router.top_k
         self.num_experts = layers[0].router.global_num_experts
         runner.model.register_forward_pre_hook(self._forward, with_kwargs=True)
-        for m in layers:
+        for m, gate in zip(layers, gates):
             layer = self.index[m.layer_id]
             m.router.set_capture_fn(lambda ids, layer=layer: self._record("topk", layer, ids))
-            m.gate.register_forward_hook(lambda mod, args, out, layer=layer: self._record(
+            gate.register_forward_hook(lambda mod, args, out, layer=layer: self._record(
                 "logits", layer, out[0] if isinstance(out, tuple) else out))
         self.calls: list[dict] = []
 
