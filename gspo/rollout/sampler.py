@@ -1,14 +1,14 @@
 """The sampler: which model draws the rollouts, and where the old policy's log-probs come from.
 
-By default the trainer's own model samples (`rollout.dtype` unset = `hardware.dtype`). With
-`rollout.dtype` set to another precision, a copy of the policy in that precision samples, the
-way an inference engine (vLLM, SGLang) serves a bf16 policy while the trainer keeps float32
-weights. A LoRA run may sample with such a copy in its own precision (`model.lora.sample_merged`): the
-adapters merged, so decoding runs the base's products only, for one more model's weights in memory. Like an engine's weight sync, the copy is refreshed from the trainer's weights before
-every rollout (`time/weight_sync_s`); a LoRA run's copy carries the adapters merged into the base,
-as an engine that serves one merged checkpoint does. Under DDP every rank holds and syncs its
-own copy from its own (identical) replica; FSDP2 shards the trainer's weights, so the
-combination is refused (`check`).
+By default the trainer's own model samples (`rollout.dtype` unset = `hardware.dtype`). With `rollout.dtype`
+set to another precision, a copy of the policy in that precision samples, the way an inference engine (vLLM,
+SGLang) serves a bf16 policy while the trainer keeps float32 weights. A LoRA run may sample with such a copy
+in its own precision (`model.lora.sample_merged`): the adapters merged, so decoding runs the base's products
+only, for one more model's weights in memory. Like an engine's weight sync, the copy is refreshed from the
+trainer's weights before every rollout (`time/weight_sync_s`); a LoRA run's copy carries the adapters merged
+into the base, as an engine that serves one merged checkpoint does. Under DDP every rank holds and syncs its
+own copy from its own (identical) replica; FSDP2 shards the trainer's weights, so the combination is refused
+(`check`).
 
 The copy is built the way the trainer would be in that precision: its parameters cast, its
 buffers (rotary tables) as loaded. With `rollout.engine=vllm` the sampler is the vLLM inference

@@ -311,12 +311,12 @@ def _first_load_processing(model: torch.nn.Module) -> None:
 class _Routing:
     """The experts each MoE router of the engine chose (and its logits) for every token the engine computed.
 
-    Hooks: a pre-hook on the model reads which request and position each row of the forward is (the model
-    runner's `req_indices` and the forward's `positions`), each router's capture function gets its top-k ids,
-    a hook on each MoE layer's gate (the layer's, or its block's: Mixtral) its logits. Prompt positions served from the prefix cache are not computed
-    and so not recorded (-1); R3 needs the positions from the prompt's last token on, which the engine always
-    computes (it needs their logits). The CPU router returns its top-k unsorted: they are sorted by logit, as
-    transformers' routers return them."""
+    Hooks: a pre-hook on the model reads which request and position each row of the forward is (the model runner's
+    `req_indices` and the forward's `positions`), each router's capture function gets its top-k ids, a hook on each
+    MoE layer's gate (the layer's, or its block's: Mixtral) its logits. Prompt positions served from the prefix
+    cache are not computed and so not recorded (-1); R3 needs the positions from the prompt's last token on, which
+    the engine always computes (it needs their logits). The CPU router returns its top-k unsorted: they are sorted
+    by logit, as transformers' routers return them."""
 
     def __init__(self, runner):
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
