@@ -326,7 +326,8 @@ class _Routing:
         # the router: the MoE layer's own `gate` (Qwen3-MoE hands it in), else its block's (Mixtral's block computes
         # the logits and passes them to the layer)
         parent = {id(child): module for module in runner.model.modules() for child in module.children()}
-        gates = [getattr(m, "gate", None) or getattr(parent.get(id(m)), "gate", None) for m in layers]
+        gates = [m.gate if getattr(m, "gate", None) is not None else getattr(parent.get(id(m)), "gate", None)
+                 for m in layers]
         if not layers or any(g is None for g in gates):
             raise ConfigError("this model's MoE layers take router logits from no `gate` module the vLLM engine can "
                               "find: it cannot record its routing (use moe.routing_replay=none or R2 with "
