@@ -213,10 +213,10 @@ def test_a_killed_child_leaves_no_shared_memory_and_others_keep_theirs(tmp_path)
         "def start(spec):\n"
         "    def handle(message):\n"
         "        mine = shared_memory.SharedMemory(create=True, size=1 << 20)\n"  # this process's own
-        "        code = 'from multiprocessing import shared_memory as s, connection as c; import sys, time; ' \\\n"
+        "        code = 'from multiprocessing import shared_memory as s; import time; ' \\\n"
         "               'm = s.SharedMemory(create=True, size=1 << 20); print(m.name, flush=True); time.sleep(600)'\n"
         "        worker = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True)\n"
-        "        handle.kept = (mine, worker)\n"
+        "        handle.kept = (mine, worker)  # alive, and so mapped, until the kill\n"
         "        return ('made', [mine.name, worker.stdout.readline().strip()])\n"
         "    return handle\n"
         "sys.exit(serve(int(sys.argv[1]), start))\n")
