@@ -72,9 +72,24 @@ def sigterm_after_steps(overrides: list[str], run: Path, cwd: Path, steps: int =
     return proc.returncode, out
 
 
+@pytest.fixture(autouse=True)
+def tag(tmp_path, monkeypatch):
+    """Marks the processes this test starts (workers inherit the environment), so `no_worker_left` counts only
+    those: under pytest-xdist another test may run its own workers at the same moment."""
+    monkeypatch.setenv("GSPO_TEST_TAG", str(tmp_path))
+
+
 def no_worker_left(run_dir: Path) -> bool:
+    """No rollout worker started by the test whose tmp_path is `run_dir` is alive."""
+    mark = f"GSPO_TEST_TAG={run_dir}".encode()
     found = subprocess.run(["pgrep", "-f", "gspo.rollout.worker"], capture_output=True, text=True).stdout.split()
-    return not [pid for pid in found if int(pid) != os.getpid()]
+    for pid in (p for p in found if int(p) != os.getpid()):
+        try:
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return False
+        except OSError:  # gone since pgrep saw it
+            pass
+    return True
 
 
 # --------------------------------------------------------------------------- the contract
