@@ -298,8 +298,9 @@ def test_the_float32_engine_serves_the_real_model_as_the_trainer_computes_it(tra
     the mean), and the updates moved the policy (a stale engine would show it)."""
     train(compose(["+experiment=smollm2_math", "rollout.engine=vllm", "train.steps=3", "rollout.prompts_per_step=2",
                    "rollout.group_size=2", "rollout.max_new_tokens=16", "train.minibatches=2", "train.lr=1e-4",
-                   "train.warmup_steps=0", "eval.every=0", "hardware.threads=1", "rollout.worker_threads=1",
-                   "logger.progress=false", f"cache_dir={cache_dir}", *training]), tmp_path / "run")
+                   "train.warmup_steps=0", "eval.every=0", "task.eval_size=2", "hardware.threads=1",
+                   "rollout.worker_threads=1", "logger.progress=false", f"cache_dir={cache_dir}", *training]),
+          tmp_path / "run")
     rows = steady(tmp_path / "run")[1:]
     assert len(rows) == 3 and all(r["rollout/logprob_abs_diff_max"] <= 1e-3 for r in rows), \
         [r["rollout/logprob_abs_diff_max"] for r in rows]
