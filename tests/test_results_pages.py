@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gspo.results import pages
-from tests.test_compare import sweep
+from test_compare import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
