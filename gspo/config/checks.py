@@ -22,7 +22,7 @@ CHOICES = {
     "rollout.old_logprobs": ("auto", "sampler", "recompute"),
     "rollout.tis": ("none", "token", "sequence"),
     "rollout.mask": ("none", "token", "geometric", "sequence", "outlier"),
-    "rollout.dtype": (None, "float32", "bfloat16", "float16"),
+    "rollout.dtype": (None, "float32", "bfloat16", "float16", "int8"),
     "rollout.engine": ("hf", "fast", "auto", "vllm"),
     "rollout.vllm.lora_push": ("merged", "adapter"),
     "rollout.vllm.weight_transport": ("file", "tensors"),

@@ -254,8 +254,9 @@ class RolloutConfig:
     max_new_tokens: int = 8  # completion length cap
     temperature: float = 1.0  # > 0; also the temperature of pass@k (eval.pass_k)
     top_p: float = 1.0  # nucleus sampling: in (0, 1]; 1 = off
-    # float32 | bfloat16 | float16: the sampler's precision; None = the trainer's (hardware.dtype). When it
-    # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step
+    # float32 | bfloat16 | float16 | int8: the sampler's precision; None = the trainer's (hardware.dtype). When it
+    # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step;
+    # int8 = its Linear products in int8, the rest float32 (CPU only, gspo/rollout/quantized.py)
     dtype: Optional[str] = None
     # hf | fast | auto | vllm: the decode engine; fast = gspo/rollout/fast_decode.py (Qwen3, Qwen3-MoE, Llama, Qwen2,
     # Mistral; same samples as hf), auto (default) = fast where it supports the model, quietly hf elsewhere; fast says

@@ -215,8 +215,8 @@ def _linear(proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     layer (`_unsupported_adapters` admits only plain ones): its base layer's product plus, per active adapter,
     scaling x B(A(dropout(x))), in peft's order of operations, so the sum is the one its forward computes."""
     base = getattr(proj, "base_layer", None)
-    if base is None:
-        return F.linear(x, proj.weight, proj.bias)
+    if base is None:  # a plain projection; another module (an int8 copy's, gspo/rollout/quantized.py) computes itself
+        return F.linear(x, proj.weight, proj.bias) if isinstance(proj, torch.nn.Linear) else proj(x)
     out = F.linear(x, base.weight, base.bias)
     if proj.disable_adapters or proj.merged:  # peft's forward: the base layer alone (merged: the delta is in it)
         return out

@@ -77,6 +77,17 @@ def check(cfg) -> None:
             "model.lora.sample_merged=true: a merged sampling copy"
         raise ConfigError(f"{what} is not supported with hardware.strategy=fsdp (sharded weights); use "
                           "hardware.strategy=ddp, or sample with the trainer's model")
+    if sampler_dtype(cfg) == "int8":
+        from gspo.rollout import quantized
+
+        why = quantized.available()
+        if cfg.rollout.engine == "vllm" or cfg.rollout.workers:
+            why = (f"rollout.{'engine=vllm' if cfg.rollout.engine == 'vllm' else 'workers'} samples in another "
+                   "process, from float weights")
+        elif cfg.hardware.device == "cuda" or (cfg.hardware.device == "auto" and torch.cuda.is_available()):
+            why = "its kernels are the CPU's (fbgemm); on a GPU sample in bfloat16"
+        if why is not None:
+            raise ConfigError(f"rollout.dtype=int8 (an int8 sampling copy) is not available here: {why}")
 
 
 class Sampler:
@@ -88,6 +99,8 @@ class Sampler:
         `rollout.engine=vllm` what `engine()` starts (gspo/rollout/engine.py `EngineSampler`)."""
         if cfg.rollout.engine == "vllm":
             return engine()
+        if sampler_dtype(cfg) == "int8":
+            return _Int8Copy(model)
         return _Copy(model, getattr(torch, sampler_dtype(cfg))) if separate(cfg) else Sampler()
 
     def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
@@ -130,6 +143,30 @@ class _Copy(Sampler):
     @contextlib.contextmanager
     def serve(self, model: torch.nn.Module, dist) -> Iterator[torch.nn.Module]:
         yield self.module
+
+
+class _Int8Copy(_Copy):
+    """A float32 copy of the policy whose Linear products run in int8 (gspo/rollout/quantized.py), re-quantized
+    from the trainer's weights at every sync."""
+
+    def __init__(self, model: torch.nn.Module):
+        from gspo.rollout import quantized
+
+        super().__init__(model, torch.float32)
+        self.feeds = quantized.quantize(self.module)
+
+    @torch.no_grad()
+    def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
+        t0 = time.time()
+        mine = dict(self.module.named_parameters())
+        for name, value, trained in adapters.merged_parameters(model):
+            if not trained:
+                continue
+            if name in mine:  # embeddings, norms, routers, experts: float32
+                mine[name].copy_(value)
+            for linear, slot in self.feeds.get(name, ()):  # a projection's (a tied head's: the embedding's)
+                linear.load(**{slot: value})
+        return {"time/weight_sync_s": time.time() - t0}
 
 
 def _plain(model: torch.nn.Module) -> torch.nn.Module:
