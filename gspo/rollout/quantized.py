@@ -1,8 +1,8 @@
 """An int8 sampling copy (`rollout.dtype=int8`): the policy's Linear products in int8 for decoding on a CPU.
 
 On a CPU without bf16 instructions the one precision that makes decoding's thin products faster is int8:
-weights quantized symmetrically per output channel, each call's inputs quantized per tensor (fbgemm's dynamic
-linear, 1.7-2x float32's rate at a decode step's 32 rows, docs/benchmarks.md). Every `nn.Linear` of the copy
+weights quantized symmetrically per output channel, each call's inputs per token (fbgemm's dynamic linear on
+rows scaled to one magnitude: 1.7-2x float32's rate at a decode step's 32 rows, docs/benchmarks.md). Every `nn.Linear` of the copy
 (attention and MLP projections, the LM head) becomes an `Int8Linear`; the rest (embeddings, norms, MoE routers
 and fused experts) stays float32, so the routers choose as they would in float32 from slightly different inputs.
 The weights are quantized again at every weight sync, from the trainer's float32 values.
@@ -34,7 +34,7 @@ def available() -> Optional[str]:
 
 class Int8Linear(nn.Module):
     """`nn.Linear`'s product, its weight in int8 (per output channel, symmetric), each call's input quantized
-    per tensor: y = dequant(quant(x) @ quant(W)^T) + b, accumulated in int32 by fbgemm."""
+    per token (row): y = dequant(quant(x) @ quant(W)^T) + b, accumulated in int32 by fbgemm."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -57,9 +57,13 @@ class Int8Linear(nn.Module):
             self.packed = torch.ops.quantized.linear_prepack(q, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        dtype, x = x.dtype, x.float()
+        # per token: the kernel quantizes its whole input on one scale, and one token's massive activations (a
+        # chat model's first tokens reach 100x the others) would flatten every other row to a few levels; each row
+        # divided by its own largest magnitude first, the product scaled back (SmolLM2: KL to float32 1.2 -> 0.11)
+        scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
         # reduce_range: 7-bit inputs, so fbgemm's int16 pair sums cannot overflow on CPUs without VNNI
-        out = torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
+        out = torch.ops.quantized.linear_dynamic(x / scale, self.packed, True) * scale
         return (out if self.bias is None else out + self.bias).to(dtype)
 
     def extra_repr(self) -> str:
