@@ -111,7 +111,7 @@ def add_work_args(p) -> None:
                    help="times to redo a run during which other processes used > 0.25 CPUs (the last one is kept)")
     p.add_argument("--wait-idle", type=float, default=120.0,
                    help="before each run, wait up to this many seconds for the machine to go idle (0: don't)")
-    # the vocab model's shape (the defaults are issue 9's; smaller ones make a quick check)
+    # the vocab model's shape (the defaults are the benchmark's; smaller ones make a quick check)
     p.add_argument("--vocab-size", type=int, default=151_936, help="vocab variant: the model's vocabulary")
     p.add_argument("--hidden", type=int, default=256, help="vocab variant: hidden size (4 heads of hidden/4, 2 kv heads)")
     p.add_argument("--layers", type=int, default=2, help="vocab variant: decoder layers")

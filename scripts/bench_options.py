@@ -1,6 +1,6 @@
 """gspo against itself: the time per RL step under alternative overrides, on the same work (CPU).
 
-For choosing a default by measurement (issue 18's cheap levers: experts kernels, attention
+For choosing a default by measurement (the cheap levers: experts kernels, attention
 implementations, decode engines, ...). Each `--option "NAME OVERRIDE..."` is one side (no
 overrides: gspo as configured); the runs alternate side by side, each in a fresh subprocess, on
 the work of `--variant` (the same variants and flags as bench_vs_trl.py). The table shows each
