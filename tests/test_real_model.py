@@ -21,8 +21,7 @@ def test_the_real_model_trains_a_step_and_evaluates(tmp_path, cache_dir):
     run = tmp_path / "run"
     res = cli("train", "+experiment=smollm2_math", "train.steps=1", "rollout.prompts_per_step=2",
               "rollout.group_size=2", "rollout.max_new_tokens=12", "train.minibatches=1", "task.eval_size=2",
-              "eval.every=1",
-              f"cache_dir={cache_dir}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=900)
+              "eval.every=1", f"cache_dir={cache_dir}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=900)
     assert "dequantized to float32" in res.stdout + res.stderr
     rows = jsonl(run / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]

@@ -1,11 +1,13 @@
 """An int8 sampling copy (`rollout.dtype=int8`): the policy's Linear products in int8 for decoding on a CPU.
 
 On a CPU without bf16 instructions the one precision that makes decoding's thin products faster is int8:
-weights quantized symmetrically per output channel, each call's inputs per token (fbgemm's dynamic linear on
-rows scaled to one magnitude: 1.7-2x float32's rate at a decode step's 32 rows, docs/benchmarks.md). Every `nn.Linear` of the copy
-(attention and MLP projections, the LM head) becomes an `Int8Linear`; the rest (embeddings, norms, MoE routers
-and fused experts) stays float32, so the routers choose as they would in float32 from slightly different inputs.
-The weights are quantized again at every weight sync, from the trainer's float32 values.
+weights quantized symmetrically per output channel, each call's inputs per token (fbgemm's dynamic linear on rows
+scaled to one magnitude: 1.7-2x float32's rate at a decode step's 32 rows, docs/benchmarks.md). Every `nn.Linear`
+of the copy (attention and MLP projections, the LM head) becomes an `Int8Linear`; the rest (embeddings, norms, MoE
+routers and fused experts) stays float32, so the routers choose as they would in float32 from slightly different
+inputs. The weights are quantized again at every weight sync, from the trainer's float32 values. On SmolLM2 the
+copy's samples are measurably worse than float32's (docs/results.md, a lower-precision sampler): an option to
+study, not a default.
 
 The sampled tokens come from another distribution than the trainer's, as under a bf16 copy: the old policy's
 log-probs are recomputed (`rollout.old_logprobs=auto`) unless `rollout.old_logprobs=sampler` takes the
