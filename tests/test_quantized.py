@@ -110,8 +110,9 @@ def test_int8_where_it_cannot_sample_is_refused_in_one_line():
             check(compose(["rollout.dtype=int8", *extra]))
 
 
-def test_a_run_sampled_by_an_int8_copy_logs_its_mismatch(tmp_path, cache_dir):
-    opts = tiny(cache_dir, **{"model": "qwen3-tiny", "rollout.dtype": "int8", "train.minibatches": 1})
+@pytest.mark.parametrize("extra", [{}, {"model.lora.r": 4}])  # LoRA: the adapted weights merged, then quantized
+def test_a_run_sampled_by_an_int8_copy_logs_its_mismatch(tmp_path, cache_dir, extra):
+    opts = tiny(cache_dir, **{"model": "qwen3-tiny", "rollout.dtype": "int8", "train.minibatches": 1, **extra})
     assert train(compose(opts), tmp_path)["status"] == "finished"
     steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
     for m in steps:

@@ -128,6 +128,7 @@ class _Copy(Sampler):
             p.requires_grad_(False)
             p.data = p.data.to(dtype)
         self.module.eval()
+        self.feeds: dict[str, list] = {}  # a parameter's name -> the modules computing with a derived form of it
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
@@ -136,8 +137,12 @@ class _Copy(Sampler):
         t0 = time.time()
         mine = dict(self.module.named_parameters())
         for name, value, trained in adapters.merged_parameters(model):
-            if trained:
+            if not trained:
+                continue
+            if name in mine:
                 mine[name].copy_(value)
+            for module, slot in self.feeds.get(name, ()):  # an int8 projection (a tied head: the embedding's name)
+                module.load(**{slot: value})
         return {"time/weight_sync_s": time.time() - t0}
 
     @contextlib.contextmanager
@@ -154,19 +159,6 @@ class _Int8Copy(_Copy):
 
         super().__init__(model, torch.float32)
         self.feeds = quantized.quantize(self.module)
-
-    @torch.no_grad()
-    def sync(self, model: torch.nn.Module, step: Optional[int] = None) -> dict[str, float]:
-        t0 = time.time()
-        mine = dict(self.module.named_parameters())
-        for name, value, trained in adapters.merged_parameters(model):
-            if not trained:
-                continue
-            if name in mine:  # embeddings, norms, routers, experts: float32
-                mine[name].copy_(value)
-            for linear, slot in self.feeds.get(name, ()):  # a projection's (a tied head's: the embedding's)
-                linear.load(**{slot: value})
-        return {"time/weight_sync_s": time.time() - t0}
 
 
 def _plain(model: torch.nn.Module) -> torch.nn.Module:
