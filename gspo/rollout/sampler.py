@@ -68,7 +68,7 @@ def old_logprobs_mode(cfg) -> str:
     return "sampler" if same else "recompute"
 
 
-def check(cfg) -> None:
+def check(cfg, on_cpu: bool = True) -> None:
     """Refuse what a copy in another precision cannot do (called by gspo.train.checks.check; the engine's
     checks are gspo/rollout/engine.py `check`)."""
     if separate(cfg) and cfg.rollout.engine != "vllm" and cfg.hardware.strategy == "fsdp":
@@ -84,7 +84,7 @@ def check(cfg) -> None:
         if cfg.rollout.engine == "vllm" or cfg.rollout.workers:
             why = (f"rollout.{'engine=vllm' if cfg.rollout.engine == 'vllm' else 'workers'} samples in another "
                    "process, from float weights")
-        elif cfg.hardware.device == "cuda" or (cfg.hardware.device == "auto" and torch.cuda.is_available()):
+        elif not on_cpu:
             why = "its kernels are the CPU's (fbgemm); on a GPU sample in bfloat16"
         if why is not None:
             raise ConfigError(f"rollout.dtype=int8 (an int8 sampling copy) is not available here: {why}")

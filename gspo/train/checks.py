@@ -79,9 +79,10 @@ def check(cfg: Any) -> None:
             except (OSError, ValueError):  # none in the checkpoint
                 pass
         check_template(tokenizer, set(end_ids(tokenizer, generation).tolist()))
-    check_sampler(cfg)  # rollout.dtype
+    on_cpu = distributed.device_of(cfg.hardware).type == "cpu"
+    check_sampler(cfg, on_cpu)  # rollout.dtype
     if cfg.rollout.engine == "vllm":
-        check_engine(cfg, on_cpu=distributed.device_of(cfg.hardware).type == "cpu")
+        check_engine(cfg, on_cpu=on_cpu)
     r = cfg.rollout
     for key, value in (("rollout.tis", r.tis), ("rollout.mask", r.mask)):
         if value != "none" and old_logprobs_mode(cfg) != "recompute":
