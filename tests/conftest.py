@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +47,28 @@ def tiny(cache_dir, **extra: object) -> list[str]:
             base.pop(k)
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture
+def tag(tmp_path, monkeypatch):
+    """Marks the processes this test starts (children inherit the environment), so `alive_of_this_test` counts only
+    those: under pytest-xdist another test may run its own workers and engines at the same moment."""
+    monkeypatch.setenv("GSPO_TEST_TAG", str(tmp_path))
+
+
+def alive_of_this_test(pattern: str) -> list[int]:
+    """The living processes whose command line matches `pattern` (pgrep -f) and that the running test started
+    (`tag`: its GSPO_TEST_TAG in their environment), orphans included."""
+    mark = f"GSPO_TEST_TAG={os.environ['GSPO_TEST_TAG']}".encode()
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    alive = []
+    for pid in (int(p) for p in found if int(p) != os.getpid()):
+        try:
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                alive.append(pid)
+        except OSError:  # gone since pgrep saw it
+            pass
+    return alive
 
 
 @pytest.fixture(scope="session")
@@ -125,14 +149,24 @@ def pytest_terminal_summary(terminalreporter) -> None:
                                     f"{TEST_MAX_S:g} s (GSPO_TEST_MAX_S): make it cheaper or mark it slow", red=True)
 
 
-# The modules whose tests cost the most (CPU seconds, one process on 2 cores: the real model's quick test ~100, the
-# every-preset seeds test ~40, the warm start's SIGTERM test ~36, the two-rank tests ~20-25 each) are collected
-# first: under `pytest -n auto` xdist hands out the first quarter of the tests round-robin, so these start at once on
-# both workers instead of forming the suite's tail. Whole modules move (module fixtures are still built once); the
-# rest keep their order.
-FIRST = ("test_real_model.py", "test_seeds.py", "test_warm_start.py", "test_distributed.py")
+# The modules and tests that cost the most (CPU seconds, one process on 2 cores: the real model's quick test ~100, the
+# every-preset seeds test ~40, the warm start's SIGTERM test ~36, the two-rank tests ~20-25 each; in the engine
+# suite the two-rank engines ~120, the real model's engine ~95 a case, `gspo vllm-serve` ~90, seeds ~80, SIGTERM ~75)
+# are collected first: under `pytest -n N` xdist hands out the first quarter of the tests round-robin, so these start
+# at once on every worker instead of forming the suite's tail. A module's tests keep their order (module fixtures
+# are still built once); the rest keep theirs.
+FIRST = ("test_real_model.py", "test_seeds.py", "test_warm_start.py", "test_distributed.py",
+         "test_vllm.py::test_two_ranks_", "test_vllm.py::test_the_float32_engine_serves_the_real_model_",
+         "test_vllm.py::test_a_run_served_by_gspo_vllm_serve_", "test_vllm.py::test_a_run_with_the_engine_is_a_function_",
+         "test_vllm.py::test_sigterm_stops_the_run_and_its_engine_", "test_vllm.py::test_bench_")
+
+
+def first_rank(item) -> int:
+    """The place in FIRST of the first entry naming `item` (its module, or its module and the start of its name);
+    len(FIRST) for the rest."""
+    name = item.nodeid.rsplit("/", 1)[-1]
+    return next((i for i, first in enumerate(FIRST) if name == first or name.startswith(first)), len(FIRST))
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable
+    items.sort(key=first_rank)  # stable

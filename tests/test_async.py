@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import alive_of_this_test, tiny
 from safetensors.torch import load_file
 
 from gspo.config.errors import ConfigError
@@ -27,6 +27,8 @@ from gspo.config.loading import compose
 from gspo.train import checkpoint
 from gspo.train.checks import check
 from gspo.train.trainer import train
+
+pytestmark = pytest.mark.usefixtures("tag")
 
 REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/", "memory/")  # the clock and the worker process itself
@@ -72,24 +74,9 @@ def sigterm_after_steps(overrides: list[str], run: Path, cwd: Path, steps: int =
     return proc.returncode, out
 
 
-@pytest.fixture(autouse=True)
-def tag(tmp_path, monkeypatch):
-    """Marks the processes this test starts (workers inherit the environment), so `no_worker_left` counts only
-    those: under pytest-xdist another test may run its own workers at the same moment."""
-    monkeypatch.setenv("GSPO_TEST_TAG", str(tmp_path))
-
-
-def no_worker_left(run_dir: Path) -> bool:
-    """No rollout worker started by the test whose tmp_path is `run_dir` is alive."""
-    mark = f"GSPO_TEST_TAG={run_dir}".encode()
-    found = subprocess.run(["pgrep", "-f", "gspo.rollout.worker"], capture_output=True, text=True).stdout.split()
-    for pid in (p for p in found if int(p) != os.getpid()):
-        try:
-            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                return False
-        except OSError:  # gone since pgrep saw it
-            pass
-    return True
+def no_worker_left() -> bool:
+    """No rollout worker the running test started is alive."""
+    return not alive_of_this_test("gspo.rollout.worker")
 
 
 # --------------------------------------------------------------------------- the contract
@@ -103,7 +90,7 @@ def test_a_worker_samples_what_the_trainers_process_samples(staleness, tmp_path,
         train(compose(opts(cache_dir, **{"rollout.staleness": staleness, "rollout.workers": workers})),
               tmp_path / f"w{workers}")
     assert_same_run(tmp_path / "w0", tmp_path / "w1")
-    assert no_worker_left(tmp_path)
+    assert no_worker_left()
 
 
 def test_the_staleness_is_exact(tmp_path, cache_dir):
@@ -225,7 +212,7 @@ def test_a_worker_that_fails_ends_the_run_in_one_line(mode, line, tmp_path, cach
     assert len(errors) == 1 and re.search(line, errors[0]), res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     assert checkpoint.load_state(checkpoint.latest(tmp_path / "run"))["step"] >= 1
-    assert no_worker_left(tmp_path)
+    assert no_worker_left()
 
 
 @pytest.mark.slow
@@ -237,7 +224,7 @@ def test_sigterm_stops_trainer_and_workers_and_the_run_resumes_exactly(tmp_path,
     run = tmp_path / "run"
     code, out = sigterm_after_steps(opts(cache_dir, **extra), run, tmp_path)
     assert code == 75, out
-    assert no_worker_left(tmp_path)
+    assert no_worker_left()
     res = gspo("train", f"resume={run}", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert_same_run(tmp_path / "whole", run)
@@ -253,4 +240,4 @@ def test_two_ranks_each_drive_their_own_worker(tmp_path, cache_dir):
                    f"hydra.run.dir={tmp_path / f'w{workers}'}", cwd=tmp_path)
         assert res.returncode == 0, res.stderr[-3000:]
     assert_same_run(tmp_path / "w0", tmp_path / "w1")
-    assert no_worker_left(tmp_path)
+    assert no_worker_left()

@@ -45,13 +45,13 @@ def test_a_default_test_over_the_bound_fails_the_session_and_slow_or_engine_ones
     assert len(too_slow) == 1 and "test_timed.py::test_unmarked took 0 s > 0.2 s" in too_slow[0], out
 
 
-def test_the_modules_run_first_exist_and_are_collected_first(request):
-    """conftest's FIRST names test modules that exist (a renamed module would silently lose its place), and this
-    session collected them before every other module, in that order."""
-    from conftest import FIRST
+def test_the_tests_run_first_exist_and_are_collected_first(request):
+    """conftest's FIRST names test modules, or tests by the start of their names, that exist (a renamed one would
+    silently lose its place), and this session collected them before every other test, in that order."""
+    from conftest import FIRST, first_rank
 
-    assert all((ROOT / "tests" / name).is_file() for name in FIRST)
-    names = [item.path.name for item in request.session.items]
-    order = [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
-    head = [name for name in order if name in FIRST]
-    assert order[:len(head)] == head == [name for name in FIRST if name in names]
+    for first in FIRST:
+        module, _, test = first.partition("::")
+        assert f"def {test}" in (ROOT / "tests" / module).read_text(), first
+    ranks = [first_rank(item) for item in request.session.items]
+    assert ranks == sorted(ranks)

@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("tag")]
 
-from conftest import tiny  # noqa: E402
+from conftest import alive_of_this_test, tiny  # noqa: E402
 from test_async import assert_same_run, gspo, sigterm_after_steps, steady  # noqa: E402
 
 from gspo.algos.mismatch import routing_mismatch  # noqa: E402
@@ -52,19 +52,8 @@ def opts(cache_dir, **extra) -> list[str]:
 
 
 def no_engine_left() -> bool:
-    """No engine or rollout worker of this checkout is running (another checkout's, on a shared machine, may be)."""
-    found = subprocess.run(["pgrep", "-f", "gspo.rollout.(vllm_engine|worker)"], capture_output=True, text=True)
-    return not [pid for pid in found.stdout.split() if int(pid) != os.getpid() and ours(int(pid))]
-
-
-def ours(pid: int) -> bool:
-    """Whether process `pid` imports gspo from this checkout (gspo puts it first on its children's PYTHONPATH)."""
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False  # gone meanwhile
-    path = next((v[len(b"PYTHONPATH="):].decode() for v in env if v.startswith(b"PYTHONPATH=")), "")
-    return path.split(os.pathsep)[0] == str(REPO)
+    """No engine or rollout worker the running test started is alive (another test's, under xdist, may be)."""
+    return not alive_of_this_test("gspo.rollout.(vllm_engine|worker)")
 
 
 def served(tmp_path, model_opts: dict, dtype: str = "float32", top_p: float = 1.0, temperature: float = 0.8,
@@ -343,30 +332,30 @@ def two_ranks(cache_dir, run: Path, **extra) -> list[dict]:
 
 
 def test_two_ranks_train_the_same_with_an_engine_each_or_one_shared_under_ddp_or_fsdp(tmp_path, cache_dir):
-    """2 gloo ranks, 3 steps. rollout.vllm.mode=shared (rank 0's engine serves both ranks, rank 1 over a connection of
-    its own, pushed once per step) equals an engine per rank, bitwise: every metric, sample and weight.
-    hardware.strategy=fsdp (each push the whole weights gathered one FSDP unit at a time), with an engine per rank or
-    the shared one: the completions, rewards and loss of DDP, the weights to float rounding (FSDP reduce-scatters what
-    DDP all-reduces); after every update the engine's float32 log-probs are the trainer's to 1e-3 per token (the
-    one-process bound), though the updates moved the policy."""
+    """2 gloo ranks, 3 steps. hardware.strategy=fsdp (each push the whole weights gathered one FSDP unit at a time),
+    with an engine per rank: the completions, rewards and loss of DDP, the weights to float rounding (FSDP
+    reduce-scatters what DDP all-reduces); after every update the engine's float32 log-probs are the trainer's to 1e-3
+    per token (the one-process bound), though the updates moved the policy. rollout.vllm.mode=shared (rank 0's
+    engine serves both ranks, rank 1 over a connection of its own, pushed once per step) equals an engine per rank,
+    bitwise: every metric, sample and weight. (DDP's shared engine: the `gspo vllm-serve` test below, whose server
+    serves rank 1 as a shared engine does.)"""
     ddp = two_ranks(cache_dir, tmp_path / "ddp")
-    two_ranks(cache_dir, tmp_path / "ddp-shared", **{"rollout.vllm.mode": "shared"})
-    assert_same_run(tmp_path / "ddp", tmp_path / "ddp-shared")
     samples = lambda run: (tmp_path / run / "samples.jsonl").read_text()  # noqa: E731
-    assert samples("ddp-shared") == samples("ddp")
     wa = load_file(checkpoint.latest(tmp_path / "ddp") / "model.safetensors")
-    for mode in ("per_rank", "shared"):
-        fsdp = two_ranks(cache_dir, tmp_path / f"fsdp-{mode}", **{"hardware.strategy": "fsdp", "rollout.vllm.mode": mode})
-        assert [r["step"] for r in fsdp] == [r["step"] for r in ddp] == [0, 1, 2, 3]
-        for a, b in zip(ddp[1:], fsdp[1:]):
-            for key in ("reward/mean", "response/len_mean", "train/loss", "train/grad_norm"):
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (mode, b["step"], key)
-            assert b["rollout/logprob_abs_diff_max"] <= 1e-3 and b["kl/old"] > 0, mode
-        assert samples(f"fsdp-{mode}") == samples("ddp"), mode
-        wb = load_file(checkpoint.latest(tmp_path / f"fsdp-{mode}") / "model.safetensors")
-        assert wa.keys() == wb.keys()
-        for k in wa:
-            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{mode}: {k}: {m}")
+    fsdp = two_ranks(cache_dir, tmp_path / "fsdp", **{"hardware.strategy": "fsdp"})
+    assert [r["step"] for r in fsdp] == [r["step"] for r in ddp] == [0, 1, 2, 3]
+    for a, b in zip(ddp[1:], fsdp[1:]):
+        for key in ("reward/mean", "response/len_mean", "train/loss", "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (b["step"], key)
+        assert b["rollout/logprob_abs_diff_max"] <= 1e-3 and b["kl/old"] > 0
+    assert samples("fsdp") == samples("ddp")
+    wb = load_file(checkpoint.latest(tmp_path / "fsdp") / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    two_ranks(cache_dir, tmp_path / "fsdp-shared", **{"hardware.strategy": "fsdp", "rollout.vllm.mode": "shared"})
+    assert_same_run(tmp_path / "fsdp", tmp_path / "fsdp-shared")
+    assert samples("fsdp-shared") == samples("fsdp")
     assert no_engine_left()
 
 
@@ -495,7 +484,7 @@ SHARED = {"hardware": "cpu-ddp", "rollout.vllm.mode": "shared", "model": "qwen3-
 
 @pytest.mark.parametrize("mode, line, extra", [
     ("kill", KILLED, {}),
-    ("hang", r"the vLLM engine: nothing from it for 5 s while sampling step 4 \(hung\? rollout.timeout_s=5\); "
+    ("hang", r"the vLLM engine: nothing from it for 20 s while sampling step 4 \(hung\? rollout.timeout_s=20\); "
              r"it was stopped", {}),
     ("kill", KILLED, TENSORS_TP2),
     ("kill", SHARED_KILLED, SHARED),
@@ -505,14 +494,14 @@ def test_an_engine_that_dies_or_hangs_ends_the_run_in_one_line(mode, line, extra
     checkpoint intact, no engine process left: with weights pushed as tensors to two tensor-parallel workers too
     (their weight group left, the workers the killed engine started killed with it), and with the engine two ranks
     share (rollout.vllm.mode=shared: whichever rank notices first says it). Only the hang waits for
-    rollout.timeout_s (5 s); a death is noticed at once, so the kills run with 300 s (a busy machine's engine may
-    take more than 5 s to sample a step)."""
+    rollout.timeout_s (20 s: under `pytest -n 2` beside other jobs an engine was silent 5 s in a healthy step); a
+    death is noticed at once, so the kills run with 300 s."""
     import re
 
     (tmp_path / "fns.py").write_text(FAULT.format(counter=str(tmp_path / "calls")).replace("MODE", repr(mode)))
     before = shm_segments()
     res = gspo("train", *opts(cache_dir, **{"reward": "python", "reward.fn": f"{tmp_path}/fns.py:reward",
-                                            "rollout.timeout_s": 5 if mode == "hang" else 300, "train.steps": 6,
+                                            "rollout.timeout_s": 20 if mode == "hang" else 300, "train.steps": 6,
                                             **extra}),
                f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     errors = [x for x in res.stderr.splitlines() if x.startswith("gspo: error:")]
