@@ -68,9 +68,9 @@ def old_logprobs_mode(cfg) -> str:
     return "sampler" if same else "recompute"
 
 
-def check(cfg, on_cpu: bool = True) -> None:
-    """Refuse what a copy in another precision cannot do (called by gspo.train.checks.check; the engine's
-    checks are gspo/rollout/engine.py `check`)."""
+def check(cfg, on_cpu: bool) -> None:
+    """Refuse what a copy in another precision cannot do (called by gspo.train.checks.check, which resolves
+    `on_cpu` from hardware.device; the engine's checks are gspo/rollout/engine.py `check`)."""
     if separate(cfg) and cfg.rollout.engine != "vllm" and cfg.hardware.strategy == "fsdp":
         what = (f"rollout.dtype={cfg.rollout.dtype}: a sampler in another precision than the trainer "
                 f"({cfg.hardware.dtype})") if sampler_dtype(cfg) != cfg.hardware.dtype else \
