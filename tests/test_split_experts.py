@@ -159,11 +159,11 @@ def test_the_moe_preset_is_smollm2_math_on_the_split_model():
     for group in ("task", "rollout", "train", "eval", "reward", "algo", "moe"):
         assert moe_cfg[group] == dense_cfg[group], group
     assert moe_cfg.model.path == dense_cfg.model.path and dense_cfg.model.split_experts.experts == 0
-    assert (moe_cfg.model.split_experts.experts, moe_cfg.model.split_experts.top_k) == (8, 7)
+    assert (moe_cfg.model.split_experts.experts, moe_cfg.model.split_experts.top_k) == (16, 15)
     assert moe_cfg.name == "smollm2_moe_math" and moe_cfg.model.name == "smollm2_moe"
 
 
-@pytest.mark.parametrize("arm", ["+cell=grpo", "+cell=grpo_R2", "+cell=grpo_R3", "+cell=gspo_wide"])
+@pytest.mark.parametrize("arm", ["+cell=grpo", "+cell=grpo_R2", "+cell=grpo_R3", "+cell=gspo_wide30"])
 def test_the_moe_study_is_the_matched_study_on_the_split_model(arm):
     """+experiment=smollm2_moe_matched differs from +experiment=smollm2_matched only in its model and name, arm by
     arm: the MoE study's arms differ only in their objective or their replay, as the dense study's do."""
@@ -183,7 +183,7 @@ def test_the_moe_preset_builds_and_runs_two_steps(tmp_path, cache_dir):
     run = tmp_path / "run"
     res = cli("train", "+experiment=smollm2_moe_math", "train.steps=2", "task.eval_size=8", "hardware.threads=1",
               f"cache_dir={cache_dir}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=3600)
-    assert "model.split_experts: 8 experts, top-7" in res.stdout + res.stderr
+    assert "model.split_experts: 16 experts, top-15" in res.stdout + res.stderr
     rows = jsonl(run / "metrics.jsonl")
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2] and all("moe/routing_volatility" in r for r in steps)
