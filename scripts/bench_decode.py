@@ -21,9 +21,10 @@ x G=8 = 32 rows, 32 new tokens, float32), in one process, the sides alternating 
             for it); it compiles in its warm-up call (the time is reported). If it fails the table says so and
             the other sides go on;
   kernels   (--kernels) the bare products again through other kernels, each weight prepared once as a sampling
-            copy rebuilt per weight sync would be: MKL's sgemm and oneDNN's matmul on weights packed for the row count, int8
-            (weights per output channel, inputs quantized per call: fbgemm's dynamic linear), bfloat16. What a
-            decode would gain from each, not a decode that uses it (int8 and bf16 change the numbers);
+            copy rebuilt per weight sync would be: q, k, v and gate, up fused; MKL's sgemm and oneDNN's matmul on
+            weights packed for the row count; int8 (weights per output channel, inputs quantized per call: fbgemm's
+            dynamic linear); bfloat16. What a decode would gain from each, not a decode that uses it (int8 and bf16
+            change the numbers);
   hf        for reference, the plain Hugging Face forward with its KV cache, per token: the same `generate()`
             with `rollout.engine=hf`, whose step is the model's own forward over its DynamicCache, call for
             call the floor's decode (scripts/bench_floor.py's `sample` with the hf engine).
