@@ -16,6 +16,9 @@ x G=8 = 32 rows, 32 new tokens, float32), in one process, the sides alternating 
             which also copies the prompt's KV cache into the engine's) and the draws lie outside it. Chosen
             over the difference of a T-token and a 1-token run: no subtraction of two noisy totals, a median
             over single steps, and a 1-token run would not build the fast engine at all (`max_new_tokens > 1`);
+  onednn    the same with `rollout.matmul=onednn`: the engine's products through oneDNN on copies of the weights
+            reordered for the row count, made at the rollout's start (in the prefill, untimed: 0.2 s a rollout on
+            SmolLM2 on 2 cores, which whole-step benchmarks count);
   compile   (--compile) the same with `hardware.compile=true` (`SamplingParams.compile`): gspo then decodes
             through a static KV cache and `torch.compile` of the model's forward (the fast engine steps aside
             for it); it compiles in its warm-up call (the time is reported). If it fails the table says so and
@@ -71,6 +74,7 @@ MODELS = ("smollm2", *TINY)
 SIDES = {  # side -> (label, what it is)
     "products": ("(a) bare products", "`F.linear` x 7 per layer + the LM head, the model's weights"),
     "fast": ("(b) gspo, `rollout.engine=fast`", "`FastDecoder.step` inside gspo's sampler"),
+    "onednn": ("(b) gspo, `rollout.matmul=onednn`", "the same, its products on oneDNN's weights reordered per rollout"),
     "compile": ("(b) gspo, `hardware.compile=true`", "static KV cache, `torch.compile` of the forward"),
     "hf": ("(c) HF forward + KV cache, `rollout.engine=hf`",
            "the model's forward over its DynamicCache (the floor's decode)"),
@@ -260,7 +264,8 @@ class StepTimer:
                 return original(fwd, *args, **kwargs)
             finally:
                 self.times.append(time.perf_counter() - t0)
-                self.paths.add("fast" if fwd.fast else "compile" if fwd.params.compile else "hf")
+                self.paths.add(("onednn" if fwd.decode.packed else "fast") if fwd.fast
+                               else "compile" if fwd.params.compile else "hf")
 
         gen_mod._Forward.step = step
         try:
@@ -329,10 +334,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if why_not_fast:
         print(f"note: the fast engine refuses this model ({why_not_fast}); (b) falls back to the hf engine", flush=True)
     params = {"fast": SamplingParams(max_new_tokens=a.tokens, engine="fast"),
+              "onednn": SamplingParams(max_new_tokens=a.tokens, engine="fast", matmul="onednn"),
               # auto: the fast engine steps aside for the compiled decode without a warning
               "compile": SamplingParams(max_new_tokens=a.tokens, engine="auto", compile=True),
               "hf": SamplingParams(max_new_tokens=a.tokens, engine="hf")}
-    sides = ["products", *(KERNELS if a.kernels else []), "fast", *(["compile"] if a.compile else []),
+    sides = ["products", *(KERNELS if a.kernels else []), "fast", "onednn", *(["compile"] if a.compile else []),
              *([] if a.no_hf else ["hf"])]
     steps = a.tokens - 1
     print(f"model: {about}; {type(model).__name__}, {sum(w.numel() for _, w in prods) / 1e6:.1f} M weights in "
@@ -414,7 +420,8 @@ def table(sides, times, per_round, failed, paths, flops, a, about) -> str:
              bc.markdown_table(header, rows, right={2, 3, 4, 5}), "",
              f"Effective GFLOP/s: 2 x {flops / 2 / a.rows / 1e6:.4g} M weights x {a.rows} rows = "
              f"{flops / 1e9:.3g} GFLOP per step (the products' work, for every side), over its time."]
-    for s, who in (("fast", "gspo's decode (fast engine)"), ("compile", "gspo's compiled decode"),
+    for s, who in (("fast", "gspo's decode (fast engine)"), ("onednn", "gspo's decode on oneDNN (rollout.matmul=onednn)"),
+                   ("compile", "gspo's compiled decode"),
                    ("hf", "the plain HF forward")):
         if s in med:
             lines.append(f"{who} at {100 * base / med[s]:.0f}% of the bare products: "

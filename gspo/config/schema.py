@@ -263,6 +263,11 @@ class RolloutConfig:
     # why when it falls back; vllm = the vLLM inference engine in a process of its own, in rollout.dtype
     # (gspo/rollout/engine.py, rollout.vllm.*)
     engine: str = "auto"
+    # aten | onednn: the fast engine's decode products. aten = F.linear on the model's own weights (what hf computes);
+    # onednn = oneDNN's float32 matmul on copies of the Linear weights reordered at each rollout's start (CPU, float32
+    # weights; 1.7x F.linear's rate at SmolLM2's decode shapes, docs/benchmarks.md; the same draws as hf up to
+    # rounding: log-probs within 1e-5; one more copy of those weights held while sampling)
+    matmul: str = "aten"
     vllm: VllmConfig = field(default_factory=VllmConfig)
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
     # forward pass of the trainer; auto = sampler when sampler and trainer are the same float32 model, else recompute

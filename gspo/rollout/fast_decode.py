@@ -27,7 +27,11 @@ arithmetic without them:
     with the same RoPE module, q/k norms and GQA handling.
 
 It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
-identical tokens, log-probs within 1e-5, identical captured routing). A peft LoRA policy decodes
+identical tokens, log-probs within 1e-5, identical captured routing). `rollout.matmul=onednn` runs the decode
+steps' Linear products through oneDNN on copies of their weights reordered for the rollout's row count, made at its
+start and dropped at its end (a training update between rollouts is seen by the next one): on a CPU's thin decode
+products oneDNN's kernels beat F.linear's (docs/benchmarks.md), at the price of one more copy of those weights while
+sampling; the draws are hf's up to float32 rounding. A peft LoRA policy decodes
 here too, its adapters computed unmerged as peft computes them (plain LoRA on the Linear projections and
 the LM head). Anything else falls back to `hf`, a warning saying why (once per reason): another family,
 adapters other than plain LoRA on Linear layers (the MoE experts' fused weights, DoRA), FSDP sharding, any other wrapper, `hardware.compile`, a sliding window that can bind (Mistral's and Mixtral's
@@ -48,6 +52,7 @@ import torch.nn.functional as F
 from gspo.models import moe
 
 ENGINES = ("hf", "fast", "auto")
+MATMULS = ("aten", "onednn")
 _LOGGED: set[str] = set()
 
 
@@ -141,10 +146,45 @@ def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
     return "hf"
 
 
-class FastDecoder:
-    """Decode steps of one rollout: a preallocated KV cache of `rows` x `length` slots per layer."""
+def _onednn_unsupported(model: torch.nn.Module) -> Optional[str]:
+    """Why oneDNN cannot run `model`'s decode products (None: it can): float32 weights on the CPU only."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (torch.backends.mkldnn)"
+    w = model.get_output_embeddings().weight
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return f"its weights are {w.dtype} on {w.device.type} (oneDNN's decode products: float32 on the CPU)"
+    return None
 
-    def __init__(self, model: torch.nn.Module, prefill_cache, length: int):
+
+def _projections(model: torch.nn.Module):
+    """The `nn.Linear` modules whose weights the decode steps multiply by (`_linear`'s, a LoRA layer's base layer):
+    the attention and dense-MLP projections and the LM head. The MoE routers and fused experts are not among them."""
+    def linear(m):
+        m = getattr(m, "base_layer", m)
+        return m if type(m) is torch.nn.Linear else None
+
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        names = (a.q_proj, a.k_proj, a.v_proj, a.o_proj) + (
+            () if hasattr(mlp, "experts") else (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        yield from filter(None, map(linear, names))
+    if (head := linear(model.lm_head)) is not None:
+        yield head
+
+
+def reordered_weights(model: torch.nn.Module, rows: int) -> dict[int, torch.Tensor]:
+    """oneDNN's copies of the decode products' weights (by module id), each reordered once for `rows` rows: what
+    `rollout.matmul=onednn` multiplies by during one rollout. A copy: made again at every rollout's start."""
+    return {id(m): torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows) for m in _projections(model)}
+
+
+class FastDecoder:
+    """Decode steps of one rollout: a preallocated KV cache of `rows` x `length` slots per layer; under
+    `matmul="onednn"`, the Linear weights reordered for oneDNN for this rollout (`reordered_weights`)."""
+
+    def __init__(self, model: torch.nn.Module, prefill_cache, length: int, matmul: str = "aten"):
+        if matmul not in MATMULS:
+            raise ValueError(f"rollout.matmul={matmul!r}: expected one of {', '.join(MATMULS)}")
         if hasattr(model, "peft_config"):  # its LoRA layers stay in place: `_linear` adds their products
             model = model.get_base_model()
         self.model, self.body = model, model.model
@@ -164,6 +204,14 @@ class FastDecoder:
             self.values.append(v.new_empty((n, h, length, d)))
             self.keys[-1][:, :, :p].copy_(k)
             self.values[-1][:, :, :p].copy_(v)
+        self.packed: dict[int, torch.Tensor] = {}
+        if matmul == "onednn":
+            why = _onednn_unsupported(model)
+            if why is None:
+                self.packed = reordered_weights(model, self.keys[0].shape[0])
+            elif why not in _LOGGED:
+                _LOGGED.add(why)
+                warnings.warn(f"rollout.matmul=onednn: decoding with F.linear: {why}", stacklevel=2)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits (N, V) after feeding `ids` (N, 1) at positions `pos` (N, 1); `mask` (N, S) the
@@ -180,13 +228,13 @@ class FastDecoder:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (N, V) from the final norm's output (N, H): the LM head, on its weight as read now."""
-        return _linear(self.model.lm_head, h)
+        return _linear(self.model.lm_head, h, self.packed)
 
     def _layer(self, layer, h, cos, sin, kc, vc, slot: int, mask) -> torch.Tensor:
         a = layer.self_attn
         n = h.shape[0]
         x = _rms(layer.input_layernorm, h)
-        q, k, v = (_linear(proj, x).view(n, 1, -1, a.head_dim) for proj in (a.q_proj, a.k_proj, a.v_proj))
+        q, k, v = (_linear(proj, x, self.packed).view(n, 1, -1, a.head_dim) for proj in (a.q_proj, a.k_proj, a.v_proj))
         if hasattr(a, "q_norm"):  # Qwen3's per-head q/k norms; Llama, Qwen2, Mistral have none
             q, k = _rms(a.q_norm, q), _rms(a.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -196,9 +244,9 @@ class FastDecoder:
         vc[:, :, slot : slot + 1].copy_(v)
         # no sliding window: unsupported() admits only windows that never bind
         o, _ = self.attend(a, q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], mask, dropout=0.0, scaling=a.scaling)
-        h = h + _linear(a.o_proj, o.reshape(n, 1, -1))
+        h = h + _linear(a.o_proj, o.reshape(n, 1, -1), self.packed)
         x = _rms(layer.post_attention_layernorm, h)
-        return h + _mlp(layer.mlp, x)
+        return h + _mlp(layer.mlp, x, self.packed)
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -210,14 +258,15 @@ def _rms(norm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * x.to(dtype)
 
 
-def _linear(proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The projection on its weight and bias (None where the family has none), as read now: no copy. A peft LoRA
-    layer (`_unsupported_adapters` admits only plain ones): its base layer's product plus, per active adapter,
-    scaling x B(A(dropout(x))), in peft's order of operations, so the sum is the one its forward computes."""
+def _linear(proj: torch.nn.Module, x: torch.Tensor, packed: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The projection on its weight and bias (None where the family has none), as read now: no copy, unless
+    `packed` holds a oneDNN copy of the weight (`reordered_weights`). A peft LoRA layer (`_unsupported_adapters`
+    admits only plain ones): its base layer's product plus, per active adapter, scaling x B(A(dropout(x))), in peft's
+    order of operations, so the sum is the one its forward computes."""
     base = getattr(proj, "base_layer", None)
     if base is None:  # a plain projection; another module (an int8 copy's, gspo/rollout/quantized.py) computes itself
-        return F.linear(x, proj.weight, proj.bias) if isinstance(proj, torch.nn.Linear) else proj(x)
-    out = F.linear(x, base.weight, base.bias)
+        return _product(proj, x, packed) if isinstance(proj, torch.nn.Linear) else proj(x)
+    out = _product(base, x, packed)
     if proj.disable_adapters or proj.merged:  # peft's forward: the base layer alone (merged: the delta is in it)
         return out
     dtype = out.dtype
@@ -228,16 +277,25 @@ def _linear(proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.to(dtype)
 
 
+def _product(linear: torch.nn.Linear, x: torch.Tensor, packed: dict[int, torch.Tensor]) -> torch.Tensor:
+    """x W^T + b: oneDNN's matmul on the rollout's reordered copy of W where `packed` has one, else F.linear."""
+    w = packed.get(id(linear))
+    if w is None:
+        return F.linear(x, linear.weight, linear.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, w, linear.bias, "none", [], "")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+def _mlp(mlp, x: torch.Tensor, packed: dict[int, torch.Tensor]) -> torch.Tensor:
     """The dense MLP (biases where Llama's `mlp_bias` gives them), or the sparse MoE block: the model's router
     module, then every (token, slot) at once."""
     if not hasattr(mlp, "experts"):
-        return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+        return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x, packed)) * _linear(mlp.up_proj, x, packed),
+                       packed)
     n, t, dim = x.shape
     flat = x.view(-1, dim)
     _, weights, idx = mlp.gate(flat)  # a module call: routing capture/replay hooks apply as under hf

@@ -307,7 +307,7 @@ class _Forward:
             self.cache, logits = returned_cache(res), res.logits[:, -1].float()
         self.recurrent = _only_recurrent(self.cache)
         if self.fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
-            self.decode, self.cache = fast_decode.FastDecoder(model, self.cache, self.length), None
+            self.decode, self.cache = fast_decode.FastDecoder(model, self.cache, self.length, self.params.matmul), None
         return logits
 
     def step(self, nxt: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, full_mask: torch.Tensor,

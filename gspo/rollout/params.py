@@ -18,6 +18,7 @@ class SamplingParams:
     capture_routing: bool = False  # MoE: record the experts every position was routed to, and the routers' log-probs
     compile: bool = False  # hardware.compile: decode through a static KV cache and torch.compile
     engine: str = "hf"  # rollout.engine: gspo's own decoder through the model's forward (hf) or fast_decode (fast)
+    matmul: str = "aten"  # rollout.matmul: the fast engine's decode products (aten: F.linear; onednn: reordered copies)
 
     @staticmethod
     def of(cfg, **changes) -> "SamplingParams":
@@ -26,7 +27,8 @@ class SamplingParams:
         return replace(SamplingParams(max_new_tokens=int(r.max_new_tokens), temperature=float(r.temperature),
                                       top_p=float(r.top_p), keep_topk=int(r.keep_topk),
                                       chat_template=bool(cfg.model.use_chat_template),
-                                      compile=bool(cfg.hardware.compile), engine=str(r.engine)), **changes)
+                                      compile=bool(cfg.hardware.compile), engine=str(r.engine),
+                                      matmul=str(r.matmul)), **changes)
 
     @property
     def topk(self) -> int:
