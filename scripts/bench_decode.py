@@ -421,12 +421,15 @@ def table(sides, times, per_round, failed, paths, flops, a, about) -> str:
              f"Effective GFLOP/s: 2 x {flops / 2 / a.rows / 1e6:.4g} M weights x {a.rows} rows = "
              f"{flops / 1e9:.3g} GFLOP per step (the products' work, for every side), over its time."]
     for s, who in (("fast", "gspo's decode (fast engine)"), ("onednn", "gspo's decode on oneDNN (rollout.matmul=onednn)"),
-                   ("compile", "gspo's compiled decode"),
-                   ("hf", "the plain HF forward")):
+                   ("compile", "gspo's compiled decode"), ("hf", "the plain HF forward")):
         if s in med:
             lines.append(f"{who} at {100 * base / med[s]:.0f}% of the bare products: "
                          f"{1e3 * (med[s] - base):.2f} ms a step beyond them (norms, RoPE, attention, the KV cache, "
                          f"the per-call overhead).")
+    if "onednn" in med and "onednn_packed" in med:  # the engine on oneDNN against oneDNN's own bare products
+        own = med["onednn_packed"]
+        lines.append(f"gspo's decode on oneDNN at {100 * own / med['onednn']:.0f}% of oneDNN's bare products "
+                     f"(onednn_packed): {1e3 * (med['onednn'] - own):.2f} ms a step beyond them.")
     lines.append(f"Versions: {bc.versions(a.threads)}.")
     return "\n".join(lines)
 
