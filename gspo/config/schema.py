@@ -265,8 +265,8 @@ class RolloutConfig:
     engine: str = "auto"
     # aten | onednn: the fast engine's decode products. aten = F.linear on the model's own weights (what hf computes);
     # onednn = oneDNN's float32 matmul on copies of the Linear weights reordered at each rollout's start (CPU, float32
-    # weights; 1.7x F.linear's rate at SmolLM2's decode shapes, docs/benchmarks.md; the same draws as hf up to
-    # rounding: log-probs within 1e-5; one more copy of those weights held while sampling)
+    # weights; SmolLM2's decode steps in 0.72x the time, docs/benchmarks.md; the same draws as hf up to rounding:
+    # log-probs within 1e-5; one more copy of those weights held while sampling)
     matmul: str = "aten"
     vllm: VllmConfig = field(default_factory=VllmConfig)
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
