@@ -312,6 +312,9 @@ class TrainConfig:
     trim_padding: bool = True
     # rows sorted by length into minibatches (less padding; changes which rows share one); off: shuffled per group
     sort_minibatches: bool = False
+    # each minibatch's forward packs its rows behind the prompt prefix they all share (a chat template, a system
+    # prompt), computed once: the same log-probs up to float rounding, less computed (gspo/models/packing.py)
+    shared_prefix: bool = False
     checkpoint_every: int = 50  # save a checkpoint every N steps (and always at the end)
     keep_checkpoints: int = 1  # the newest N checkpoints are kept; older ones are deleted
 

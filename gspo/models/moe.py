@@ -279,7 +279,7 @@ class RoutingTrace:
     """
 
     def __init__(self, num_layers: int, record_logprobs: bool, device: torch.device | str | None,
-                 keep_logits: bool = False, max_calls: int | None = None):
+                 keep_logits: bool = False, max_calls: int | None = None, spread: Optional[torch.Tensor] = None):
         self._idx: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._live: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._lp: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
@@ -287,6 +287,7 @@ class RoutingTrace:
         self.scorings: list[Scoring] = [SOFTMAX] * num_layers  # per layer, the router's rule once it has run
         self.record_logprobs, self.keep_logits, self.max_calls = record_logprobs, keep_logits, max_calls
         self.device = device
+        self.spread = spread  # a packed forward's tokens -> the plain batch's rows (gspo/models/packing.py)
 
     def _record(self, layer: int, indices: torch.Tensor, logits: torch.Tensor,
                 live: Optional[torch.Tensor] = None, scoring: Optional[Scoring] = None) -> None:
@@ -294,6 +295,10 @@ class RoutingTrace:
             return  # e.g. gradient checkpointing re-running the forward inside backward
         k = indices.shape[-1]
         self.scorings[layer] = scoring or SOFTMAX
+        if self.spread is not None:  # recorded as the plain forward's (N*W) rows would have been
+            at = self.spread.to(indices.device)
+            indices, logits = indices.reshape(-1, k)[at], logits.reshape(-1, logits.shape[-1])[at]
+            live = None if live is None else live.reshape(-1, k)[at]
         self._idx[layer].append(indices.detach().reshape(-1, k).to(self.device, torch.long))
         self._live[layer].append(self._idx[layer][-1] if live is None else
                                  live.detach().reshape(-1, k).to(self.device, torch.long))
@@ -371,17 +376,19 @@ class RoutingTrace:
 
 @contextlib.contextmanager
 def capture_routing(model: nn.Module, logprobs: bool = True, device: torch.device | str | None = None,
-                    keep_logits: bool = False, max_calls: int | None = None) -> Iterator[RoutingTrace]:
+                    keep_logits: bool = False, max_calls: int | None = None,
+                    spread: Optional[torch.Tensor] = None) -> Iterator[RoutingTrace]:
     """Record every router's routing for all forward passes run inside the context.
 
     ``logprobs=False`` skips the (N, E) log-probs (they dominate memory on wide MoEs);
     ``device="cpu"`` offloads the records; ``keep_logits`` keeps the live logits with their
     graph (for a loss on them). ``max_calls`` stops recording after that many forward calls,
     so gradient-checkpoint recomputation during a backward inside the context is not
-    recorded; without it, run backward outside the context.
+    recorded; without it, run backward outside the context. ``spread`` (a packed forward's
+    `Packing.spread`): each call's routing recorded as the plain (N, W) batch's rows.
     """
     routers = find_routers(model)
-    trace = RoutingTrace(len(routers), logprobs, device, keep_logits, max_calls)
+    trace = RoutingTrace(len(routers), logprobs, device, keep_logits, max_calls, spread)
 
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
@@ -404,7 +411,7 @@ _LIVE: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor]" = weakref.WeakKeyDic
 
 
 @contextlib.contextmanager
-def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
+def replay_routing(model: nn.Module, indices: torch.Tensor, source: Optional[torch.Tensor] = None) -> Iterator[None]:
     """Force each router's experts to ``indices`` (B, T, L, k) for forward passes inside.
 
     The forward done inside must route exactly ``B*T`` rows per router (same (B, T) as
@@ -415,7 +422,8 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
     or sigmoid, renormalised and scaled as the router does), so the router weight still
     gets gradient; the live logits are returned unchanged, so ``output_router_logits`` and
     the aux loss still work (the aux loss balances the live, not the forced routing). A
-    router whose rule is not recognised is refused (a ConfigError naming its class).
+    router whose rule is not recognised is refused (a ConfigError naming its class). ``source`` (a
+    packed forward's `Packing.source`): the packed tokens replay the plain rows they hold.
     """
     routers = find_routers(model)
     if indices.dim() != 4 or indices.shape[2] != len(routers):
@@ -430,15 +438,18 @@ def replay_routing(model: nn.Module, indices: torch.Tensor) -> Iterator[None]:
         raise ValueError("indices contain an expert id >= num_experts")
     # (B, T, L, k) -> per layer (B*T, k), row-major like the MoE block's view(-1, H).
     forced = [indices[:, :, l, :].reshape(B * T, k) for l in range(len(routers))]
+    if source is not None:
+        forced = [f[source.to(f.device)] for f in forced]
+    rows = forced[0].shape[0] if forced else B * T
 
     def make_hook(layer: int):
         def hook(module: nn.Module, args: tuple, output: object) -> tuple:
             logits, scores, live = _unpack(output, module)
             shape = live.shape
             live = live.reshape(-1, k)
-            if live.shape[0] != B * T:
+            if live.shape[0] != rows:
                 raise ValueError(f"replay_routing got {live.shape[0]} rows at router {layer}, "
-                                 f"expected B*T = {B}*{T} from the replayed indices")
+                                 f"expected {rows} from the replayed indices")
             if not live.shape[0]:
                 return output
             scoring = _scoring(module, logits, scores, live)

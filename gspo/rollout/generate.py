@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from gspo.config.errors import ConfigError
 from gspo.models.logprobs import head_logprobs
+from gspo.models.packing import Packing
 from gspo.rollout import fast_decode
 from gspo.rollout.params import SamplingParams
 
@@ -591,6 +592,7 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     topk: bool = False,
+    packing: Optional[Packing] = None,
     **forward_kwargs,
 ) -> tuple:
     """Log-probs (N, T) of the sampled completion tokens under `model` (with grad if enabled).
@@ -600,16 +602,26 @@ def token_logprobs(
     by chunk (gspo/models/logprobs.py): no (N, T, V) float32 logits, at any vocabulary size.
     Padding positions hold 0. Returns (logp, entropy (N, T) (with grad, for a bonus) or None, the
     model output, for aux losses); with `topk`, a fourth: the log-probs (N, T, k) of the rollout's
-    kept top-k tokens (`Rollout.topk_ids`) under `model`, without grad.
+    kept top-k tokens (`Rollout.topk_ids`) under `model`, without grad. `packing` (gspo/models/packing.py, of
+    this rollout's input_ids and attention_mask): one forward of the packed rows, the shared prefix once; the same
+    values up to float rounding.
     """
     ids, mask, sel = rollout.input_ids, rollout.attention_mask, rollout.completion_mask.bool()
-    # the head sees positions P-1 .. P+T-1; position P-1+j predicts completion token j (the last predicts nothing)
-    head_sel = torch.cat([sel, torch.zeros_like(sel[:, :1])], dim=1)
     extra = rollout.topk_ids[sel] if topk else None
+    if packing is None:
+        # the head sees positions P-1 .. P+T-1; position P-1+j predicts completion token j (the last predicts nothing)
+        head_sel = torch.cat([sel, torch.zeros_like(sel[:, :1])], dim=1)
+        inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                      logits_to_keep=sel.shape[1] + 1)
+    else:  # the packed positions of the same predicting positions, in the same order
+        P = rollout.prompt_len
+        predicting = torch.zeros_like(mask, dtype=torch.bool)
+        predicting[:, P - 1 : P - 1 + sel.shape[1]] = sel
+        head_sel = packing.select(predicting)
+        inputs = dict(input_ids=packing.input_ids, attention_mask=packing.attention_mask,
+                      position_ids=packing.position_ids, logits_to_keep=0)
     logp_sel, ent_sel, res, *more = head_logprobs(model, head_sel, rollout.completion_ids[sel], temperature,
-                                                  with_entropy, extra, input_ids=ids, attention_mask=mask,
-                                                  position_ids=position_ids(mask), logits_to_keep=sel.shape[1] + 1,
-                                                  use_cache=False, **forward_kwargs)
+                                                  with_entropy, extra, **inputs, use_cache=False, **forward_kwargs)
     zeros = torch.zeros(sel.shape, dtype=torch.float32, device=ids.device)
     logp = zeros.masked_scatter(sel, logp_sel)
     entropy = zeros.masked_scatter(sel, ent_sel) if with_entropy else None

@@ -34,6 +34,7 @@ import torch
 from gspo.algos.losses import get_loss
 from gspo.algos.mismatch import routing_mismatch
 from gspo.models import moe
+from gspo.models.packing import Packing
 from gspo.rollout.generate import Rollout, position_ids
 from gspo.rollout.sampler import separate
 
@@ -78,9 +79,10 @@ class MoEStep:
 
     @contextlib.contextmanager
     def minibatch(self, model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor,
-                  window: slice = slice(0, None)) -> Iterator[_NoMinibatch]:
+                  window: slice = slice(0, None), packing: Optional[Packing] = None) -> Iterator[_NoMinibatch]:
         """Around one update's forward and backward on `rollout`'s `rows`, at its (P+T) columns `window`
-        (`Rollout.trimmed`: the minibatch without the columns that are padding in all its rows)."""
+        (`Rollout.trimmed`: the minibatch without the columns that are padding in all its rows); `packing`: the
+        forward packs those rows (`train.shared_prefix`), whose routing is replayed and recorded through it."""
         yield _NoMinibatch()
 
     def end_step(self, model: torch.nn.Module, rollout: Rollout, step: int) -> dict[str, float]:
@@ -178,15 +180,16 @@ class _MoE(MoEStep):
 
     @contextlib.contextmanager
     def minibatch(self, model: torch.nn.Module, rollout: Rollout, rows: torch.Tensor,
-                  window: slice = slice(0, None)) -> Iterator[_Minibatch]:
+                  window: slice = slice(0, None), packing: Optional[Packing] = None) -> Iterator[_Minibatch]:
         self._begin(rollout)
         replay = {"R2": self.old_idx, "R3": rollout.routing}.get(self.replay)
+        source, spread = (None, None) if packing is None else (packing.source, packing.spread)
         with contextlib.ExitStack() as stack:
             if replay is not None:  # open through backward: gradient checkpointing re-runs the forward there
-                stack.enter_context(moe.replay_routing(model, replay[rows][:, window]))
+                stack.enter_context(moe.replay_routing(model, replay[rows][:, window], source))
             # one recorded call: a checkpointed forward re-run inside backward is not recorded again
             trace = stack.enter_context(moe.capture_routing(model, logprobs=self.rspo, keep_logits=self.aux_coef > 0,
-                                                            max_calls=1))
+                                                            max_calls=1, spread=spread))
             yield _Minibatch(self, rows, trace, window)
 
     @torch.no_grad()

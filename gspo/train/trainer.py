@@ -23,6 +23,7 @@ from gspo.algos.losses import aggregate_denominator, get_loss, hyper_of, policy_
 from gspo.algos.mismatch import MismatchBatch, active, correction_weights, mismatch_metrics
 from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.processes import die_with_parent
+from gspo.models.packing import for_forward as packed
 from gspo.rollout.batch import Batch
 from gspo.rollout.generate import NonFiniteLogits, token_logprobs
 from gspo.train import checkpoint, distributed, failures, preemption
@@ -240,8 +241,11 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
         width = sub.completion_mask.shape[1]
         cut = lambda x: None if x is None else x[rows][:, :width] if x.dim() > 1 else x[rows]  # noqa: E731
         m, old, adv_mb = cut(mask), cut(old_logp), cut(adv)
-        with s.moe_step.minibatch(model, ro, rows, window) as mb:  # MoE: replay, capture, aux loss; nothing if dense
-            logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk)
+        # train.shared_prefix: one forward of rows packed behind the prefix they share (None: nothing to share)
+        packing = packed(model, sub.input_ids, sub.attention_mask, sub.prompt_len, sub.pad_id) \
+            if cfg.train.shared_prefix else None
+        with s.moe_step.minibatch(model, ro, rows, window, packing) as mb:  # MoE: replay, capture, aux loss
+            logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk, packing=packing)
             is_weight, corr = correction_weights(corrections, MismatchBatch(
                 old, cut(behaviour), m, adv_mb, logp.detach()), cfg.rollout)
             kept, keep = m, None
