@@ -8,6 +8,10 @@ sees unpacked: the same log-probs and gradients up to float rounding (other matr
 tests/test_packing.py). A forward row's attention is quadratic in its length, so rows are packed into forward rows
 of at most `capacity` tokens (the prefix counted in each).
 
+Prefix Grouper (arXiv 2506.05433) encodes a group's prompt once for its G completions; gspo's minibatches hold about
+one row of every group (`distributed.minibatches`), so what their rows share is the batch-wide prefix, which this
+packs. Both at once (a prefix tree: the batch's prefix, then each group's prompt) is not built.
+
 `Packing.spread` and `Packing.source` map between the two layouts, so what is recorded per token of the packed
 forward (MoE routing) reads as the plain forward's (N, W) rows, and what is replayed per token is packed alike.
 """
