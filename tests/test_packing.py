@@ -11,19 +11,15 @@ import json
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from test_rollout import TOK, _qwen3
 
-from gspo.config.schema import ModelConfig
 from gspo.models import moe as moe_lib
-from gspo.models.build import build_model, char_tokenizer
 from gspo.models.packing import for_forward, pack, shared_prefix_len
-from gspo.rollout.generate import generate, token_logprobs
-from gspo.rollout.params import SamplingParams
+from gspo.rollout.generate import token_logprobs
 
 # the end-to-end test's data file is small on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:task.path=.*held-out problems:UserWarning")
 
-TOK = char_tokenizer("0123456789+=")
 SHARED = "1234567890+"  # every prompt opens with it: 11 shared tokens
 
 
@@ -59,19 +55,6 @@ def test_nothing_to_share_is_not_packed():
     assert pack(same, torch.ones_like(same), prompt_len=10, capacity=12) is None  # one row per forward row
 
 
-def _model(moe: bool):
-    """A tiny float64 Qwen3 (or Qwen3-MoE) and a rollout of prompts that open alike, of uneven lengths."""
-    kind = dict(arch="qwen3_moe", num_experts=4, top_k=2, moe_intermediate_size=16,
-                experts_implementation="eager") if moe else dict(arch="qwen3")  # (grouped_mm has no float64)
-    cfg = OmegaConf.structured(ModelConfig(name="t", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                                           intermediate_size=64, num_layers=2, **kind))
-    model = build_model(cfg, len(TOK), TOK, seed=0).double().eval()
-    prompts = [SHARED + s for s in ("1=", "1+1=", "12+345=", "99+1234=")]
-    r = generate(model, TOK, prompts, 2, SamplingParams(8, capture_routing=moe),
-                 generator=torch.Generator().manual_seed(3))
-    return model, r
-
-
 @pytest.mark.parametrize("moe,attention,capacity", [(False, "sdpa", None), (False, "eager", None),
                                                      (False, "sdpa", 40), (True, "sdpa", None)])
 def test_a_packed_minibatch_has_the_plain_logprobs_gradients_and_routing(moe, attention, capacity):
@@ -79,7 +62,7 @@ def test_a_packed_minibatch_has_the_plain_logprobs_gradients_and_routing(moe, at
     several at a small capacity; SDPA's boolean mask or eager's additive one) against the plain forward (SDPA:
     eager's plain forward of left-padded rows is NaN on this model); MoE: the routing replayed from the sampler's
     (R3) through `source`, and the routing recorded through `spread` is the plain forward's at every real token."""
-    model, r = _model(moe)
+    model, r = _qwen3(moe, SHARED)
     rows = torch.tensor([0, 2, 5, 7, 1])
     sub = r.select(rows)
     sub.topk_ids = torch.randint(0, len(TOK), (*sub.completion_mask.shape, 3), generator=torch.Generator().manual_seed(0))

@@ -238,14 +238,16 @@ def test_trimmed_drops_the_columns_that_are_padding_in_every_row():
             assert f.name not in SEQUENCE_COLUMNS + COMPLETION_COLUMNS and getattr(sub, f.name).shape == (2,), f.name
 
 
-def _qwen3(moe: bool):
-    """A tiny float64 Qwen3 (or Qwen3-MoE) and a sampled rollout of uneven prompts and completions."""
+def _qwen3(moe: bool, prefix: str = ""):
+    """A tiny float64 Qwen3 (or Qwen3-MoE) and a sampled rollout of uneven prompts and completions (each prompt
+    opening with `prefix`)."""
     kind = dict(arch="qwen3_moe", num_experts=4, top_k=2, moe_intermediate_size=16,
                 experts_implementation="eager") if moe else dict(arch="qwen3")  # (grouped_mm has no float64)
     cfg = OmegaConf.structured(ModelConfig(name="t", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                                            intermediate_size=64, num_layers=2, **kind))
     model = build_model(cfg, len(TOK), TOK, seed=0).double().eval()
-    r = generate(model, TOK, ["1=", "1+1=", "12+345=", "99+1234="], 2, SamplingParams(8, capture_routing=moe),
+    prompts = [prefix + p for p in ("1=", "1+1=", "12+345=", "99+1234=")]
+    r = generate(model, TOK, prompts, 2, SamplingParams(8, capture_routing=moe),
                  generator=torch.Generator().manual_seed(3))
     return model, r
 
