@@ -55,14 +55,33 @@ def test_nothing_to_share_is_not_packed():
     assert pack(same, torch.ones_like(same), prompt_len=10, capacity=12) is None  # one row per forward row
 
 
-@pytest.mark.parametrize("moe,attention,capacity", [(False, "sdpa", None), (False, "eager", None),
-                                                     (False, "sdpa", 40), (True, "sdpa", None)])
-def test_a_packed_minibatch_has_the_plain_logprobs_gradients_and_routing(moe, attention, capacity):
+def _split_mixtral(prefix: str):
+    """test_split_experts' tiny Llama split into a Mixtral (as model=smollm2_moe is made), float64, and a sampled
+    rollout of prompts opening with `prefix`."""
+    from test_split_experts import SETTINGS, _dense
+
+    from gspo.rollout.generate import SamplingParams, generate
+    from gspo.train import split_experts
+
+    model, _ = split_experts.build(_dense(), TOK, SETTINGS, log=lambda m: None)
+    model = model.double().eval()
+    model.config._experts_implementation = "eager"  # (grouped_mm has no float64)
+    prompts = [prefix + p for p in ("1=", "1+1=", "12+345=", "99+1234=")]
+    return model, generate(model, TOK, prompts, 2, SamplingParams(8, capture_routing=True),
+                           generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("arch,attention,capacity", [("qwen3", "sdpa", None), ("qwen3", "eager", None),
+                                                      ("qwen3", "sdpa", 40), ("qwen3_moe", "sdpa", None),
+                                                      ("mixtral", "sdpa", None)])
+def test_a_packed_minibatch_has_the_plain_logprobs_gradients_and_routing(arch, attention, capacity):
     """Log-probs, entropies, top-k log-probs and the gradient of a loss on them, packed (one forward row, or
     several at a small capacity; SDPA's boolean mask or eager's additive one) against the plain forward (SDPA:
-    eager's plain forward of left-padded rows is NaN on this model); MoE: the routing replayed from the sampler's
-    (R3) through `source`, and the routing recorded through `spread` is the plain forward's at every real token."""
-    model, r = _qwen3(moe, SHARED)
+    eager's plain forward of left-padded rows is NaN on this model); MoE (Qwen3-MoE, and a dense Llama split into a
+    Mixtral as model=smollm2_moe is): the routing replayed from the sampler's (R3) through `source`, and the routing
+    recorded through `spread` is the plain forward's at every real token."""
+    moe = arch != "qwen3"
+    model, r = _split_mixtral(SHARED) if arch == "mixtral" else _qwen3(moe, SHARED)
     rows = torch.tensor([0, 2, 5, 7, 1])
     sub = r.select(rows)
     sub.topk_ids = torch.randint(0, len(TOK), (*sub.completion_mask.shape, 3), generator=torch.Generator().manual_seed(0))

@@ -153,9 +153,11 @@ def test_the_fast_engine_samples_what_hf_samples_on_the_split_model():
 
 
 def test_the_moe_preset_is_smollm2_math_on_the_split_model():
-    """+experiment=smollm2_moe_math differs from +experiment=smollm2_math only in its model and name, so their runs
+    """+experiment=smollm2_moe_math differs from +experiment=smollm2_math only in its model, its name and
+    train.shared_prefix (a speed setting: the same numbers to float32 rounding, tests/test_packing.py), so their runs
     compare the dense and the MoE model; the model is the dense one's path, split."""
-    moe_cfg, dense_cfg = compose(["+experiment=smollm2_moe_math"]), compose(["+experiment=smollm2_math"])
+    moe_cfg, dense_cfg = compose(["+experiment=smollm2_moe_math"]), compose(["+experiment=smollm2_math",
+                                                                            "train.shared_prefix=true"])
     for group in ("task", "rollout", "train", "eval", "reward", "algo", "moe"):
         assert moe_cfg[group] == dense_cfg[group], group
     assert moe_cfg.model.path == dense_cfg.model.path and dense_cfg.model.split_experts.experts == 0
@@ -165,9 +167,11 @@ def test_the_moe_preset_is_smollm2_math_on_the_split_model():
 
 @pytest.mark.parametrize("arm", ["+cell=grpo", "+cell=grpo_R2", "+cell=grpo_R3", "+cell=gspo_wide30"])
 def test_the_moe_study_is_the_matched_study_on_the_split_model(arm):
-    """+experiment=smollm2_moe_matched differs from +experiment=smollm2_matched only in its model and name, arm by
-    arm: the MoE study's arms differ only in their objective or their replay, as the dense study's do."""
-    moe_cfg, dense_cfg = compose(["+experiment=smollm2_moe_matched", arm]), compose(["+experiment=smollm2_matched", arm])
+    """+experiment=smollm2_moe_matched differs from +experiment=smollm2_matched only in its model, its name and
+    train.shared_prefix, arm by arm: the MoE study's arms differ only in their objective or their replay, as the
+    dense study's do."""
+    moe_cfg = compose(["+experiment=smollm2_moe_matched", arm])
+    dense_cfg = compose(["+experiment=smollm2_matched", arm, "train.shared_prefix=true"])
     for group in ("task", "rollout", "train", "eval", "reward", "algo", "moe"):
         assert moe_cfg[group] == dense_cfg[group], group
     assert moe_cfg.model == compose(["+experiment=smollm2_moe_math"]).model
