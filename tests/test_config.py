@@ -23,6 +23,20 @@ def test_default_config_composes_to_the_documented_keys():
         assert node in cfg and (not rest or rest[0] in cfg[node]), key
 
 
+def test_composing_the_same_overrides_again_gives_an_equal_config_of_its_own():
+    """compose keeps what Hydra composed, by overrides (a composition costs ~0.3 CPU-s): a second call gets an equal
+    config that the first caller's changes did not reach, and a refused config is refused every time."""
+    first = compose(["algo=grpo", "train.lr=3e-6"])
+    eps_low = first.algo.eps_low
+    first.train.lr, first.algo.eps_low, first.name = 1.0, 0.5, "changed"
+    again = compose(["algo=grpo", "train.lr=3e-6"])
+    assert (again.train.lr, again.algo.eps_low, again.algo.name) == (3e-6, eps_low, "grpo") and again.name != "changed"
+    assert compose(["train.lr=3e-6"]).algo.name == "gspo"  # other overrides, another config
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="rollout.group_size"):
+            compose(["rollout.group_size=0"])
+
+
 @pytest.mark.parametrize("group", [g for g in GROUPS if g != "model"])
 def test_every_option_of_every_group_composes(group, tmp_path):
     (tmp_path / "data.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(1000)))

@@ -7,6 +7,7 @@ the other parts' registries is `gspo.train.checks.check`.
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -69,6 +70,13 @@ def quote_tool_lists(overrides: list[str]) -> list[str]:
     return out
 
 
+# Composed configs by their overrides, unresolved: a composition reads and merges every YAML it selects (~0.3 CPU-s),
+# and a process that composes the same overrides again (a sweep's checks, the CLI's plan, the tests) gets a copy.
+# Safe because what composition reads, conf/ and the schema, does not change while the process runs; interpolations
+# (environment, job directory) are resolved later, on each copy.
+_COMPOSED: dict[tuple[str, ...], Any] = {}
+
+
 def compose(overrides: list[str] = ()) -> Any:
     """The composed, validated config for `overrides` (as `gspo train` would see it).
 
@@ -82,14 +90,20 @@ def compose(overrides: list[str] = ()) -> Any:
     _register_resolvers()
     overrides = quote_tool_lists(list(overrides))
     _check_group_choices(overrides)
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
-    except Exception as e:  # Hydra/OmegaConf errors: keep the one line that names the problem
-        raise ConfigError(_explain(e)) from None
-    finally:
+    key = tuple(overrides)
+    if key not in _COMPOSED:
         GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+                composed = hydra_compose(config_name="config", overrides=overrides)
+        except Exception as e:  # Hydra/OmegaConf errors: keep the one line that names the problem
+            raise ConfigError(_explain(e)) from None
+        finally:
+            GlobalHydra.instance().clear()
+        if len(_COMPOSED) >= 256:
+            _COMPOSED.clear()
+        _COMPOSED[key] = composed
+    cfg = copy.deepcopy(_COMPOSED[key])  # the caller owns its copy: it may set values
     check_values(cfg)
     return cfg
 
