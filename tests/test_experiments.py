@@ -43,6 +43,20 @@ def test_the_matched_real_model_study_differs_from_smollm2_math_only_in_what_the
         assert matched.algo[key] == preset.algo[key], key
 
 
+@pytest.mark.parametrize("cell,tis", [("grpo_bf16", "none"), ("grpo_bf16_tis", "sequence")])
+def test_the_bf16_cells_are_the_matched_grpo_cell_with_a_bf16_sampler(cell, tis):
+    """The real model's lower-precision arms: the matched study's GRPO cell (their float32 control) with only the
+    sampler's precision changed, and the sequence-level correction in one; the old policy recomputed in float32."""
+    from gspo.rollout.sampler import old_logprobs_mode
+
+    bf16 = compose(["+experiment=smollm2_matched", f"+cell={cell}"])
+    f32 = compose(["+experiment=smollm2_matched", "+cell=grpo"])
+    for group in ("model", "task", "reward", "train", "eval", "algo", "moe", "hardware"):
+        assert bf16[group] == f32[group], group
+    assert {k for k in f32.rollout if bf16.rollout[k] != f32.rollout[k]} == {"dtype", *(["tis"] if tis != "none" else [])}
+    assert (bf16.rollout.dtype, bf16.rollout.tis, old_logprobs_mode(bf16)) == ("bfloat16", tis, "recompute")
+
+
 def test_moe_mismatch_is_the_wide_moe_sampled_in_bf16_and_trained_in_float32():
     from gspo.rollout.sampler import old_logprobs_mode
 
