@@ -168,11 +168,18 @@ def trl_worker(spec: dict) -> None:
     task = build_task(cfg.task)
     n = cfg.rollout.prompts_per_step * cfg.train.steps
     problems = task.sample_train(random.Random(cfg.seed), n)
-    data = Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
+    # gspo wraps a string prompt as one user message under model.use_chat_template; TRL renders a prompt through
+    # the chat template only when the dataset holds messages: the same rendered prompt on both sides
+    chat = bool(cfg.model.use_chat_template)
+    prompts = [[{"role": "user", "content": p.prompt}] if chat and isinstance(p.prompt, str) else p.prompt
+               for p in problems]
+    data = Dataset.from_dict({"prompt": prompts, "answer": [p.answer for p in problems]})
 
-    def correctness(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
-        """gspo's own reward: the task verifier, scored by the configured reward."""
-        return score(task, cfg.reward, completions, [Problem(p, ans) for p, ans in zip(prompts, answer)])[0].tolist()
+    def correctness(prompts: list, completions: list, answer: list[str], **_) -> list[float]:
+        """gspo's own reward: the task verifier, scored by the configured reward (a conversational completion is
+        its one assistant message)."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return score(task, cfg.reward, texts, [Problem(p, ans) for p, ans in zip(prompts, answer)])[0].tolist()
 
     class Recorder(TrainerCallback):
         def __init__(self) -> None:
