@@ -85,13 +85,17 @@ def test_the_docs_give_commands():
 
 
 @pytest.mark.parametrize("where,argv", COMMANDS, ids=[w for w, _ in COMMANDS])
-def test_a_docs_command_runs(where, argv, monkeypatch):
+def test_a_docs_command_runs(where, argv, monkeypatch, tmp_path):
     reason = why_skipped(argv)
     if reason:
         pytest.skip(f"{where}: {reason}")
     monkeypatch.chdir(REPO)  # paths in the docs are relative to the repository
     if argv[0] == "train" and "--help" not in argv:  # composed and checked, job by job; nothing runs
-        first_seed = [a.split(",")[0] if a.startswith("seed=") else a for a in argv[1:]]
+        # the first seed only; a sweep directory of the docs' own in tmp_path (a study run on this machine may have
+        # filled the named one, under outputs/, with other seeds)
+        first_seed = [a.split(",")[0] if a.startswith("seed=") else
+                      f"hydra.sweep.dir={tmp_path / 'sweep'}" if a.startswith("hydra.sweep.dir=") else a
+                      for a in argv[1:]]
         res = CliRunner().invoke(app, ["train", "--cfg", "job", *first_seed])
         assert res.exit_code == 0, f"{where}: gspo {' '.join(argv)}\n{res.output[-2000:]}"
         assert ("# job " in res.output) == ("-m" in argv)
