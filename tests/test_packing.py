@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_rollout import TOK, _qwen3
+from test_rollout import TOK, _qwen3, _sampled
 
 from gspo.models import moe as moe_lib
 from gspo.models.packing import for_forward, pack, shared_prefix_len
@@ -60,15 +60,12 @@ def _split_mixtral(prefix: str):
     rollout of prompts opening with `prefix`."""
     from test_split_experts import SETTINGS, _dense
 
-    from gspo.rollout.generate import SamplingParams, generate
     from gspo.train import split_experts
 
     model, _ = split_experts.build(_dense(), TOK, SETTINGS, log=lambda m: None)
     model = model.double().eval()
     model.config._experts_implementation = "eager"  # (grouped_mm has no float64)
-    prompts = [prefix + p for p in ("1=", "1+1=", "12+345=", "99+1234=")]
-    return model, generate(model, TOK, prompts, 2, SamplingParams(8, capture_routing=True),
-                           generator=torch.Generator().manual_seed(3))
+    return model, _sampled(model, True, prefix)
 
 
 @pytest.mark.parametrize("arch,attention,capacity", [("qwen3", "sdpa", None), ("qwen3", "eager", None),

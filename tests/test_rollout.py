@@ -246,10 +246,14 @@ def _qwen3(moe: bool, prefix: str = ""):
     cfg = OmegaConf.structured(ModelConfig(name="t", hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                                            intermediate_size=64, num_layers=2, **kind))
     model = build_model(cfg, len(TOK), TOK, seed=0).double().eval()
+    return model, _sampled(model, moe, prefix)
+
+
+def _sampled(model, moe: bool, prefix: str = ""):
+    """`_qwen3`'s rollout of `model`: four uneven prompts (each opening with `prefix`), two completions each."""
     prompts = [prefix + p for p in ("1=", "1+1=", "12+345=", "99+1234=")]
-    r = generate(model, TOK, prompts, 2, SamplingParams(8, capture_routing=moe),
-                 generator=torch.Generator().manual_seed(3))
-    return model, r
+    return generate(model, TOK, prompts, 2, SamplingParams(8, capture_routing=moe),
+                    generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.parametrize("moe", [False, True])

@@ -88,9 +88,10 @@ def _bins(tails: list[int], prefix: int, capacity: int) -> list[list[int]]:
             size += t
         return out
 
+    longest, total = max(tails), sum(tails)
     best, best_cost = None, float("inf")
     for k in range(1, len(tails) + 1):
-        lo, hi = max(tails), sum(tails)
+        lo, hi = longest, total
         while lo < hi:  # the least longest forward row that k of them can hold
             mid = (lo + hi) // 2
             lo, hi = (mid + 1, hi) if len(split(mid)) > k else (lo, mid)
