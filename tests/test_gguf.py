@@ -54,8 +54,8 @@ def test_a_gguf_file_becomes_a_checkpoint_once(tmp_path):
 
 def test_a_quantized_gguf_loads_its_dequantized_weights(tmp_path):
     """Q8_0 tensors come back as the values they dequantize to (gguf's own dequantization), and the line says
-    which quantization the file had. (Dequantizing parses the file once, gguf.py's _parsed_once: gguf's own
-    reader is back afterwards.)"""
+    which quantization the file had. (Dequantizing parses the file once on a plain array, gguf.py's _parsed_once:
+    the weights are bitwise those of transformers' own load, and gguf's own reader is back afterwards.)"""
     import gguf
 
     reader = gguf.GGUFReader
@@ -67,6 +67,11 @@ def test_a_quantized_gguf_loads_its_dequantized_weights(tmp_path):
     model, tok = load_pretrained(ckpt)
     ids = tok("How many apples")["input_ids"]
     torch.testing.assert_close(_logits(model, ids), _logits(src, ids), rtol=0, atol=1e-5)
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="q.gguf", dtype=torch.float32)  # gguf as it is
+    theirs, ours = plain.state_dict(), model.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
 
 
 def test_a_directory_holding_one_gguf_is_read_as_that_file(tmp_path):
