@@ -208,19 +208,6 @@ def test_resume_cfg_job_prints_the_config_resume_trains(in_tmp, finished_run):
     assert f"resume: {finished_run}" in res.output and not (in_tmp / "outputs").exists()
 
 
-def test_resume_continues_in_place_and_leaves_no_new_directory(tmp_path, cache_dir):
-    run_dir = tmp_path / "runs" / "run"
-    train(compose(tiny(cache_dir, **{"train.steps": 1})), run_dir)
-    before = {p for p in tmp_path.rglob("*") if p.is_dir()}
-    res = gspo_cli("train", f"resume={run_dir}", "train.steps=2", "hardware.threads=1", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    new = {p for p in tmp_path.rglob("*") if p.is_dir()} - before
-    assert new == {run_dir / "checkpoints" / "step_000002"}, new  # no outputs/DATE/TIME, no .hydra/
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
-    assert "steps: 2" in (run_dir / "config.yaml").read_text()
-
-
 # --------------------------------------------------------------------------- help
 
 
@@ -288,9 +275,9 @@ def test_a_sweep_over_a_presets_algorithm_says_what_the_preset_set_and_runs(tmp_
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["algo-grpo", "algo-gspo"]
 
 
-def test_the_console_says_what_a_preset_switched_on_and_where_a_resume_starts(tmp_path, cache_dir):
-    """`+experiment=...` prints what it set beyond the defaults (one line); a resume prints its step and
-    checkpoint."""
+def test_the_console_says_what_a_preset_switched_on(tmp_path, cache_dir):
+    """`+experiment=...` prints what it set beyond the defaults (one line). (Where a resume starts:
+    test_train's test_cli_run_multirun_and_resume.)"""
     run = tmp_path / "run"
     res = gspo_cli("train", "+experiment=moe_mismatch", *tiny(cache_dir, **{"train.steps": 1, "model.warm_start.steps": 5,
                                                                              "model.warm_start.target_accuracy": 0,
@@ -300,6 +287,3 @@ def test_the_console_says_what_a_preset_switched_on_and_where_a_resume_starts(tm
     [line] = [x for x in res.stdout.splitlines() if x.startswith("gspo: +experiment=moe_mismatch sets")]
     assert "model=qwen3-moe-wide" in line and "task=chain" in line and "rollout.dtype=bfloat16" in line
     assert line.endswith("old log-probs: recompute")
-    res = gspo_cli("train", f"resume={run}", "train.steps=2", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert f"gspo: resuming from step 1 of 2 (checkpoint {run}/checkpoints/step_000001)" in res.stdout

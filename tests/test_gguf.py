@@ -21,6 +21,7 @@ from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.models.build import load_pretrained
 from gspo.models.gguf import checkpoint_dir
+from gspo.results.evaluate import run_eval
 from gspo.train.checks import check
 
 
@@ -115,7 +116,8 @@ def test_a_file_in_an_installed_package(monkeypatch):
 
 
 def test_a_run_on_a_gguf_file(tmp_path, cache_dir):
-    """`gspo train model=hf model.path=FILE.gguf` trains, evaluates and writes an ordinary checkpoint."""
+    """`gspo train model=hf model.path=FILE.gguf` trains, evaluates and writes an ordinary checkpoint, which
+    `gspo eval RUN` evaluates (not the GGUF it started from)."""
     write_tiny_gguf(tmp_path / "tiny.gguf")
     from gspo.train.trainer import train
 
@@ -128,6 +130,8 @@ def test_a_run_on_a_gguf_file(tmp_path, cache_dir):
     assert summary["status"] == "finished"
     saved = json.loads(next((tmp_path / "run" / "checkpoints").glob("*/config.json")).read_text())
     assert saved["architectures"] == ["LlamaForCausalLM"]
+    res = run_eval(str(tmp_path / "run"), ["task.eval_size=2"], examples=0, pass_k=1)
+    assert "checkpoints/step_000001" in res["model"] and res["n"] == 2
 
 
 def test_the_cache_is_keyed_by_what_writes_it(tmp_path, monkeypatch):

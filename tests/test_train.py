@@ -111,10 +111,15 @@ def test_cli_run_multirun_and_resume(tmp_path, cache_dir):
     assert [json.loads((j / "summary.json").read_text())["status"] for j in jobs] == ["finished", "finished"]
     algos = sorted(read_config_algo(j) for j in jobs)
     assert algos == ["grpo", "gspo"]
+    before = {p for p in tmp_path.rglob("*") if p.is_dir()}
     res = gspo_cli("train", f"resume={jobs[0]}", "train.steps=2", cwd=env_cwd)
     assert res.returncode == 0, res.stderr[-2000:]
     assert [m["step"] for m in read_metrics(jobs[0])] == [0, 1, 2]
     assert "run directory" in res.stdout and "held-out accuracy" in res.stdout
+    assert f"gspo: resuming from step 1 of 2 (checkpoint {jobs[0]}/checkpoints/step_000001)" in res.stdout
+    # in place: no outputs/DATE/TIME, no .hydra/, the resolved config says the new length
+    assert {p for p in tmp_path.rglob("*") if p.is_dir()} - before == {jobs[0] / "checkpoints" / "step_000002"}
+    assert "steps: 2" in (jobs[0] / "config.yaml").read_text()
 
 
 def read_config_algo(run_dir):
