@@ -49,7 +49,6 @@ def hydra_train(cfg: DictConfig) -> float:
 
 def _train_job(cfg: DictConfig, hc) -> float:
     from gspo.train import checkpointer, distributed, launcher, preemption, resume, rundir, sweep
-    from gspo.train.trainer import train
 
     run_dir, before = Path(hc.runtime.output_dir), None
     if cfg.resume:  # continue the stopped run in its own directory, with its own config
@@ -85,6 +84,8 @@ def _train_job(cfg: DictConfig, hc) -> float:
         if launch:  # a worker's failure comes back as one line (gspo/train/failures.py)
             summary = launcher.launch(cfg, run_dir)
         else:
+            from gspo.train.trainer import train  # (not in a launcher: its workers import it, ~2 CPU-s each)
+
             summary = train(cfg, run_dir)
     if not launch:
         distributed.shutdown()  # ranks leave the process group together (no-op in one process)

@@ -46,6 +46,8 @@ EXTRA = {
     "granite": dict(logits_scaling=4.0),  # ... and scaled
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),  # gated DeltaNet + attention
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # Mamba
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16),  # (its
+    # 1,024-wide SSM with 256 states in 256-token chunks cost its test 10 s through transformers' reference scan)
 }
 DENSE = ["llama", "gpt2", "mistral", "gemma3_text", "phi3", "qwen2", "qwen3", "gemma2", "granite", "cohere", "mamba"]
 MOE = ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3",
