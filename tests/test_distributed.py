@@ -573,7 +573,9 @@ def test_hf_checkpoint_with_chat_template_and_gradient_checkpointing(tmp_path, c
 # --------------------------------------------------------------------------- sweep launchers
 
 
+@pytest.mark.slow
 def test_joblib_launcher_runs_a_two_job_sweep_in_parallel(tmp_path, cache_dir):
+    """Through the CLI's own process. (By default: test_sweep runs a three-job sweep under the same launcher.)"""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     cli("train", "-m", "hydra/launcher=parallel", "seed=0,1", *small(cache_dir, algo="gspo", **{"algo.agg": "null"}),
         cwd=tmp_path)
