@@ -4,7 +4,6 @@ no stray directory, the machine is checked before work, the help keeps its examp
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -262,28 +261,30 @@ def test_wandb_online_without_a_login_is_one_line(in_tmp, monkeypatch, cache_dir
     assert wandb_logged_in()
 
 
-def test_a_sweep_over_a_presets_algorithm_says_what_the_preset_set_and_runs(tmp_path, cache_dir):
+def test_a_sweep_over_a_presets_algorithm_says_what_the_preset_set_and_runs(tmp_path, cache_dir, monkeypatch):
     """`gspo train -m +experiment=NAME algo=grpo,gspo`: the preset's line is composed from the first job's
     overrides (composing `algo=grpo,gspo` itself once refused the sweep with a traceback)."""
-    res = gspo_cli("train", "-m", "+experiment=moe_mismatch", "algo=grpo,gspo",
-                   *tiny(cache_dir, **{"train.steps": 1, "model.warm_start.steps": 5,
-                                       "model.warm_start.target_accuracy": 0, "eval.every": 0}),
-                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-2000:]
-    [line] = [x for x in res.stdout.splitlines() if x.startswith("gspo: +experiment=moe_mismatch sets")]
-    assert "model=qwen3-moe-wide" in line and "Traceback" not in res.stderr
+    monkeypatch.chdir(tmp_path)  # (in this process: nothing of Hydra's lands in the repository)
+    res = runner.invoke(app, ["train", "-m", "+experiment=moe_mismatch", "algo=grpo,gspo",
+                              *tiny(cache_dir, **{"train.steps": 1, "model.warm_start.steps": 5,
+                                                  "model.warm_start.target_accuracy": 0, "eval.every": 0}),
+                              f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert res.exit_code == 0, res.output[-2000:]
+    [line] = [x for x in res.output.splitlines() if x.startswith("gspo: +experiment=moe_mismatch sets")]
+    assert "model=qwen3-moe-wide" in line and "Traceback" not in res.output
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["algo-grpo", "algo-gspo"]
 
 
-def test_the_console_says_what_a_preset_switched_on(tmp_path, cache_dir):
+def test_the_console_says_what_a_preset_switched_on(tmp_path, cache_dir, monkeypatch):
     """`+experiment=...` prints what it set beyond the defaults (one line). (Where a resume starts:
     test_train's test_cli_run_multirun_and_resume.)"""
+    monkeypatch.chdir(tmp_path)  # (in this process: nothing of Hydra's lands in the repository)
     run = tmp_path / "run"
-    res = gspo_cli("train", "+experiment=moe_mismatch", *tiny(cache_dir, **{"train.steps": 1, "model.warm_start.steps": 5,
-                                                                             "model.warm_start.target_accuracy": 0,
-                                                                             "eval.every": 0}),
-                   f"hydra.run.dir={run}", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-2000:]
-    [line] = [x for x in res.stdout.splitlines() if x.startswith("gspo: +experiment=moe_mismatch sets")]
+    res = runner.invoke(app, ["train", "+experiment=moe_mismatch",
+                              *tiny(cache_dir, **{"train.steps": 1, "model.warm_start.steps": 5,
+                                                  "model.warm_start.target_accuracy": 0, "eval.every": 0}),
+                              f"hydra.run.dir={run}"])
+    assert res.exit_code == 0, res.output[-2000:]
+    [line] = [x for x in res.output.splitlines() if x.startswith("gspo: +experiment=moe_mismatch sets")]
     assert "model=qwen3-moe-wide" in line and "task=chain" in line and "rollout.dtype=bfloat16" in line
     assert line.endswith("old log-probs: recompute")

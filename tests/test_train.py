@@ -3,8 +3,6 @@ runs every algorithm preset; `model=hf` takes a checkpoint the project saved its
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -97,26 +95,26 @@ def test_dense_model_has_no_moe_metrics(tmp_path, cache_dir):
     assert not any(k.startswith("moe/") for k in read_metrics(tmp_path)[-1])
 
 
-def gspo_cli(*args, cwd):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+def test_cli_run_multirun_and_resume(tmp_path, cache_dir, monkeypatch):
+    """`gspo train -m` into Hydra's default sweep directory under the working directory, then a resume of one
+    job: in place, its step said, no new directory."""
+    from typer.testing import CliRunner
 
+    from cli.main import app
 
-def test_cli_run_multirun_and_resume(tmp_path, cache_dir):
-    env_cwd = tmp_path
-    res = gspo_cli("train", "-m", "algo=grpo,gspo", *tiny(cache_dir, **{"train.steps": 1}), cwd=env_cwd)
-    assert res.returncode == 0, res.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["train", "-m", "algo=grpo,gspo", *tiny(cache_dir, **{"train.steps": 1})])
+    assert res.exit_code == 0, res.output[-2000:]
     jobs = sorted(p.parent for p in (tmp_path / "outputs" / "multirun").rglob("config.yaml") if p.parent.name != ".hydra")
     assert [json.loads((j / "summary.json").read_text())["status"] for j in jobs] == ["finished", "finished"]
     algos = sorted(read_config_algo(j) for j in jobs)
     assert algos == ["grpo", "gspo"]
     before = {p for p in tmp_path.rglob("*") if p.is_dir()}
-    res = gspo_cli("train", f"resume={jobs[0]}", "train.steps=2", cwd=env_cwd)
-    assert res.returncode == 0, res.stderr[-2000:]
+    res = CliRunner().invoke(app, ["train", f"resume={jobs[0]}", "train.steps=2"])
+    assert res.exit_code == 0, res.output[-2000:]
     assert [m["step"] for m in read_metrics(jobs[0])] == [0, 1, 2]
-    assert "run directory" in res.stdout and "held-out accuracy" in res.stdout
-    assert f"gspo: resuming from step 1 of 2 (checkpoint {jobs[0]}/checkpoints/step_000001)" in res.stdout
+    assert "run directory" in res.output and "held-out accuracy" in res.output
+    assert f"gspo: resuming from step 1 of 2 (checkpoint {jobs[0]}/checkpoints/step_000001)" in res.output
     # in place: no outputs/DATE/TIME, no .hydra/, the resolved config says the new length
     assert {p for p in tmp_path.rglob("*") if p.is_dir()} - before == {jobs[0] / "checkpoints" / "step_000002"}
     assert "steps: 2" in (jobs[0] / "config.yaml").read_text()
