@@ -6,19 +6,24 @@ from __future__ import annotations
 import pytest
 from conftest import needs_real_model
 from test_distributed import cli, jsonl
+from typer.testing import CliRunner
+
+from cli.main import app
 
 pytestmark = needs_real_model
 
 
-def test_the_real_model_trains_a_step_and_evaluates(tmp_path, cache_dir):
+def test_the_real_model_trains_a_step_and_evaluates(tmp_path, cache_dir, monkeypatch):
     """One small step of the preset (2 prompts x 2 completions of 12 tokens, one minibatch, 2 held-out problems):
     the GGUF is dequantized into the cache, sampled, scored, updated, evaluated before and after. (`gspo eval` of a
     run started from a GGUF: test_gguf, on a tiny one.)"""
     run = tmp_path / "run"
-    res = cli("train", "+experiment=smollm2_math", "train.steps=1", "rollout.prompts_per_step=2",
-              "rollout.group_size=2", "rollout.max_new_tokens=12", "train.minibatches=1", "task.eval_size=2",
-              "eval.every=1", f"cache_dir={cache_dir}", f"hydra.run.dir={run}", cwd=tmp_path, timeout=900)
-    assert "dequantized to float32" in res.stdout + res.stderr
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["train", "+experiment=smollm2_math", "train.steps=1", "rollout.prompts_per_step=2",
+                                   "rollout.group_size=2", "rollout.max_new_tokens=12", "train.minibatches=1",
+                                   "task.eval_size=2", "eval.every=1", f"cache_dir={cache_dir}", f"hydra.run.dir={run}"])
+    assert res.exit_code == 0, res.output[-3000:]
+    assert "dequantized to float32" in res.output
     rows = jsonl(run / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 1] and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
