@@ -81,7 +81,9 @@ def test_no_held_out_problem_has_a_twin_in_training():
     first = train[0]
     twins = [p for p in train if p.meta["op"] == first.meta["op"] and p.meta["numbers"] == first.meta["numbers"]]
     assert len({p.prompt[-1]["content"] for p in twins}) > 1 and len({task.canonical(p) for p in twins}) == 1
-    assert task.eval_set(200) == task.eval_set(200)  # the same for every run
+    mine = task.eval_set(200)  # drawn once per process (~3 s): each caller gets a copy of its own
+    mine[0].prompt[-1]["content"] = "changed by a caller"
+    assert task.eval_set(200) == task._draw_eval_set(200)  # the same for every run and call
 
 
 # the operand orders of each kind that state the same arithmetic (sums and products commute)

@@ -24,6 +24,7 @@ default `task.eval_fraction=0.25` it is the whole held-out part, 154 problems (8
 from __future__ import annotations
 
 import ast
+import copy
 import math
 import random
 import re
@@ -96,6 +97,7 @@ KINDS = (
         "{A} has ${x}. {A} buys {y} {i}s for ${z} each and then earns ${w}. How many dollars does {A} have now?",)),
 )
 STEP_WEIGHTS = {1: 0.5, 2: 0.35, 3: 0.15}  # most problems one step: the 135 M model solves some of those
+_EVAL_SETS: dict[tuple, list[Problem]] = {}  # WordProblems.eval_set, by setting
 
 # a number as written in a reply: 1,200 (thousands grouped by commas), 12.5, 1/2, with a sign or a currency sign
 _NUMBER = re.compile(r"(?<![\w.])(-?)\$?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?:/(\d+))?(?!\d)")
@@ -227,7 +229,15 @@ class WordProblems(_HeldOutSplit):
 
     def eval_set(self, n: int) -> list[Problem]:
         """`n` distinct held-out problems, each kind drawn as often as training draws it (as far as its held-out
-        part has room): plain rejection sampling would fill the set with the kinds of many distinct problems."""
+        part has room): plain rejection sampling would fill the set with the kinds of many distinct problems.
+        Drawn once per process and setting (where the split holds fewer than `n`, all 400 n draws are made: ~3 s);
+        each call gets its own copy."""
+        key = (self.eval_fraction, self.system, tuple(k.op for k in self.kinds), n)
+        if key not in _EVAL_SETS:
+            _EVAL_SETS[key] = self._draw_eval_set(n)
+        return copy.deepcopy(_EVAL_SETS[key])
+
+    def _draw_eval_set(self, n: int) -> list[Problem]:
         quota = {k.op: math.ceil(n * w) for k, w in zip(self.kinds, self.weights)}
         rng, out, seen = random.Random(EVAL_SEED), [], set()
         for attempt in range(400 * n):
