@@ -114,7 +114,7 @@ def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_
     assert f"gspo: reusing the warm-started base {add} (built from task.path={data}, same content)" in capsys.readouterr().out
 
 
-def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_path):
+def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_path, monkeypatch):
     """SIGTERM while the warm start runs: exit 75 and the one-line resume message (before: killed by the signal,
     exit -15, no message), the partial warm start saved beside the cache and never taken for a finished base;
     `gspo train resume=` continues it and builds the very base an uninterrupted warm start builds. (The signal
@@ -136,9 +136,14 @@ def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_
             "model.intermediate_size=64", "model.warm_start.steps=200", "model.warm_start.target_accuracy=0",
             "model.warm_start.batch_size=16", "train.steps=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
             "rollout.max_new_tokens=4", "task.eval_size=8", "logger.progress=false", "hardware.threads=1"]
-    whole = subprocess.run([sys.executable, "-m", "cli.main", "train", *opts, f"cache_dir={tmp_path / 'c1'}",
-                            f"hydra.run.dir={tmp_path / 'whole'}"], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    # the uninterrupted warm start, in this process (the signal and the resume below need processes of their own)
+    monkeypatch.chdir(tmp_path)
+    whole = CliRunner().invoke(app, ["train", *opts, f"cache_dir={tmp_path / 'c1'}", f"hydra.run.dir={tmp_path / 'whole'}"])
+    assert whole.exit_code == 0, whole.output[-2000:]
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", *opts, f"cache_dir={tmp_path / 'c2'}",
                              f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
