@@ -141,14 +141,15 @@ def test_a_reward_error_inside_the_job_is_one_line_for_real(tmp_path, cache_dir)
     one_line_exit_2(res, "boom")
 
 
-def test_a_reward_error_in_a_parallel_sweep_job_is_exit_2_without_a_traceback(tmp_path, cache_dir):
+def test_a_reward_error_in_a_parallel_sweep_job_is_exit_2_without_a_traceback(tmp_path, cache_dir, monkeypatch):
     """joblib runs the jobs in other processes: Hydra hands the job's ConfigError back to gspo."""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     (tmp_path / "rw.py").write_text(BAD_REWARD)
-    res = gspo_cli("train", "-m", "hydra/launcher=parallel", "reward=python", "reward.fn=rw.py:boom", "seed=0,1",
-                   *tiny(cache_dir, **{"hardware.threads": 1}), cwd=tmp_path)
-    out = res.stdout + res.stderr
-    assert res.returncode == 2 and "Traceback" not in out, out[-3000:]
+    monkeypatch.chdir(tmp_path)  # gspo in this process; the jobs in joblib's
+    res = runner.invoke(app, ["train", "-m", "hydra/launcher=parallel", "reward=python", "reward.fn=rw.py:boom",
+                              "seed=0,1", *tiny(cache_dir, **{"hardware.threads": 1})])
+    out = res.output
+    assert res.exit_code == 2 and "Traceback" not in out, out[-3000:]
     assert any(line.startswith("gspo: error: job ") and "boom" in line for line in out.splitlines()), out[-3000:]
 
 

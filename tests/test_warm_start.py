@@ -160,10 +160,9 @@ def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_
     cache = tmp_path / "c2"
     assert [p.name.startswith(".partial-base-") for p in cache.iterdir()] == [True]  # no finished base
     time.sleep(0.1)
-    res = subprocess.run([sys.executable, "-m", "cli.main", "train", f"resume={run}"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "continuing the interrupted warm start from step" in res.stdout
+    res = CliRunner().invoke(app, ["train", f"resume={run}"])  # (in this process: the stopped one is gone)
+    assert res.exit_code == 0, res.output[-2000:]
+    assert "continuing the interrupted warm start from step" in res.output
     a = load_file(next((tmp_path / "c1").glob("base-*")) / "model.safetensors")
     b = load_file(next(cache.glob("base-*")) / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
