@@ -1,6 +1,6 @@
 """The `gspo` command as a user meets it: errors raised inside the Hydra job or a torchrun
-worker still end as one line and exit code 2, resume refuses what it would ignore and leaves
-no stray directory, the machine is checked before work, the help keeps its examples intact."""
+worker still end as one line and exit code 2, resume refuses what it would ignore (that it leaves
+no stray directory: test_train), the machine is checked before work, the help keeps its examples intact."""
 
 from __future__ import annotations
 

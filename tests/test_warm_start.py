@@ -140,7 +140,7 @@ def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_
 
     from cli.main import app
 
-    # the uninterrupted warm start, in this process (the signal and the resume below need processes of their own)
+    # the uninterrupted warm start and the resume in this process; the signalled run below needs a process of its own
     monkeypatch.chdir(tmp_path)
     whole = CliRunner().invoke(app, ["train", *opts, f"cache_dir={tmp_path / 'c1'}", f"hydra.run.dir={tmp_path / 'whole'}"])
     assert whole.exit_code == 0, whole.output[-2000:]
