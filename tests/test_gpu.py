@@ -29,3 +29,42 @@ def test_train_on_gpu(tmp_path, cache_dir, model, algo, dtype):
     for r in steps:
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
         assert r["memory/peak_gib"] > 0  # logged on CUDA only
+
+
+def every_preset_on(device: str) -> dict[str, tuple]:
+    """Each algo preset's advantages, loss and gradient (float64) with its tensors on `device`, returned on the CPU."""
+    from omegaconf import OmegaConf
+    from test_losses import make_batch
+
+    from gspo.algos.advantages import ADVANTAGES, compute_advantages
+    from gspo.algos.losses import HYPER_NAMES, LOSSES, policy_loss
+    from gspo.config.schema import CONF_DIR, AlgoConfig
+
+    out = {}
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.25], dtype=torch.float64, device=device)
+    lengths = torch.tensor([3, 5, 2, 4, 1, 6, 2, 2], device=device)
+    for p in sorted((CONF_DIR / "algo").glob("*.yaml")):
+        raw = OmegaConf.load(p)
+        cfg = OmegaConf.merge(OmegaConf.structured(AlgoConfig), raw.algo if "algo" in raw else raw)
+        adv = None  # ppo's GAE needs a critic's values: its loss is still checked
+        if cfg.advantage in ADVANTAGES:
+            adv = compute_advantages(cfg.advantage, rewards, 4, passk_k=cfg.passk_k, lengths=lengths).cpu()
+        logp, old, mask, a = (t.detach().to(device) for t in make_batch())
+        logp.requires_grad_()
+        hyper = {k: cfg[k] for k in HYPER_NAMES if k in cfg}
+        if LOSSES[cfg.loss].topk:
+            hyper |= {"topk_old_logp": torch.stack([old, old - 1.0], -1), "topk_logp": torch.stack([logp, logp - 1.0], -1)}
+        loss, _ = policy_loss(cfg.loss, logp, old, a, mask, max_tokens=8, ref_logp=old, **hyper)
+        (g,) = torch.autograd.grad(loss, logp)
+        out[p.stem] = (adv, loss.detach().cpu(), g.cpu())
+    return out
+
+
+def test_every_preset_computes_on_the_gpu_what_it_computes_on_the_cpu():
+    # each loss and advantage estimator keeps its inputs' device (DAPO's overlong penalty once built its own on
+    # the CPU): on CUDA tensors every preset runs and gives the CPU's float64 numbers
+    cpu, gpu = every_preset_on("cpu"), every_preset_on("cuda")
+    for name, want in cpu.items():
+        for w, got in zip(want, gpu[name]):
+            if w is not None:
+                torch.testing.assert_close(got, w, rtol=1e-9, atol=1e-12, equal_nan=True, msg=name)

@@ -130,7 +130,7 @@ def gpg(r: Tensor) -> Tensor:
 @register_advantage("gdpo")
 def _gdpo_summed(r: Tensor, eps: float = STD_EPS) -> Tensor:
     """`gdpo` of the summed reward alone (one component); `compute_advantages` passes each function's (`gdpo`)."""
-    return gdpo(r.unsqueeze(-1), torch.ones(1), eps)
+    return gdpo(r.unsqueeze(-1), torch.ones(1, device=r.device), eps)
 
 
 @register_advantage("grpo_passk")
@@ -158,7 +158,8 @@ def passk(r: Tensor, k: int = 4, eps: float = STD_EPS) -> Tensor:
         raise ConfigError(f"algo.passk_k must be in [1, group_size={n}], got {k}")
 
     def p_max(m: int, kk: int) -> Tensor:  # P(the max of a uniform kk-subset of m sorted values is the j-th smallest)
-        return torch.tensor([math.comb(j - 1, kk - 1) for j in range(1, m + 1)], dtype=r.dtype) / math.comb(m, kk)
+        return torch.tensor([math.comb(j - 1, kk - 1) for j in range(1, m + 1)], dtype=r.dtype,
+                            device=r.device) / math.comb(m, kk)
 
     p = p_max(n, k)
     s = r.sort(dim=1).values
@@ -204,7 +205,7 @@ def gdpo(components: Tensor, weights: Tensor, eps: float = STD_EPS, whiten: str 
     lo = torch.where(scored, components, inf).amin(dim=1, keepdim=True)
     constant = hi <= lo  # (n_groups, 1, K): the function gave its group's scored rows one value (or scored none)
     z = torch.where(constant & scored, torch.zeros_like(z), z)
-    s = (z * weights.to(z.dtype)).nansum(dim=-1)  # (n_groups, G)
+    s = (z * weights.to(z)).nansum(dim=-1)  # (n_groups, G); the weights on z's dtype and device
     none = ~scored.any(dim=-1)
     s = torch.where(none, torch.full_like(s, math.nan), s)
     if whiten == "tokens":
