@@ -93,14 +93,37 @@ class RouterFormatError(TypeError):
     """A module that looks like a router returned something gspo cannot read as routing."""
 
 
+def _positions(output: tuple, router: nn.Module) -> tuple[int, int, int]:
+    """Where a 3-tuple router output holds (logits, weights, indices), read from the tensors themselves: the
+    indices are the integer tensor, the logits the float one over all experts. Most routers return them in that
+    order; some do not (GraniteMoe's router before transformers 5.2x returns (indices, weights, logits)), and a
+    positional read would replay weights as logits without a word."""
+    if not all(isinstance(t, torch.Tensor) for t in output):
+        raise RouterFormatError(f"{type(router).__name__} returns a 3-tuple that is not all tensors")
+    ints = [i for i, t in enumerate(output) if not (t.is_floating_point() or t.is_complex())]
+    floats = [i for i in range(3) if i not in ints]
+    if len(ints) != 1:
+        raise RouterFormatError(f"{type(router).__name__} returns {len(ints)} integer tensors among three; routing "
+                                "capture/replay needs exactly one (the chosen experts)")
+    a, b = floats
+    wide_a, wide_b = (output[i].shape[-1] == router.num_experts for i in (a, b))
+    if wide_b and not wide_a:  # b spans every expert (the logits), a the k chosen (the weights)
+        a, b = b, a
+    elif wide_a == wide_b and router.top_k != router.num_experts:
+        raise RouterFormatError(f"{type(router).__name__}'s float outputs have last dims "
+                                f"{output[a].shape[-1]} and {output[b].shape[-1]}: neither reads as the logits over "
+                                f"its {router.num_experts} experts")
+    return a, b, ints[0]
+
+
 def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits (N, E), weights (N, k), indices (N, k)) from a router's output, in either format:
 
-    ``(logits, weights, indices)`` (most routers), or ``(dense weights (N, E), logits (N, E))``
-    with zeros off the chosen experts (Llama 4, whose MoE block weights every expert by it).
+    ``(logits, weights, indices)`` in any order (most routers; see `_positions`), or ``(dense weights (N, E),
+    logits (N, E))`` with zeros off the chosen experts (Llama 4, whose MoE block weights every expert by it).
     """
     if isinstance(output, (tuple, list)) and len(output) == 3:
-        return output[0], output[1], output[2]
+        return tuple(output[i] for i in _positions(output, router))
     if (isinstance(output, (tuple, list)) and len(output) == 2 and all(isinstance(t, torch.Tensor) for t in output)
             and output[0].shape == output[1].shape and output[0].shape[-1] == router.num_experts):
         dense, logits = output
@@ -110,10 +133,14 @@ def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tens
                             "indices) nor (dense scores, logits); routing capture/replay cannot wrap it")
 
 
-def _pack(output: object, logits: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> object:
-    """The router's output with `weights` at `indices` instead of its own, in its own format."""
+def _pack(output: object, router: nn.Module, logits: torch.Tensor, weights: torch.Tensor,
+          indices: torch.Tensor) -> object:
+    """The router's output with `weights` at `indices` instead of its own, in its own format and order."""
     if len(output) == 3:
-        return type(output)((logits, weights, indices))
+        out = [None] * 3
+        for i, t in zip(_positions(output, router), (logits, weights, indices)):
+            out[i] = t
+        return type(output)(out)
     dense = torch.zeros_like(output[0]).scatter(-1, indices.reshape(-1, indices.shape[-1]).long(),
                                                 weights.reshape(-1, weights.shape[-1]).to(output[0].dtype))
     return type(output)((dense.view_as(output[0]), output[1]))
@@ -462,7 +489,7 @@ def replay_routing(model: nn.Module, indices: torch.Tensor, source: Optional[tor
             # The router's own weights of the forced experts: the gradient path to the router.
             w = scoring.weights(logits.reshape(-1, logits.shape[-1]), idx)
             w = torch.where(keep_live, scores.reshape(-1, k), w.to(scores.dtype))
-            return _pack(output, logits, w.reshape(scores.shape), idx.reshape(shape))
+            return _pack(output, module, logits, w.reshape(scores.shape), idx.reshape(shape))
         return hook
 
     # prepend: run before capture hooks (and HF's own output recorders) on the same router.
