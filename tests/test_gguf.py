@@ -53,6 +53,20 @@ def test_a_gguf_file_becomes_a_checkpoint_once(tmp_path):
     assert checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=None) != ckpt
 
 
+def test_the_headers_end_and_padding_tokens_win(tmp_path):
+    """transformers 5.17 read a GGUF's eos as its bos (SmolLM2's completions would never end) and left no pad
+    token; gspo sets the ones the header names where the tokenizer differs (the tokenizer here is broken by hand
+    as 5.17 broke it), and leaves a right one alone."""
+    from gspo.models.gguf import _header_specials, tokenizer_of
+
+    write_tiny_gguf(tmp_path / "t.gguf")
+    tok = tokenizer_of(tmp_path / "t.gguf")
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|im_end|>")
+    tok.eos_token, tok.pad_token = "<|im_start|>", None
+    tok = _header_specials(tok, tmp_path / "t.gguf")
+    assert (tok.eos_token_id, tok.pad_token_id) == (2, 2) and tok.bos_token == "<|im_start|>"
+
+
 def test_a_quantized_gguf_loads_its_dequantized_weights(tmp_path):
     """Q8_0 tensors come back as the values they dequantize to (gguf's own dequantization), and the line says
     which quantization the file had. (Dequantizing parses the file once on a plain array, gguf.py's _parsed_once:

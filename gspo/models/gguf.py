@@ -131,7 +131,19 @@ def tokenizer_of(path: str | Path):
     source = model_path.gguf_file(path)
     if source is None:
         return AutoTokenizer.from_pretrained(model_path.resolve(path))
-    return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    return _header_specials(AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name), source)
+
+
+def _header_specials(tokenizer, source: Path):
+    """The tokenizer with the end-of-sequence and padding tokens the file's header names. transformers 5.17 read a
+    GGUF's eos as its bos (SmolLM2: `<|im_start|>` for `<|im_end|>`, so no completion would end); 5.19 reads it
+    right. Set only where it differs."""
+    header = model_path.gguf_header(source)
+    for name, key in (("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        i = header.get(f"tokenizer.ggml.{key}")
+        if isinstance(i, int) and 0 <= i < len(tokenizer) and getattr(tokenizer, f"{name}_token_id") != i:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(i))
+    return tokenizer
 
 
 def dequantize(source: Path, out: Path, key: str = "model.path") -> str:
@@ -151,7 +163,7 @@ def dequantize(source: Path, out: Path, key: str = "model.path") -> str:
     try:
         with _parsed_once():
             model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+            tokenizer = _header_specials(AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name), source)
     except (ValueError, KeyError, RuntimeError) as e:  # an architecture or tensor type transformers cannot read
         raise ConfigError(f"{key}={source}: transformers cannot read this GGUF file "
                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
