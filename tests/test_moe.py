@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from gspo.config.errors import ConfigError
+from gspo.models.build import enable_checkpointing
 from gspo.models.moe import (
     capture_routing,
     expert_load,
@@ -212,7 +213,7 @@ def test_replay_with_gradient_checkpointing():
     weights = [r.weight for r in find_routers(model)]
     with replay_routing(model, old.indices(B)):
         ref = torch.autograd.grad(model(x).logits.square().mean(), weights)
-    model.activation_checkpointing_enable()
+    enable_checkpointing(model)  # as model.gradient_checkpointing=true does
     model.train()  # checkpointing is only active in training mode
     with replay_routing(model, old.indices(B)):  # backward inside: recomputation is replayed too
         got = torch.autograd.grad(model(x, use_cache=False).logits.square().mean(), weights)

@@ -204,3 +204,7 @@ def tokenizer_encode(cfg, task):
     return lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in the backward (`model.gradient_checkpointing`): transformers renamed the switch
+    `activation_checkpointing_enable` in a 5.x release and keeps the old name; take whichever this version has."""
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()

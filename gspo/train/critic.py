@@ -28,7 +28,7 @@ from gspo.algos.advantages import compute_advantages
 from gspo.algos.kl import kl_penalty, reward_penalty
 from gspo.algos.value import GAE, explained_variance, gae, outcome_rewards, value_loss, whiten
 from gspo.config.errors import ConfigError
-from gspo.models.build import load_pretrained
+from gspo.models.build import enable_checkpointing, load_pretrained
 from gspo.rollout.batch import Batch
 from gspo.rollout.generate import Rollout, position_ids
 from gspo.tasks.rewards import components
@@ -126,7 +126,7 @@ class ValueCritic(Critic):
         lm, _ = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation, device=dist.device)
         bare = ValueModel(lm, distributed.keyed_seed(cfg.seed, 0, purpose="critic")).to(dist.device)
         if cfg.model.gradient_checkpointing:
-            (getattr(bare.model, "activation_checkpointing_enable", None) or bare.model.gradient_checkpointing_enable)()
+            enable_checkpointing(bare.model)
         if resume is not None:  # before wrapping, as the policy's weights
             checkpoint.load_module(bare, resume / CRITIC_FILE)
         self.module = dist.wrap(bare, dtype)

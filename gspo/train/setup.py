@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
-from gspo.models.build import load_pretrained, tokenizer_encode
+from gspo.models.build import enable_checkpointing, load_pretrained, tokenizer_encode
 from gspo.rollout import engine
 from gspo.rollout.batch import Share, collect
 from gspo.rollout.generate import stop_ids
@@ -32,14 +32,14 @@ from gspo.tasks.rewards import probe
 from gspo.train import distributed
 from gspo.train.checkpointer import Checkpointer
 from gspo.train.checks import warn_task_on_chat_model
-from gspo.train.critic import Critic
 from gspo.train.components import BatchSource
+from gspo.train.critic import Critic
 from gspo.train.distributed import Dist
 from gspo.train.evaluator import Evaluator
 from gspo.train.heldout import heldout_problems
 from gspo.train.logging import MetricsLogger, NullLogger
 from gspo.train.moe_step import MoEStep
-from gspo.train.preemption import StopSignals, Stopped, resume_command
+from gspo.train.preemption import Stopped, StopSignals, resume_command
 from gspo.train.reference import RefSync
 from gspo.train.teacher import Teacher
 from gspo.train.warm_start import base_model
@@ -114,8 +114,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) ->
     model.to(device)
     if dist.is_main:
         warn_task_on_chat_model(task, tokenizer, cfg)
-    if cfg.model.gradient_checkpointing:  # transformers 5 renames the switch; take whichever this version has
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    if cfg.model.gradient_checkpointing:
+        enable_checkpointing(model)
     model = adapters.apply(model, cfg.model.lora, base_dir, cfg.seed)  # LoRA: model.lora.r > 0 -> PeftModel, base frozen
     if separate(cfg) or cfg.rollout.workers or cfg.model.lora.save_merged:  # merged weights are served or saved
         adapters.check_mergeable(model)  # (not an adapter on a tied LM head)
