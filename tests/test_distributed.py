@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import child_env, tiny
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -38,7 +38,7 @@ def small(cache_dir, **extra) -> list[str]:
 
 
 def cli(*args, cwd, torchrun: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     runner = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else []
     res = subprocess.run([sys.executable, *runner, "-m", "cli.main", *args], cwd=cwd, env=env, capture_output=True,
                          text=True, timeout=timeout)
@@ -112,7 +112,7 @@ def test_profiles_compose_and_bad_splits_are_config_errors():
 
 
 def test_cli_rejects_a_prompt_count_that_does_not_split(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     res = subprocess.run([sys.executable, "-m", "cli.main", "train", "hardware=cpu-ddp", "hardware.nproc=3"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "multiple of 3" in res.stderr and "Traceback" not in res.stderr
@@ -476,7 +476,7 @@ def test_a_failing_rank_ends_every_rank_in_one_line(mode, exit_code, line, tmp_p
     opts = small(cache_dir, reward="python", **{"reward.fn": f"{tmp_path}/fns.py:flaky", "train.steps": 4,
                                                "train.checkpoint_every": 1, "reward.timeout_s": 0,
                                                "hardware.collective_timeout_s": 8})
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     res = subprocess.run([sys.executable, "-m", "cli.main", "train", "hardware=cpu-ddp", *opts,
                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)
@@ -498,7 +498,7 @@ def test_killing_the_launcher_stops_its_workers_as_a_preemption(tmp_path, cache_
     import time
 
     opts = small(cache_dir, **{"train.steps": 10_000, "train.checkpoint_every": 1000})
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "train", "hardware=cpu-ddp", *opts,
                              f"hydra.run.dir={run}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
@@ -609,7 +609,7 @@ def test_two_torchrun_agents_as_two_nodes_compute_the_two_process_run(one_proces
     (torchrun by hand leaves the thread count to torch, all cores; another count rounds the backward otherwise)."""
     opts = small(cache_dir, **{"hardware.threads": 1})
     cli("train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'ddp'}", *opts, cwd=tmp_path)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={r}",
                                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "cli.main",
@@ -634,9 +634,8 @@ def test_one_gspo_task_per_slurm_node_forms_one_run(tmp_path, cache_dir):
     job = str(10_000 + _free_port() % 10_000)
     procs = []
     for node in (0, 1):
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "SLURM_JOB_ID": job,
-               "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": str(node),
-               "SLURM_JOB_NODELIST": "localhost"}
+        env = child_env(SLURM_JOB_ID=job, SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="2", SLURM_NODEID=str(node),
+                        SLURM_JOB_NODELIST="localhost")
         procs.append(subprocess.Popen([sys.executable, "-m", "cli.main", "train", "hardware=cpu-ddp",
                                        "hardware.nproc=1", f"hydra.run.dir={tmp_path / 'nodes'}", *opts],
                                       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

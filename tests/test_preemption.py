@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import child_env, tiny
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -49,7 +49,7 @@ def opts(cache_dir, **extra) -> list[str]:
 
 
 def start(*args, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     return subprocess.Popen([sys.executable, "-m", "cli.main", "train", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

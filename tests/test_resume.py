@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import child_env, tiny
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -36,7 +36,7 @@ def steady(rows: list[dict]) -> list[dict]:
 
 
 def gspo(*args, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     return subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -428,7 +428,7 @@ def test_a_run_killed_between_its_last_checkpoint_and_its_end_is_finished_by_its
     killed = tmp_path / "killed"
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(compose(overrides), resolve=True))
     proc = subprocess.run([sys.executable, "-c", KILL_AFTER_LAST_CHECKPOINT, str(tmp_path / "config.yaml"),
-                           str(killed)], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                           str(killed)], env=child_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
     left = json.loads((killed / "summary.json").read_text())

@@ -3,10 +3,11 @@ than GSPO_TEST_MAX_S fails the session, naming itself; `slow` and `engine` tests
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +36,7 @@ def test_a_default_test_over_the_bound_fails_the_session_and_slow_or_engine_ones
         "from tests.conftest import pytest_runtest_logreport, pytest_sessionfinish, pytest_terminal_summary  # noqa\n")
     (tmp_path / "test_timed.py").write_text(TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: long\n    engine: vLLM\n")
-    env = {**os.environ, "GSPO_TEST_MAX_S": "0.2", "PYTHONPATH": str(ROOT)}
+    env = child_env(GSPO_TEST_MAX_S="0.2")
     env.pop("PYTEST_XDIST_WORKER", None)
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                           str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)

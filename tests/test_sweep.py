@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny
+from conftest import child_env, tiny
 from omegaconf import OmegaConf
 from test_cli import one_line_exit_2
 from typer.testing import CliRunner
@@ -203,7 +203,7 @@ def test_a_sweep_whose_process_was_killed_continues_from_its_checkpoints(tmp_pat
     """kill -9 of the process running a sweep (its lock stays behind, metrics run past the last checkpoint): the
     same command again takes the stale lock over, drops what came after the checkpoint and ends as a sweep never
     killed."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     args = [sys.executable, "-m", "cli.main", "train", "-m", "seed=0,1",
             *tiny(cache_dir, **{"train.steps": 8, "train.checkpoint_every": 2, "hardware.threads": 1})]
     whole, killed = tmp_path / "whole", tmp_path / "killed"

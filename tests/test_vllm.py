@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("tag")]
 
-from conftest import alive_of_this_test, tiny  # noqa: E402
+from conftest import alive_of_this_test, child_env, tiny  # noqa: E402
 from test_async import assert_same_run, gspo, sigterm_after_steps, steady  # noqa: E402
 
 from gspo.algos.mismatch import routing_mismatch  # noqa: E402
@@ -365,7 +365,7 @@ def test_a_run_served_by_gspo_vllm_serve_is_the_run_with_an_engine_per_rank(tmp_
     the run equals the run with an engine per rank, bitwise. The server then serves the next run; a run with another
     key exits 2 in one line, one that cannot reach a server ends in one line; no engine is left."""
     monkeypatch.setenv("GSPO_VLLM_KEY", "the-secret")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     server = subprocess.Popen([sys.executable, "-m", "cli.main", "vllm-serve", "--host", "127.0.0.1", "--port", "0",
                                "--threads", "1"], env=env, stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
@@ -421,7 +421,7 @@ def test_bench_push_prints_a_table_of_the_file_and_the_tensor_push():
     """scripts/bench_push.py at its smallest: a run per side, each push timed, both processes' peak RSS."""
     out = subprocess.run([sys.executable, "scripts/bench_push.py", "--model", "qwen3-tiny", "--steps", "2",
                           "--rounds", "1", "--threads", "1", "--wait-idle", "0", "--retries", "0"], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+                         env=child_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "### qwen3-tiny" in out.stdout and "| file |" in out.stdout
     assert "| tensors, 64 MiB buckets |" in out.stdout and "**" in out.stdout  # its ratios to the file side
@@ -431,7 +431,7 @@ def test_bench_lora_push_prints_a_table_of_the_merged_and_the_adapter_push():
     """scripts/bench_lora_push.py at its smallest: each mode in a process of its own, two pushes, a row each."""
     out = subprocess.run([sys.executable, "scripts/bench_lora_push.py", "--model", "qwen3-tiny", "--rounds", "1",
                           "--pushes", "2", "--prompts", "1", "--group", "2", "--max-new-tokens", "4", "--threads", "1"],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         cwd=REPO, env=child_env(), capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "| merged |" in out.stdout and "| adapter |" in out.stdout, out.stdout[-2000:]

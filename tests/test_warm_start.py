@@ -2,6 +2,7 @@
 
 
 import torch
+from conftest import child_env
 from omegaconf import OmegaConf
 
 from gspo.config.schema import ModelConfig, WarmStartConfig
@@ -121,17 +122,14 @@ def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_
     comes after the first step's line, 199 steps before the end: a run and its resume cost one warm start; the
     signal came after step 101 of 400 before, 800 steps in all where 400 now test the same.)"""
     import json
-    import os
     import signal
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     from safetensors.torch import load_file
 
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     opts = ["model=qwen3-tiny", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
             "model.intermediate_size=64", "model.warm_start.steps=200", "model.warm_start.target_accuracy=0",
             "model.warm_start.batch_size=16", "train.steps=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
