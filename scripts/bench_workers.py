@@ -168,9 +168,10 @@ def trl_worker(spec: dict) -> None:
     task = build_task(cfg.task)
     n = cfg.rollout.prompts_per_step * cfg.train.steps
     problems = task.sample_train(random.Random(cfg.seed), n)
-    # gspo wraps a string prompt as one user message under model.use_chat_template; TRL renders a prompt through
-    # the chat template only when the dataset holds messages: the same rendered prompt on both sides
-    chat = bool(cfg.model.use_chat_template)
+    # gspo wraps a string prompt as one user message under model.use_chat_template when the tokenizer has a
+    # template (else it prompts plain text); TRL renders a prompt through the chat template only when the dataset
+    # holds messages (and fails without a template): the same rendered prompt on both sides
+    chat = bool(cfg.model.use_chat_template) and bool(AutoTokenizer.from_pretrained(model_dir).chat_template)
     prompts = [[{"role": "user", "content": p.prompt}] if chat and isinstance(p.prompt, str) else p.prompt
                for p in problems]
     data = Dataset.from_dict({"prompt": prompts, "answer": [p.answer for p in problems]})

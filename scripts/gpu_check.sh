@@ -8,12 +8,12 @@
 #
 # Parts:
 #   setup  pip-install WHEELS (--no-deps, into /tmp/site) and gspo itself (editable, no deps); GPU and versions
-#   suite  the default suite (`pytest`, the README's test command) with CUDA torch, on 16 xdist workers
+#   suite  the default suite (`pytest`, the README's test command) with CUDA torch, on SUITE_WORKERS xdist workers
 #   gputest  tests/test_gpu.py: short `gspo train hardware=gpu` runs (skipped without CUDA)
 #   job    `gspo train hardware=gpu`: the README's default job on the GPU (time, peak memory, accuracy)
 #   real   `gspo train +experiment=smollm2_math hardware=gpu` in bf16 and in float32 (REAL_STEPS steps each,
 #          the sampler/trainer mismatch logged every step); needs the GGUF at GGUF
-#   bench  scripts/bench_gpu.py: gspo's sampler against generate(), its step against TRL's, the mismatch (dense)
+#   bench  scripts/bench_gpu.py BENCH_ARGS: gspo's sampler against generate(), its step against TRL's, the mismatch
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}
@@ -24,6 +24,8 @@ SUITE_S=${SUITE_S:-200}
 JOB_S=${JOB_S:-150}
 BENCH_S=${BENCH_S:-240}
 GPUTEST_S=${GPUTEST_S:-120}
+SUITE_WORKERS=${SUITE_WORKERS:-16}
+BENCH_ARGS=${BENCH_ARGS:---models dense --steps 3 --repeats 2 --fast}
 mkdir -p "$OUT" /tmp/gpu
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} WANDB_MODE=offline HF_HUB_OFFLINE=1
 
@@ -59,10 +61,14 @@ EOF
     } 2>&1 | tee -a "$OUT/setup.log"
     ;;
   suite)
-    stamp "suite (pytest -n 16, at most $SUITE_S s)"
-    OMP_NUM_THREADS=1 timeout "$SUITE_S" python3 -m pytest -n 16 -p no:cacheprovider --durations=25 -rfE \
-      >"$OUT/suite.log" 2>&1
-    echo "suite rc=$?"; tail -5 "$OUT/suite.log"
+    stamp "suite (pytest -n $SUITE_WORKERS, at most $SUITE_S s)"
+    # -vv (addopts holds -q) names each test as it ends, so a log cut by the timeout still says which failed; pytest-timeout, where
+    # installed, stops a test that hangs (with its traceback) instead of the whole suite
+    per_test=$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=150)
+    OMP_NUM_THREADS=1 timeout "$SUITE_S" python3 -m pytest -n "$SUITE_WORKERS" -vv $per_test -p no:cacheprovider \
+      --durations=25 -rfE >"$OUT/suite.log" 2>&1
+    echo "suite rc=$?"; grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$OUT/suite.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//'
+    tail -3 "$OUT/suite.log"
     ;;
   gputest)
     stamp "gputest: pytest tests/test_gpu.py (at most $GPUTEST_S s)"
@@ -96,9 +102,8 @@ EOF
     done
     ;;
   bench)
-    stamp "bench: scripts/bench_gpu.py --models dense (at most $BENCH_S s)"
-    timeout "$BENCH_S" python3 scripts/bench_gpu.py --models dense --steps 3 --repeats 2 --fast --out "$OUT/bench_gpu.json" \
-      >"$OUT/bench.log" 2>&1
+    stamp "bench: scripts/bench_gpu.py $BENCH_ARGS (at most $BENCH_S s)"
+    timeout "$BENCH_S" python3 scripts/bench_gpu.py $BENCH_ARGS --out "$OUT/bench_gpu.json" >"$OUT/bench.log" 2>&1
     echo "bench rc=$?"; tail -40 "$OUT/bench.log"
     ;;
   *) echo "unknown part: $part (setup suite gputest job real bench)"; exit 2 ;;
