@@ -62,8 +62,8 @@ EOF
     ;;
   suite)
     stamp "suite (pytest -n $SUITE_WORKERS, at most $SUITE_S s)"
-    # -vv (addopts holds -q) names each test as it ends, so a log cut by the timeout still says which failed; pytest-timeout, where
-    # installed, stops a test that hangs (with its traceback) instead of the whole suite
+    # -vv (addopts holds -q) names each test as it ends, so a log cut by the timeout still says which failed;
+    # pytest-timeout, where installed, stops a test that hangs (with its traceback) instead of the whole suite
     per_test=$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=150)
     OMP_NUM_THREADS=1 timeout "$SUITE_S" python3 -m pytest -n "$SUITE_WORKERS" -vv $per_test -p no:cacheprovider \
       --durations=25 -rfE >"$OUT/suite.log" 2>&1

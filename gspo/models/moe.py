@@ -96,7 +96,7 @@ class RouterFormatError(TypeError):
 def _positions(output: tuple, router: nn.Module) -> tuple[int, int, int]:
     """Where a 3-tuple router output holds (logits, weights, indices), read from the tensors themselves: the
     indices are the integer tensor, the logits the float one over all experts. Most routers return them in that
-    order; some do not (GraniteMoe's router before transformers 5.2x returns (indices, weights, logits)), and a
+    order; some do not (GraniteMoe's router before transformers 5.21 returns (indices, weights, logits)), and a
     positional read would replay weights as logits without a word."""
     if not all(isinstance(t, torch.Tensor) for t in output):
         raise RouterFormatError(f"{type(router).__name__} returns a 3-tuple that is not all tensors")
