@@ -236,6 +236,30 @@ def test_a_killed_child_leaves_no_shared_memory_and_others_keep_theirs(tmp_path)
         live.unlink()
 
 
+def test_kill_waits_for_the_processes_the_child_started_not_only_for_the_child():
+    """A killed child's own workers are not gspo's children, so `proc.wait()` does not wait for them; while the
+    kernel tears them down they still map their segments, which would then look in use and stay behind (seen in CI
+    with vLLM's two tensor-parallel workers). `wait_group_gone` waits for every process of the child's group."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from gspo.rollout.child import group_members, wait_group_gone
+
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); " \
+           "print('up', flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert len(group_members(proc.pid)) == 2  # the child and its worker
+        assert not wait_group_gone(proc.pid, timeout_s=0.2)  # alive: the wait ends at its timeout, saying so
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert wait_group_gone(proc.pid) and group_members(proc.pid) == []
+
+
 def test_another_rank_on_a_shared_engine_ends_the_run_with_its_error_its_death_or_its_silence():
     """`SharedEngine` (rollout.vllm.mode=shared or server, ranks > 0): each request answered in turn; the
     engine's own error (a `ConfigError` when the user's code caused it), its connection closing, its silence for

@@ -163,10 +163,37 @@ class Child:
         except (ProcessLookupError, PermissionError):
             pass  # none left
         self.proc.wait()
+        # its own workers are not our children: wait until the kernel has torn them down too (their mappings go
+        # before they turn zombie), else their segments still look in use and stay behind
+        wait_group_gone(self.proc.pid)
         unlink_orphans(self.segments)
 
 
 SHM = Path("/dev/shm")
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid` that still run (zombies, which hold no memory, left out)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def wait_group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
+    """Wait up to `timeout_s` for every process of group `pgid` to end (after a SIGKILL: the kernel frees a killed
+    process's memory asynchronously); whether they did."""
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def shm_segments() -> set[str]:
