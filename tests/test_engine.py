@@ -257,6 +257,7 @@ def test_kill_waits_for_the_processes_the_child_started_not_only_for_the_child()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
     assert wait_group_gone(proc.pid) and group_members(proc.pid) == []
 
 
