@@ -313,8 +313,9 @@ def test_resume_records_what_it_changes_and_from_which_step(tmp_path, cache_dir,
 
 def test_a_resume_that_changes_the_numbers_is_said_and_kept_in_the_summary(tmp_path, cache_dir, monkeypatch):
     """A resume may change hardware.threads (a sweep rerun did, mid-run): the run is then no longer the one its seed
-    gives (docs/contracts.md). summary.json lists every resume that changed a setting, from what to what and from
-    which step, and such a resume says so in one line; one that changes only train.steps does not warn."""
+    gives (docs/contracts.md), and so may another machine. summary.json lists every resume that changed a setting
+    or the machine, from what to what and from which step, and such a resume says so in one line; one that changes
+    only train.steps does not warn."""
     from typer.testing import CliRunner
 
     from cli.main import app
@@ -325,16 +326,25 @@ def test_a_resume_that_changes_the_numbers_is_said_and_kept_in_the_summary(tmp_p
     res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=2"])
     assert res.exit_code == 0, res.output
     assert "warning" not in res.output
+    here = json.loads((run / "summary.json").read_text())["machine"]
+    assert here["cpu"] and here["torch"] == torch.__version__
+    # the run goes on on another machine (a study's sessions move between CPUs): said and recorded like a thread count
+    from gspo.train import resume
+
+    monkeypatch.setattr(resume, "machine", lambda: {**here, "cpu": "Another CPU"})
     res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=3", "hardware.threads=2"])
     assert res.exit_code == 0, res.output
     said = [line for line in res.output.splitlines() if "warning" in line]
-    assert said == ["gspo: warning: this resume changes hardware.threads 1 -> 2: from step 3 on, the run is no longer "
-                    "the one its seed and config give (docs/contracts.md); recorded in summary.json's resumes"]
+    assert said == [f"gspo: warning: this resume changes hardware.threads 1 -> 2, machine.cpu {here['cpu']} -> Another "
+                    "CPU: from step 3 on, the run is no longer the one its seed and config give (docs/contracts.md); "
+                    "recorded in summary.json's resumes"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps"] == 3
     assert [(r["from_step"], r["changes"]) for r in summary["resumes"]] == [
         (2, {"train.steps": {"was": 1, "now": 2}}),
-        (3, {"train.steps": {"was": 2, "now": 3}, "hardware.threads": {"was": 1, "now": 2}})]
+        (3, {"train.steps": {"was": 2, "now": 3}, "hardware.threads": {"was": 1, "now": 2},
+             "machine.cpu": {"was": here["cpu"], "now": "Another CPU"}})]
+    assert summary["machine"] == {**here, "cpu": "Another CPU"}  # the last session's
     assert summary["resumes"] == [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
 
 

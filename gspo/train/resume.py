@@ -13,6 +13,7 @@ docs/contracts.md): such a resume is said in one line (`numbers_warning`).
 from __future__ import annotations
 
 import json
+import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ FIXED = ("hardware.dtype",)  # under a prefix above, but the numerics of trainin
 # computes otherwise, another world size or backend reduces the gradients in another order, a compiled sampler
 # decodes with other kernels
 NUMERICS = ("hardware.threads", "rollout.worker_threads", "hardware.device", "model.attn_implementation",
-            "hardware.name", "hardware.nproc", "hardware.strategy", "hardware.backend", "hardware.compile")
+            "hardware.name", "hardware.nproc", "hardware.strategy", "hardware.backend", "hardware.compile",
+            "machine.cpu", "machine.gpu", "machine.torch")
 SUMMARY = "summary.json"
 
 
@@ -89,11 +91,37 @@ def check(old: Any, new: Any) -> None:
                           "evaluation and hardware (not hardware.dtype)")
 
 
+def machine() -> dict[str, str]:
+    """What computes the run besides its config, as summary.json's `machine` records it: the CPU model (another one
+    runs other kernels, whose float sums split otherwise), the GPU where one is visible, torch's version."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:  # not Linux
+        pass
+    found = {"cpu": cpu, "torch": torch.__version__}
+    if torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name(0)
+    return found
+
+
 def record(run_dir: Path | str, old: Any, new: Any, from_step: int) -> dict:
     """Append what this resume changes, and the first step it applies to, to RUN_DIR/resumes.jsonl and to
-    summary.json's `resumes` (a resume that changes nothing is not listed: its run is the uninterrupted one).
+    summary.json's `resumes` (a resume that changes nothing is not listed: its run is the uninterrupted one): the
+    config's keys, and `machine.*` where the run goes on on another machine than its last session's.
     Returns the entry ({} for no change)."""
     diff = {k: {"was": o, "now": n} for k, (o, n) in changes(old, new).items() if k != "resume"}
+    try:
+        was = json.loads((Path(run_dir) / SUMMARY).read_text()).get("machine") or {}
+    except (OSError, ValueError):  # none yet, or unreadable: nothing to compare with
+        was = {}
+    if was:  # (a run from before summary.json recorded its machine: nothing to compare with)
+        now = machine()
+        diff |= {f"machine.{k}": {"was": was.get(k), "now": now.get(k)} for k in sorted(was.keys() | now.keys())
+                 if was.get(k) != now.get(k)}
     if diff:
         entry = {"from_step": from_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": diff}
         with (Path(run_dir) / RECORD).open("a") as fh:
