@@ -112,6 +112,50 @@ def test_the_checkpoint_is_built_once_keyed_and_loads_as_mixtral(tmp_path):
     assert other != path  # another setting, another copy
 
 
+def test_a_recipe_makes_the_same_split_on_any_machine(tmp_path, monkeypatch):
+    """Every build writes its decisions (split.safetensors: groups and routers); model.split_experts.recipe makes
+    the split from them, bit for bit the built checkpoint, without the calibration text (sampled, so CPU-dependent:
+    here a build that would sample otherwise is not run at all). A recipe of other dense weights, of another number
+    of experts or a file that is none are refused in one line."""
+    from safetensors.torch import load_file
+
+    dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
+    built = split_experts.checkpoint(dense_dir, OmegaConf.create(SETTINGS.__dict__), tmp_path / "cache", log=None)
+    recipe = built / split_experts.RECIPE
+    assert recipe.is_file()
+    monkeypatch.setattr(split_experts, "build", lambda *a, **k: pytest.fail("a recipe build ran the construction"))
+    said: list[str] = []
+    again = split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "recipe": str(recipe)}),
+                                     tmp_path / "other", log=said.append)
+    assert f"by the recipe {recipe}" in said[-1]
+    a, b = load_file(built / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x, y = load_file(recipe), load_file(again / split_experts.RECIPE)  # written again, the same
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    record = json.loads((again / "split_experts.json").read_text())
+    assert record["recipe_record"]["kl_to_dense"] == json.loads((built / "split_experts.json").read_text())["kl_to_dense"]
+
+    import shutil
+
+    from safetensors.torch import save_file
+
+    other = Path(shutil.copytree(dense_dir, tmp_path / "dense2"))
+    weights = load_file(other / "model.safetensors")
+    save_file({k: v + 1e-3 if "gate_proj" in k else v for k, v in weights.items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="made from other dense weights than model.path's"):
+        split_experts.checkpoint(other, OmegaConf.create({**SETTINGS.__dict__, "recipe": str(recipe)}),
+                                 tmp_path / "other", log=None)
+    with pytest.raises(ConfigError, match=r"a split of 2 layers into 4 experts, not of this model's 2 layers into "
+                                          r"model.split_experts.experts=2"):
+        split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "experts": 2, "top_k": 1,
+                                                              "recipe": str(recipe)}), tmp_path / "other", log=None)
+    with pytest.raises(ConfigError, match=r"model.split_experts.recipe=nowhere.safetensors: no such file, here or "
+                                          r"among the recipes gspo ships \(smollm2_moe.split.safetensors\)"):
+        split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "recipe": "nowhere.safetensors"}),
+                                 tmp_path / "other", log=None)
+
+
 def test_what_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="qwen2 is not a dense family"):
         split_experts.mixtral_config(_family("qwen2").config, E, K)
@@ -215,5 +259,6 @@ def test_recovery_distils_the_dense_model_into_the_experts_and_leaves_the_rest_a
     assert all(torch.equal(moe.state_dict()[k], v) for k, v in frozen.items())
     assert not any(p.requires_grad for p in moe.parameters()) and not moe.training
     plain = split_experts.SplitSettings(experts=E, top_k=K)
-    assert plain.keyed() == {k: v for k, v in plain.__dict__.items() if not k.startswith("recovery_")}
+    assert plain.keyed() == {"experts": E, "top_k": K, "calibration_sequences": 64, "calibration_tokens": 160,
+                             "seed": 0}  # the key of a split built before recovery and recipes existed
     assert split_experts.SplitSettings(experts=E, top_k=K, recovery_epochs=1).keyed()["recovery_epochs"] == 1

@@ -190,3 +190,17 @@ def _magic(path: Path) -> bytes:
             return fh.read(4)
     except OSError:
         return b""
+
+
+def split_recipe(value: str, key: str = "model.split_experts.recipe") -> Path:
+    """The split recipe file `value` names: a path (absolute, or from the current directory), else a recipe gspo
+    ships beside its model presets (conf/model/). ConfigError, naming `key`, when neither holds it."""
+    from gspo.config.schema import CONF_DIR
+
+    for candidate in (Path(value), CONF_DIR / "model" / value):
+        if candidate.is_file():
+            return candidate
+    shipped = sorted(f.name for f in (CONF_DIR / "model").glob("*.safetensors"))
+    raise ConfigError(f"{key}={value}: no such file, here or among the recipes gspo ships "
+                      f"({', '.join(shipped) or 'none'})")
+

@@ -106,6 +106,10 @@ class SplitExpertsConfig:
     seed: int = 0  # the calibration text's and the clustering's seed
     recovery_epochs: int = 0  # passes of distillation from the dense model on the calibration text (experts, routers)
     recovery_lr: float = 3.0e-5  # AdamW's learning rate for that distillation
+    # a file of a build's decisions (each layer's neuron groups and router weights, which every build writes as
+    # split.safetensors beside its checkpoint): the split made from it, the same bytes on any machine, where a build
+    # from the calibration text differs with the CPU (its text is sampled). A path, or a recipe gspo ships (conf/model)
+    recipe: Optional[str] = None
 
 
 @dataclass

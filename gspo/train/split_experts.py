@@ -33,6 +33,13 @@ model's outputs (tested).
 The built checkpoint is cached like the dense GGUF copy (gspo/models/gguf.py): in
 `cache_dir/moe-<dense name>-<key>/`, keyed by the dense weights' content, the construction's settings and what
 builds it (BUILD_VERSION, torch, transformers), written once under a lock, renamed into place when complete.
+
+The calibration text is sampled, and another CPU's kernels round otherwise: the same settings build a different
+split on another CPU model (SmolLM2's 16-expert split: 8,562 calibration tokens and KL 0.142 to the dense model on
+one CPU, 8,542 and 0.166 on another). So every build also writes its decisions, each layer's neuron groups and
+router weights (1.3 MB for SmolLM2), as `split.safetensors` (`save_recipe`), and `model.split_experts.recipe`
+makes the split from such a file instead (`from_recipe`): copies of the dense weights, the same bytes on any
+machine. The `smollm2_moe` preset ships its recipe.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from gspo.config.errors import ConfigError
+from gspo.train.resume import machine
 
 BUILD_VERSION = 1  # bump when what is built changes, so stale copies are rebuilt
 DENSE_FAMILIES = ("llama",)  # the families whose attention Mixtral's is, exactly (no q/k/v biases, no q/k norms)
@@ -64,16 +72,22 @@ class SplitSettings:
     seed: int = 0
     recovery_epochs: int = 0
     recovery_lr: float = 3e-5
+    recipe: Optional[str] = None  # a file of a build's decisions (`save_recipe`): the split made from it
 
     @classmethod
     def of(cls, scfg) -> "SplitSettings":
         return cls(int(scfg.experts), int(scfg.top_k), int(scfg.calibration_sequences),
-                   int(scfg.calibration_tokens), int(scfg.seed), int(scfg.recovery_epochs), float(scfg.recovery_lr))
+                   int(scfg.calibration_tokens), int(scfg.seed), int(scfg.recovery_epochs), float(scfg.recovery_lr),
+                   scfg.get("recipe"))
 
     def keyed(self) -> dict:
-        """What of the settings decides the build: all of them, the recovery's only where it runs (a split built
-        without it keeps the key it had before the recovery existed)."""
-        return {k: v for k, v in self.__dict__.items() if self.recovery_epochs or not k.startswith("recovery_")}
+        """What of the settings decides the build: from a recipe, the file's content (`_key`) and top_k; else all of
+        them, the recovery's only where it runs (a split built without it keeps the key it had before the recovery
+        existed)."""
+        if self.recipe:
+            return {"experts": self.experts, "top_k": self.top_k}
+        return {k: v for k, v in self.__dict__.items()
+                if k != "recipe" and (self.recovery_epochs or not k.startswith("recovery_"))}
 
 
 # ----------------------------------------------------------------------------- calibration text
@@ -414,6 +428,71 @@ def recover(dense, moe, ids: torch.Tensor, mask: torch.Tensor, epochs: int, lr: 
     return losses
 
 
+# ----------------------------------------------------------------------------- the split as a file
+RECIPE = "split.safetensors"  # the name every build writes its recipe under, beside its checkpoint
+RECIPE_FORMAT = "gspo-split-experts-1"
+
+
+@torch.no_grad()
+def recipe_of(dense, moe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The decisions that made `moe` from `dense`, read back from the two models: each layer's neuron groups
+    (E, I/E), found by matching every expert's gate rows to the dense gate's rows, and its router's weights (E, H)
+    as they are (scaled). `to_mixtral(dense, *recipe_of(dense, moe), top_k)` is `moe` again, bit for bit. ValueError
+    where an expert's rows are not the dense model's (a recovered split: its experts were trained)."""
+    groups, routers = [], []
+    for layer, (src, dst) in enumerate(zip(dense.model.layers, moe.model.layers)):
+        gate = src.mlp.gate_proj.weight
+        experts, width = dst.mlp.experts.gate_up_proj.shape[0], gate.shape[0] // dst.mlp.experts.gate_up_proj.shape[0]
+        where = {row.numpy().tobytes(): i for i, row in enumerate(gate.float().cpu())}
+        rows = dst.mlp.experts.gate_up_proj[:, :width].reshape(-1, gate.shape[1]).float().cpu()
+        found = [where.get(row.numpy().tobytes(), -1) for row in rows]
+        if len(where) != gate.shape[0] or -1 in found or len(set(found)) != len(found):
+            raise ValueError(f"layer {layer}: the experts' rows are not the dense MLP's neurons, each once (a split "
+                             "with recovery has no recipe)")
+        groups.append(torch.tensor(found, dtype=torch.int32).view(experts, width))
+        routers.append(dst.mlp.gate.weight.detach().float().cpu().clone())
+    return groups, routers
+
+
+def save_recipe(path: Path, groups: list[torch.Tensor], routers: list[torch.Tensor], dense: dict[str, str],
+                record: dict) -> None:
+    """`groups` and `routers` (`recipe_of`) as a safetensors file, with the dense weights' content hashes (`dense`:
+    file name -> sha256) it applies to and the build's `record`."""
+    from safetensors.torch import save_file
+
+    tensors = {f"layers.{i}.{name}": t.contiguous() for i, (g, r) in enumerate(zip(groups, routers))
+               for name, t in (("groups", g), ("router", r))}
+    save_file(tensors, str(path), metadata={"format": RECIPE_FORMAT, "dense": json.dumps(dense, sort_keys=True),
+                                             "record": json.dumps(record)})
+
+
+def from_recipe(dense, path: Path, settings: SplitSettings, dense_files: dict[str, str]) -> tuple[object, dict]:
+    """The MixtralForCausalLM the recipe at `path` (`save_recipe`) makes from `dense` at `settings.top_k`, and its
+    record (the recipe's build record under `recipe_record`). ConfigError in one line where the recipe is for other
+    dense weights (`dense_files`: file name -> sha256) or another number of experts or layers."""
+    from safetensors import safe_open
+
+    key = "model.split_experts.recipe"
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata() or {}
+        if meta.get("format") != RECIPE_FORMAT:
+            raise ConfigError(f"{key}={settings.recipe}: not a split recipe ({RECIPE_FORMAT}): make one with a build, "
+                              f"which writes {RECIPE} beside its checkpoint")
+        tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+    if json.loads(meta["dense"]) != dense_files:
+        raise ConfigError(f"{key}={settings.recipe}: made from other dense weights than model.path's "
+                          f"({json.loads(meta['dense'])} against {dense_files})")
+    layers = len(dense.model.layers)
+    groups = [tensors[f"layers.{i}.groups"].long() for i in range(layers) if f"layers.{i}.groups" in tensors]
+    routers = [tensors[f"layers.{i}.router"] for i in range(layers) if f"layers.{i}.router" in tensors]
+    if len(groups) != layers or len(tensors) != 2 * layers or groups[0].shape[0] != settings.experts:
+        raise ConfigError(f"{key}={settings.recipe}: a split of {len(tensors) // 2} layers into "
+                          f"{groups[0].shape[0] if groups else 0} experts, not of this model's {layers} layers into "
+                          f"model.split_experts.experts={settings.experts}")
+    moe = to_mixtral(dense, groups, routers, settings.top_k)
+    return moe, {"settings": settings.__dict__, "recipe_record": json.loads(meta.get("record", "{}"))}
+
+
 # ----------------------------------------------------------------------------- the whole construction, cached
 def build(dense, tokenizer, settings: SplitSettings, log: Callable[[str], None] = print) -> tuple[object, dict]:
     """The MixtralForCausalLM split from `dense` (a LlamaForCausalLM) as `settings` ask, and a record of the
@@ -463,25 +542,39 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
     from gspo.models.build import load_pretrained
     from gspo.models.gguf import build_once
 
+    from gspo.config.model_path import split_recipe
+
     settings = SplitSettings.of(scfg)
-    key = _key(dense_dir, settings)
+    recipe = split_recipe(settings.recipe) if settings.recipe else None
+    if recipe is not None and settings.recovery_epochs:
+        raise ConfigError("model.split_experts.recipe: a recipe holds a split without recovery; set "
+                          "model.split_experts.recovery_epochs=0")
+    key = _key(dense_dir, settings, recipe)
     target = Path(cache_dir) / f"moe-{dense_dir.name}-{key}"
     quiet = log is None or int(os.environ.get("RANK", "0")) != 0
     t0 = time.time()
 
     def write(tmp: Path) -> None:
         dense, tokenizer = load_pretrained(dense_dir, torch.float32, "sdpa")
-        moe, record = build(dense.eval(), tokenizer, settings, log=(lambda m: None) if log is None else log)
+        if recipe is not None:
+            moe, record = from_recipe(dense.eval(), recipe, settings, _dense_files(dense_dir))
+        else:
+            moe, record = build(dense.eval(), tokenizer, settings, log=(lambda m: None) if log is None else log)
+        if not settings.recovery_epochs:  # the split's decisions, to make the same split anywhere
+            save_recipe(tmp / RECIPE, *recipe_of(dense, moe), _dense_files(dense_dir),
+                        record.get("recipe_record", record))
         moe.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _copy_generation_config(dense_dir, tmp)
-        record.update(dense=str(dense_dir), key=key, total_seconds=round(time.time() - t0, 1), **_written_by())
+        record.update(dense=str(dense_dir), key=key, total_seconds=round(time.time() - t0, 1), **_written_by(),
+                      machine=machine())
         (tmp / "split_experts.json").write_text(json.dumps(record, indent=1))
 
     if build_once(target, write):
         if log is not None:
-            log(f"gspo: model.split_experts: {settings.experts} experts, top-{settings.top_k}, built from {dense_dir} "
-                f"in {time.time() - t0:.0f} s into {target} (every later run reuses it)")
+            how = f" by the recipe {recipe}" if recipe is not None else ""
+            log(f"gspo: model.split_experts: {settings.experts} experts, top-{settings.top_k}, built from {dense_dir}"
+                f"{how} in {time.time() - t0:.0f} s into {target} (every later run reuses it)")
     elif not quiet:
         log(f"gspo: model.split_experts: reusing {target} ({settings.experts} experts, top-{settings.top_k})")
     return target
@@ -501,13 +594,23 @@ def _written_by() -> dict:
     return {"version": BUILD_VERSION, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def _key(dense_dir: Path, settings: SplitSettings) -> str:
-    """What decides the split checkpoint's bytes: the dense weights and config (their content), the settings, and
-    what builds it (the calibration text is sampled by torch, the model classes are transformers')."""
+def _dense_files(dense_dir: Path) -> dict[str, str]:
+    """The dense weights' files and their content hashes: what a recipe applies to."""
+    from gspo.models.gguf import file_sha256
+
+    return {p.name: file_sha256(p) for p in sorted(dense_dir.glob("*.safetensors"))}
+
+
+def _key(dense_dir: Path, settings: SplitSettings, recipe: Optional[Path] = None) -> str:
+    """What decides the split checkpoint's bytes: the dense weights and config (their content), the settings (from
+    a recipe: its content), and what builds it (the calibration text is sampled by torch, the model classes are
+    transformers')."""
     from gspo.models.gguf import file_sha256
 
     files = sorted(p for p in dense_dir.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
     blob = {"files": {p.name: file_sha256(p) for p in files}, "settings": settings.keyed(), **_written_by()}
+    if recipe is not None:
+        blob["recipe"] = file_sha256(recipe)
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
