@@ -454,22 +454,32 @@ def recipe_of(dense, moe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return groups, routers
 
 
-def save_recipe(path: Path, groups: list[torch.Tensor], routers: list[torch.Tensor], dense: dict[str, str],
+def weights_digest(model) -> str:
+    """sha256 of a model's weights, by name, shape, dtype and value (not of the files that hold them, whose bytes
+    depend on the writer): the dense model a recipe applies to."""
+    digest = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def save_recipe(path: Path, groups: list[torch.Tensor], routers: list[torch.Tensor], dense: str,
                 record: dict) -> None:
-    """`groups` and `routers` (`recipe_of`) as a safetensors file, with the dense weights' content hashes (`dense`:
-    file name -> sha256) it applies to and the build's `record`."""
+    """`groups` and `routers` (`recipe_of`) as a safetensors file, with the digest of the dense weights it applies
+    to (`weights_digest`) and the build's `record`."""
     from safetensors.torch import save_file
 
     tensors = {f"layers.{i}.{name}": t.contiguous() for i, (g, r) in enumerate(zip(groups, routers))
                for name, t in (("groups", g), ("router", r))}
-    save_file(tensors, str(path), metadata={"format": RECIPE_FORMAT, "dense": json.dumps(dense, sort_keys=True),
-                                             "record": json.dumps(record)})
+    save_file(tensors, str(path), metadata={"format": RECIPE_FORMAT, "dense": dense, "record": json.dumps(record)})
 
 
-def from_recipe(dense, path: Path, settings: SplitSettings, dense_files: dict[str, str]) -> tuple[object, dict]:
+def from_recipe(dense, path: Path, settings: SplitSettings) -> tuple[object, dict]:
     """The MixtralForCausalLM the recipe at `path` (`save_recipe`) makes from `dense` at `settings.top_k`, and its
     record (the recipe's build record under `recipe_record`). ConfigError in one line where the recipe is for other
-    dense weights (`dense_files`: file name -> sha256) or another number of experts or layers."""
+    dense weights (`weights_digest`) or another number of experts or layers."""
     from safetensors import safe_open
 
     key = "model.split_experts.recipe"
@@ -479,9 +489,9 @@ def from_recipe(dense, path: Path, settings: SplitSettings, dense_files: dict[st
             raise ConfigError(f"{key}={settings.recipe}: not a split recipe ({RECIPE_FORMAT}): make one with a build, "
                               f"which writes {RECIPE} beside its checkpoint")
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-    if json.loads(meta["dense"]) != dense_files:
-        raise ConfigError(f"{key}={settings.recipe}: made from other dense weights than model.path's "
-                          f"({json.loads(meta['dense'])} against {dense_files})")
+    if meta.get("dense") != weights_digest(dense):
+        raise ConfigError(f"{key}={settings.recipe}: made from other dense weights than model.path's (sha256 "
+                          f"{meta.get('dense', '?')[:12]}... against {weights_digest(dense)[:12]}...)")
     layers = len(dense.model.layers)
     groups = [tensors[f"layers.{i}.groups"].long() for i in range(layers) if f"layers.{i}.groups" in tensors]
     routers = [tensors[f"layers.{i}.router"] for i in range(layers) if f"layers.{i}.router" in tensors]
@@ -557,11 +567,11 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
     def write(tmp: Path) -> None:
         dense, tokenizer = load_pretrained(dense_dir, torch.float32, "sdpa")
         if recipe is not None:
-            moe, record = from_recipe(dense.eval(), recipe, settings, _dense_files(dense_dir))
+            moe, record = from_recipe(dense.eval(), recipe, settings)
         else:
             moe, record = build(dense.eval(), tokenizer, settings, log=(lambda m: None) if log is None else log)
         if not settings.recovery_epochs:  # the split's decisions, to make the same split anywhere
-            save_recipe(tmp / RECIPE, *recipe_of(dense, moe), _dense_files(dense_dir),
+            save_recipe(tmp / RECIPE, *recipe_of(dense, moe), weights_digest(dense),
                         record.get("recipe_record", record))
         moe.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -592,13 +602,6 @@ def _written_by() -> dict:
     import transformers
 
     return {"version": BUILD_VERSION, "torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def _dense_files(dense_dir: Path) -> dict[str, str]:
-    """The dense weights' files and their content hashes: what a recipe applies to."""
-    from gspo.models.gguf import file_sha256
-
-    return {p.name: file_sha256(p) for p in sorted(dense_dir.glob("*.safetensors"))}
 
 
 def _key(dense_dir: Path, settings: SplitSettings, recipe: Optional[Path] = None) -> str:
