@@ -150,10 +150,15 @@ def test_a_recipe_makes_the_same_split_on_any_machine(tmp_path, monkeypatch):
                                           r"model.split_experts.experts=2"):
         split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "experts": 2, "top_k": 1,
                                                               "recipe": str(recipe)}), tmp_path / "other", log=None)
-    with pytest.raises(ConfigError, match=r"model.split_experts.recipe=nowhere.safetensors: no such file, here or "
-                                          r"among the recipes gspo ships \(smollm2_moe.split.safetensors\)"):
-        split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "recipe": "nowhere.safetensors"}),
-                                 tmp_path / "other", log=None)
+    for bad, said in ((["model.split_experts.recipe=nowhere.safetensors"],
+                       ("model.split_experts.recipe=nowhere.safetensors: no such file, here or among the recipes gspo "
+                        "ships (smollm2_moe.split.safetensors)",)),
+                      ([f"model.split_experts.recipe={recipe}", "model.split_experts.recovery_epochs=1"],
+                       ("a recipe holds a split without recovery",))):
+        split = {"model.split_experts.experts": E, "model.split_experts.top_k": K}
+        res = CliRunner().invoke(app, ["train", *run_config(dense_dir, tmp_path / "cache", **split), *bad,
+                                       f"hydra.run.dir={tmp_path / 'run'}"])
+        one_line_exit_2(res, *said)
 
 
 def test_what_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):

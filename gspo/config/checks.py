@@ -260,6 +260,14 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if m.arch == "hf" and m.split_experts.experts and m.split_experts.top_k > m.split_experts.experts:
         return (f"model.split_experts.top_k={m.split_experts.top_k}: must be at most "
                 f"model.split_experts.experts={m.split_experts.experts}")
+    if m.arch == "hf" and m.split_experts.experts and m.split_experts.recipe:
+        if m.split_experts.recovery_epochs:
+            return ("model.split_experts.recipe: a recipe holds a split without recovery; set "
+                    "model.split_experts.recovery_epochs=0")
+        try:
+            model_path.split_recipe(m.split_experts.recipe)
+        except ConfigError as e:
+            return str(e)
     if m.arch != "hf" and m.num_heads % m.num_kv_heads:
         return f"model.num_heads={m.num_heads}: must be a multiple of model.num_kv_heads={m.num_kv_heads}"
     return None

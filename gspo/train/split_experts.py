@@ -555,10 +555,7 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
     from gspo.config.model_path import split_recipe
 
     settings = SplitSettings.of(scfg)
-    recipe = split_recipe(settings.recipe) if settings.recipe else None
-    if recipe is not None and settings.recovery_epochs:
-        raise ConfigError("model.split_experts.recipe: a recipe holds a split without recovery; set "
-                          "model.split_experts.recovery_epochs=0")
+    recipe = split_recipe(settings.recipe) if settings.recipe else None  # (with recovery: refused by the checks)
     key = _key(dense_dir, settings, recipe)
     target = Path(cache_dir) / f"moe-{dense_dir.name}-{key}"
     quiet = log is None or int(os.environ.get("RANK", "0")) != 0
