@@ -133,7 +133,8 @@ def test_a_recipe_makes_the_same_split_on_any_machine(tmp_path, monkeypatch):
     x, y = load_file(recipe), load_file(again / split_experts.RECIPE)  # written again, the same
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     record = json.loads((again / "split_experts.json").read_text())
-    assert record["recipe_record"]["kl_to_dense"] == json.loads((built / "split_experts.json").read_text())["kl_to_dense"]
+    first = json.loads((built / "split_experts.json").read_text())
+    assert record["recipe_record"]["kl_to_dense"] == first["kl_to_dense"]  # the build's record travels with its recipe
 
     import shutil
 
