@@ -115,7 +115,8 @@ def test_warmup_counts_rl_steps_and_train_lr_is_the_rate_the_step_used(tmp_path,
     # the warm-started base made first: run alone, this test would otherwise count the warm start's own AdamW steps
     train(compose(tiny(cache_dir, **{"train.steps": 1})), tmp_path / "base")
     monkeypatch.setattr(torch.optim.AdamW, "step", spy)
-    train(compose(tiny(cache_dir, **{"train.steps": 5, "train.lr": lr, "train.warmup_steps": warmup})), tmp_path / "run")
+    cfg = compose(tiny(cache_dir, **{"train.steps": 5, "train.lr": lr, "train.warmup_steps": warmup}))
+    train(cfg, tmp_path / "run")
     logged = [m["train/lr"] for m in metrics(tmp_path / "run")[1:]]
     assert logged == pytest.approx([lr * min(1.0, s / warmup) for s in range(1, 6)])
     assert logged == pytest.approx(used[::2])  # 2 minibatches a step: 2 optimizer steps at the step's rate
