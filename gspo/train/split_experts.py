@@ -476,10 +476,10 @@ def save_recipe(path: Path, groups: list[torch.Tensor], routers: list[torch.Tens
     save_file(tensors, str(path), metadata={"format": RECIPE_FORMAT, "dense": dense, "record": json.dumps(record)})
 
 
-def from_recipe(dense, path: Path, settings: SplitSettings) -> tuple[object, dict]:
-    """The MixtralForCausalLM the recipe at `path` (`save_recipe`) makes from `dense` at `settings.top_k`, and its
-    record (the recipe's build record under `recipe_record`). ConfigError in one line where the recipe is for other
-    dense weights (`weights_digest`) or another number of experts or layers."""
+def from_recipe(dense, path: Path, settings: SplitSettings, digest: str) -> tuple[object, dict]:
+    """The MixtralForCausalLM the recipe at `path` (`save_recipe`) makes from `dense` (whose `weights_digest` is
+    `digest`) at `settings.top_k`, and its record (the recipe's build record under `recipe_record`). ConfigError in
+    one line where the recipe is for other dense weights or another number of experts or layers."""
     from safetensors import safe_open
 
     key = "model.split_experts.recipe"
@@ -489,9 +489,9 @@ def from_recipe(dense, path: Path, settings: SplitSettings) -> tuple[object, dic
             raise ConfigError(f"{key}={settings.recipe}: not a split recipe ({RECIPE_FORMAT}): make one with a build, "
                               f"which writes {RECIPE} beside its checkpoint")
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-    if meta.get("dense") != weights_digest(dense):
+    if meta.get("dense") != digest:
         raise ConfigError(f"{key}={settings.recipe}: made from other dense weights than model.path's (sha256 "
-                          f"{meta.get('dense', '?')[:12]}... against {weights_digest(dense)[:12]}...)")
+                          f"{meta.get('dense', '?')[:12]}... against {digest[:12]}...)")
     layers = len(dense.model.layers)
     groups = [tensors[f"layers.{i}.groups"].long() for i in range(layers) if f"layers.{i}.groups" in tensors]
     routers = [tensors[f"layers.{i}.router"] for i in range(layers) if f"layers.{i}.router" in tensors]
@@ -563,13 +563,13 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
 
     def write(tmp: Path) -> None:
         dense, tokenizer = load_pretrained(dense_dir, torch.float32, "sdpa")
+        digest = weights_digest(dense)
         if recipe is not None:
-            moe, record = from_recipe(dense.eval(), recipe, settings)
+            moe, record = from_recipe(dense.eval(), recipe, settings, digest)
         else:
             moe, record = build(dense.eval(), tokenizer, settings, log=(lambda m: None) if log is None else log)
         if not settings.recovery_epochs:  # the split's decisions, to make the same split anywhere
-            save_recipe(tmp / RECIPE, *recipe_of(dense, moe), weights_digest(dense),
-                        record.get("recipe_record", record))
+            save_recipe(tmp / RECIPE, *recipe_of(dense, moe), digest, record.get("recipe_record", record))
         moe.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _copy_generation_config(dense_dir, tmp)
