@@ -199,6 +199,7 @@ def test_grpo_hand_worked():
     assert st["clip/frac_high"] == pytest.approx(1 / 3) and st["clip/frac_low"] == pytest.approx(1 / 3)
     assert st["clip/frac"] == pytest.approx(2 / 3) and st["clip/seq_frac"] == 1.0
     assert (st["policy/ratio_min"], st["policy/ratio_max"]) == pytest.approx((0.5, 1.5))
+    assert (st["policy/token_ratio_min"], st["policy/token_ratio_max"]) == pytest.approx((0.5, 1.5))
     assert st["policy/ratio_mean"] == pytest.approx(2.5 / 3)
 
 
@@ -318,6 +319,9 @@ def test_gspo_hand_worked_sequence_ratio():
     assert loss.item() == pytest.approx(-2 * s)
     torch.testing.assert_close(grad(loss, logp), torch.full((1, 3), -2 * s / 3, dtype=F64))
     assert st["policy/ratio_mean"] == pytest.approx(s) and st["clip/frac"] == 0.0
+    # the sequence ratio hides its tokens' extremes; token_ratio_* report them
+    assert st["policy/ratio_min"] == st["policy/ratio_max"] == pytest.approx(s)
+    assert (st["policy/token_ratio_min"], st["policy/token_ratio_max"]) == pytest.approx((math.exp(-0.3), math.exp(0.5)))
 
 
 def test_gspo_and_gspo_token_identical_with_sequence_advantages():

@@ -21,6 +21,7 @@ import learning_spread  # noqa: E402  (scripts/ is not a package: the learning t
 STEP_KEYS = {
     "reward/mean", "reward/std", "reward/frac_zero_std", "reward/tinyzero/mean", "clip/frac_low", "clip/frac_high",
     "clip/frac", "clip/seq_frac", "policy/entropy", "policy/ratio_mean", "policy/ratio_min", "policy/ratio_max",
+    "policy/token_ratio_min", "policy/token_ratio_max",
     "kl/old", "response/len_mean", "response/truncated_frac", "moe/routing_volatility", "moe/router_shift",
     "train/loss", "train/grad_norm", "train/lr", "time/rollout_s", "time/update_s", "time/step_s",
     "throughput/tokens_per_s",
