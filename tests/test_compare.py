@@ -77,7 +77,8 @@ def sweep(tmp_path: Path) -> Path:
         rewards = [r1] + [0.5] * 19
         make_run(root / str(job), algo, seed, rewards=rewards, acc={0: 0.3, 10: 0.4, 20: final},
                  cfg={"algo": {"eps_low": 3e-4 if algo == "gspo" else 0.2}},
-                 extra={"moe/routing_volatility": 0.1} if algo == "gspo" else None)
+                 extra={"moe/routing_volatility": 0.1, "rollout/mismatch_kl": 2e-3 * (seed + 1)}
+                 if algo == "gspo" else None)
     return root
 
 
@@ -99,6 +100,8 @@ def test_groups_by_algo_and_aggregates_seeds(tmp_path):
     assert grpo["base_acc"].mean == pytest.approx(0.3) and grpo["base_acc"].std == pytest.approx(0.0)
     assert grpo["clip_frac"].mean == pytest.approx(0.01) and grpo["step_s"].mean == pytest.approx(0.5)
     assert grpo["routing_volatility"].mean is None and gspo["routing_volatility"].mean == pytest.approx(0.1)
+    # the sampler/trainer mismatch: each run's mean over its steps, then over seeds (2e-3 and 4e-3)
+    assert grpo["mismatch_kl"].mean is None and gspo["mismatch_kl"].mean == pytest.approx(3e-3)
     assert grpo["final_reward"].mean == pytest.approx(0.5)
     assert grpo["collapsed"] == 0 and result.broken == [] and result.warnings == []
     assert result.out_dir == root / "compare"

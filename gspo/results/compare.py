@@ -33,7 +33,8 @@ import numpy as np
 from gspo.results.groups import CompareResult, Group, Pairwise, Stat
 from gspo.results.report import print_report, write_markdown  # noqa: F401  (print_report: part of this module's API)
 from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of this module's API)
-    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, GROUPS_DRAWN, KL_OLD, LOSS, RATIO_MAX, REWARD,
+    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, GROUPS_DRAWN, KL_OLD, LOSS, MISMATCH_KL, RATIO_MAX,
+    REWARD,
     REWARD_STD, ROUTING, STEP_S, VALUE_CLIP, VALUE_LOSS, VALUE_MEAN, BrokenRun,
     CompareError,
     Run, _flatten, _looks_like_run, load_runs, lookup,
@@ -256,7 +257,7 @@ def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
 def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
     """One run's statistics, as the table shows them: base / final / best held-out accuracy (final and best
     after step 0), the first step at `target` accuracy, the reward over its last 10% of steps, and the means
-    (maxima) of the clip, KL, ratio, routing and time metrics over its training steps; a critic's (PPO) value
+    (maxima) of the clip, KL, ratio, sampler/trainer mismatch, routing and time metrics over its training steps; a critic's (PPO) value
     loss, value and value-clip fraction over its training steps and explained variance over its last 10% of
     steps; None where not logged."""
     steps, acc = run.series(ACC)
@@ -298,6 +299,7 @@ def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
         "clip_frac_high": train_mean(CLIP_HIGH),
         "kl_old": train_mean(KL_OLD),
         "ratio_max": train_max(RATIO_MAX),
+        "mismatch_kl": train_mean(MISMATCH_KL),
         "routing_volatility": train_mean(ROUTING),
         "step_s": train_mean(STEP_S),
         "completions": completions_sampled(run),

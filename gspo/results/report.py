@@ -57,6 +57,7 @@ COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("clip low / high", _low_high),
     ("kl/old", lambda r: _fmt(r["kl_old"], "{:.3g}".format)),
     ("max ratio", lambda r: _fmt(r["ratio_max"], "{:.3g}".format)),
+    ("mismatch KL", lambda r: _fmt(r["mismatch_kl"], "{:.3g}".format)),
     ("routing vol.", lambda r: _fmt(r["routing_volatility"], _pct)),
     ("s/step", lambda r: _fmt(r["step_s"], "{:.3g}".format)),
     ("completions", lambda r: _fmt(r["completions"], "{:,.0f}".format)),
@@ -70,7 +71,8 @@ LEGEND = ("a±b: mean ± sample std over seeds; [lo, hi]: 95% confidence interva
           "runs: the noise of the evaluation alone, beside the spread over seeds; "
           "best acc: its highest after step 0 (the step-0 base is not counted); final reward: mean "
           "reward/mean over a run's last 10% of steps; clip/frac, clip low / high, kl/old, routing vol., "
-          "s/step: mean over training steps; max ratio: the largest policy/ratio_max of the run; completions: the "
+          "s/step: mean over training steps; mismatch KL: mean rollout/mismatch_kl, k3 KL(sampler ‖ trainer) per "
+          "token, over the steps that computed it; max ratio: the largest policy/ratio_max of the run; completions: the "
           "completions a run sampled over its training steps (groups drawn x group size: more than the batch where "
           "dynamic sampling redraws), mean over runs.")
 

@@ -24,6 +24,7 @@ CLIP, CLIP_LOW, CLIP_HIGH = "clip/frac", "clip/frac_low", "clip/frac_high"
 KL_REF, KL_OLD, ENTROPY = "kl/ref", "kl/old", "policy/entropy"
 LENGTH, ROUTING, STEP_S = "response/len_mean", "moe/routing_volatility", "time/step_s"
 RATIO_MAX = "policy/ratio_max"
+MISMATCH_KL = "rollout/mismatch_kl"  # k3 KL(sampler ‖ trainer) per token, on the steps that computed both
 GROUPS_DRAWN = "sampling/groups_drawn"  # groups a step sampled, where it sampled more than one batch (dynamic sampling)
 # PPO's critic (algo=ppo): tabulated by `gspo compare` when a run logs them
 VALUE_LOSS, EXPLAINED_VAR, VALUE_MEAN, VALUE_CLIP = ("critic/value_loss", "critic/explained_variance",
