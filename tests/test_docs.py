@@ -108,6 +108,18 @@ def test_every_script_the_docs_name_exists():
     assert sorted(n for n in named if not (REPO / n).is_file()) == []
 
 
+# Words of a work log, not of a page that says what holds now (the history is CHANGELOG.md's and git's)
+WORK_LOG = re.compile(r"\b(sittings?|landings?|(this|last|next|earlier|previous|later) sessions?|"
+                      r"issues? #?\d+|rounds? of work)\b", re.IGNORECASE)
+
+
+def test_the_pages_and_configs_read_as_current():
+    files = [*DOCS, *sorted((REPO / "conf").rglob("*.yaml"))]
+    found = [f"{f.relative_to(REPO)}:{i}: {m.group(0)}" for f in files
+             for i, line in enumerate(f.read_text().splitlines(), 1) for m in WORK_LOG.finditer(line)]
+    assert found == []
+
+
 # --------------------------------------------------------------------------- contracts.md against the schema and registries
 
 CONTRACTS = (REPO / "docs" / "contracts.md").read_text()
