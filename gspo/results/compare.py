@@ -257,9 +257,9 @@ def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
 def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
     """One run's statistics, as the table shows them: base / final / best held-out accuracy (final and best
     after step 0), the first step at `target` accuracy, the reward over its last 10% of steps, and the means
-    (maxima) of the clip, KL, ratio, sampler/trainer mismatch, routing and time metrics over its training steps; a critic's (PPO) value
-    loss, value and value-clip fraction over its training steps and explained variance over its last 10% of
-    steps; None where not logged."""
+    (maxima) of the clip, KL, ratio, sampler/trainer mismatch, routing and time metrics over its training steps;
+    a critic's (PPO) value loss, value and value-clip fraction over its training steps and explained variance over
+    its last 10% of steps; None where not logged."""
     steps, acc = run.series(ACC)
     ok = np.isfinite(acc)
     steps, acc = steps[ok], acc[ok]

@@ -72,9 +72,9 @@ LEGEND = ("a±b: mean ± sample std over seeds; [lo, hi]: 95% confidence interva
           "best acc: its highest after step 0 (the step-0 base is not counted); final reward: mean "
           "reward/mean over a run's last 10% of steps; clip/frac, clip low / high, kl/old, routing vol., "
           "s/step: mean over training steps; mismatch KL: mean rollout/mismatch_kl, k3 KL(sampler ‖ trainer) per "
-          "token, over the steps that computed it; max ratio: the largest policy/ratio_max of the run; completions: the "
-          "completions a run sampled over its training steps (groups drawn x group size: more than the batch where "
-          "dynamic sampling redraws), mean over runs.")
+          "token, over the steps that computed it; max ratio: the largest policy/ratio_max of the run; "
+          "completions: the completions a run sampled over its training steps (groups drawn x group size: more "
+          "than the batch where dynamic sampling redraws), mean over runs.")
 
 
 def format_rows(rows: Sequence[dict]) -> list[list[str]]:
