@@ -50,7 +50,7 @@ def hydra_train(cfg: DictConfig) -> float:
 def _train_job(cfg: DictConfig, hc) -> float:
     from gspo.train import checkpointer, distributed, launcher, preemption, resume, rundir, sweep
 
-    run_dir, before = Path(hc.runtime.output_dir), None
+    run_dir, before, requeued = Path(hc.runtime.output_dir), None, False
     if cfg.resume:  # continue the stopped run in its own directory, with its own config
         run_dir = Path(cfg.resume)
         before = load_run_config(run_dir)
@@ -69,7 +69,7 @@ def _train_job(cfg: DictConfig, hc) -> float:
     elif preemption.resume_requeued(run_dir):  # SLURM requeued this run (preempted): continue it
         print(f"gspo: requeued job: resuming {run_dir}", flush=True)
         before = load_run_config(run_dir)  # what the run saved: a requeue changing a setting is recorded too
-        cfg.resume = str(run_dir)
+        cfg.resume, requeued = str(run_dir), True
     elif launcher.is_main_process():  # a new run: never into a directory that holds one
         rundir.check_new(run_dir, "hydra.run.dir")
     launch = launcher.needs_launch(cfg.hardware)  # hardware=cpu-ddp|gpu-ddp|gpu-fsdp: torchrun the workers, wait
@@ -77,8 +77,12 @@ def _train_job(cfg: DictConfig, hc) -> float:
         run_dir = launcher.shared_run_dir(run_dir, cfg.hardware)
     with rundir.lock(run_dir) if launcher.is_main_process() else contextlib.nullcontext():
         if before is not None and launcher.is_main_process():
-            entry = resume.record(run_dir, before, cfg, checkpointer.next_step(run_dir))  # e.g. train.steps, from N on
-            warning = resume.numbers_warning(entry)  # e.g. hardware.threads: the run no longer a function of its seed
+            entry = resume.entry(run_dir, before, cfg, checkpointer.next_step(run_dir))  # e.g. train.steps, from N on
+            # e.g. hardware.threads or another CPU: the run would no longer be a function of its seed and config;
+            # refused unless forced (a requeued job is: no one is there to say it)
+            resume.refuse_numbers(entry, forced=bool(cfg.get("force_resume")) or requeued)
+            resume.record(run_dir, entry)
+            warning = resume.numbers_warning(entry)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
         if launch:  # a worker's failure comes back as one line (gspo/train/failures.py)

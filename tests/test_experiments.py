@@ -126,3 +126,34 @@ def test_dapo_never_penalises_a_correct_answer_for_length(overrides):
 def test_help_lists_the_experiments():
     res = runner.invoke(app, ["train", "--help"])
     assert res.exit_code == 0 and "+experiment=" in res.output and "moe_long" in res.output
+
+
+@pytest.mark.parametrize("arm", ["+cell=grpo", "+cell=grpo_seq_tis", "+cell=grpo_R2", "+cell=grpo_R3",
+                                 "+cell=gspo_wide30", "+cell=gspo_wide100", "+cell=gspo_wide300"])
+@needs_real_model
+def test_the_moe_mismatch_study_is_the_moe_study_with_a_bf16_sampler(arm):
+    """+experiment=smollm2_moe_mismatch: the MoE study's arm with only the sampler's precision changed (bf16, the
+    old policy recomputed in float32), so R2 and R3 replay different routing; the arms differ only in the objective,
+    the correction or the replay."""
+    from gspo.rollout.sampler import old_logprobs_mode
+
+    bf16, f32 = compose(["+experiment=smollm2_moe_mismatch", arm]), compose(["+experiment=smollm2_moe_matched", arm])
+    for group in ("model", "task", "reward", "train", "eval", "algo", "moe", "hardware"):
+        assert bf16[group] == f32[group], group
+    assert {k for k in f32.rollout if bf16.rollout[k] != f32.rollout[k]} == {"dtype"}
+    assert bf16.rollout.dtype == "bfloat16" and old_logprobs_mode(bf16) == "recompute"
+
+
+@needs_real_model
+def test_the_moe_mismatch_arms_differ_only_in_what_they_compare():
+    """Each arm against GRPO: the loss and clip (GSPO), the correction (TIS) or the replay (R2, R3), nothing else."""
+    from gspo.train.resume import changes
+
+    grpo = compose(["+experiment=smollm2_moe_mismatch", "+cell=grpo"])
+    differs = {arm: {k for k in changes(grpo, compose(["+experiment=smollm2_moe_mismatch", f"+cell={arm}"]))
+                     if k != "name"}
+               for arm in ("grpo_seq_tis", "grpo_R2", "grpo_R3", "gspo_wide100")}
+    assert differs["grpo_seq_tis"] == {"rollout.tis"}
+    assert differs["grpo_R2"] == differs["grpo_R3"] == {"moe.routing_replay"}
+    assert differs["gspo_wide100"] <= {f"algo.{k}" for k in grpo.algo}
+    assert {"algo.loss", "algo.eps_low", "algo.eps_high"} <= differs["gspo_wide100"]

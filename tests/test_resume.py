@@ -305,7 +305,7 @@ def test_resume_records_what_it_changes_and_from_which_step(tmp_path, cache_dir,
     run = tmp_path / "run"
     train(compose(tiny(cache_dir, **{"train.steps": 1})), run)
     res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=3", "eval.every=2", "seed=0",
-                                   "hardware.threads=1"])
+                                   "hardware.threads=1", "force_resume=true"])  # (how it was asked: not recorded)
     assert res.exit_code == 0, res.output
     (entry,) = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
     assert entry["from_step"] == 2
@@ -314,11 +314,12 @@ def test_resume_records_what_it_changes_and_from_which_step(tmp_path, cache_dir,
     assert [m["step"] for m in metrics(run)] == [0, 1, 2, 3] and "eval/accuracy" in metrics(run)[2]
 
 
-def test_a_resume_that_changes_the_numbers_is_said_and_kept_in_the_summary(tmp_path, cache_dir, monkeypatch):
-    """A resume may change hardware.threads (a sweep rerun did, mid-run): the run is then no longer the one its seed
-    gives (docs/contracts.md), and so may another machine. summary.json lists every resume that changed a setting
-    or the machine, from what to what and from which step, and such a resume says so in one line; one that changes
-    only train.steps does not warn."""
+def test_a_resume_that_changes_the_numbers_is_refused_unless_forced_then_said_and_kept(tmp_path, cache_dir,
+                                                                                      monkeypatch):
+    """A resume that changes hardware.threads, or goes on on another machine (a study's sessions move between CPUs),
+    would make the run no longer the one its seed gives (docs/contracts.md): it is refused in one line, exit 2,
+    nothing recorded, unless forced (force_resume=true); then it says so in one line and summary.json lists it, from
+    what to what and from which step. One that changes only train.steps is neither refused nor said."""
     from typer.testing import CliRunner
 
     from cli.main import app
@@ -330,12 +331,17 @@ def test_a_resume_that_changes_the_numbers_is_said_and_kept_in_the_summary(tmp_p
     assert res.exit_code == 0, res.output
     assert "warning" not in res.output
     here = json.loads((run / "summary.json").read_text())["machine"]
-    assert here["cpu"] and here["torch"] == torch.__version__
-    # the run goes on on another machine (a study's sessions move between CPUs): said and recorded like a thread count
-    from gspo.train import resume
+    assert here["cpu"] and here["torch"] == torch.__version__ and here["threads"] == 1
+    assert {"cpu_id", "cpu_flags", "transformers", "peft", "python", "gspo", "commit", "dirty"} <= here.keys()
+    from gspo.train import provenance
 
-    monkeypatch.setattr(resume, "machine", lambda: {**here, "cpu": "Another CPU"})
-    res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=3", "hardware.threads=2"])
+    monkeypatch.setattr(provenance, "machine", lambda threads=None: {**here, "cpu": "Another CPU"})
+    record, config = (run / "resumes.jsonl").read_text(), (run / "config.yaml").read_text()
+    for change in (["hardware.threads=2"], []):  # a thread count, and the machine alone
+        res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=3", *change])
+        one_line_exit_2(res, "machine.cpu", "force_resume=true")
+    assert (run / "resumes.jsonl").read_text() == record and (run / "config.yaml").read_text() == config
+    res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=3", "hardware.threads=2", "force_resume=true"])
     assert res.exit_code == 0, res.output
     said = [line for line in res.output.splitlines() if "warning" in line]
     assert said == [f"gspo: warning: this resume changes hardware.threads 1 -> 2, machine.cpu {here['cpu']} -> Another "
@@ -349,6 +355,24 @@ def test_a_resume_that_changes_the_numbers_is_said_and_kept_in_the_summary(tmp_p
              "machine.cpu": {"was": here["cpu"], "now": "Another CPU"}})]
     assert summary["machine"] == {**here, "cpu": "Another CPU"}  # the last session's
     assert summary["resumes"] == [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+
+
+def test_a_run_from_before_a_machine_key_was_recorded_resumes_without_a_change(tmp_path, cache_dir, monkeypatch):
+    """A run whose summary.json records only the CPU and torch (as runs did before the rest was recorded) resumes
+    on the same machine without a change: a key it lacks says nothing."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1, "hardware.threads": 1})), run)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["machine"] = {k: summary["machine"][k] for k in ("cpu", "torch")}
+    (run / "summary.json").write_text(json.dumps(summary))
+    res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=2"])
+    assert res.exit_code == 0, res.output
+    assert not (run / "resumes.jsonl").exists()
 
 
 def test_a_resumed_finished_run_says_running_while_it_works(tmp_path, cache_dir, monkeypatch):

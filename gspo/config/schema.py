@@ -362,6 +362,7 @@ class Config:
     seed: int = 0
     name: Optional[str] = None  # appended to the run directory's name
     resume: Optional[str] = None  # a run directory to continue from its last checkpoint
+    force_resume: bool = False  # a resume that changes the run's numbers (threads, machine, ...) goes on anyway
     cache_dir: str = "outputs/.cache"  # warm-started bases, keyed by their config
 
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
 from gspo.rollout.source import pending_of
-from gspo.train import checkpoint, resume
+from gspo.train import checkpoint, provenance
 from gspo.train.components import BatchSource, Saved
 from gspo.train.distributed import Dist
 from gspo.train.rundir import replace_text
@@ -73,8 +73,9 @@ class Summary:
         old: dict = json.loads(self.path.read_text()) if (resumed or restarted) and self.path.is_file() else {}
         # a restart from step 0 keeps the record of what its resumes changed (gspo/train/resume.py)
         self.data = old if resumed else {k: old[k] for k in ("resumes",) if k in old}
-        # this session's machine (a resume on another is in `resumes`, recorded before this: gspo/train/resume.py)
-        self.data["machine"] = resume.machine()
+        # this session's machine, packages and code (a resume on another is in `resumes`, recorded before this:
+        # gspo/train/resume.py); torch's threads are set by now
+        self.data["machine"] = provenance.machine(threads=torch.get_num_threads())
         self.wall0 = float(old.get("wall_s", 0.0))  # a restart from step 0 still counts the sessions before it
 
     def write(self, **values) -> None:

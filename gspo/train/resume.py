@@ -7,18 +7,20 @@ training dtype) defines the experiment: changing it is refused in one line namin
 resume changes is appended to RUN_DIR/resumes.jsonl with the step it applies from, and to the list
 `resumes` in RUN_DIR/summary.json. Some of what a resume may change changes the run's numbers
 (NUMERICS: a run is a function of its seed and config only at one thread count, on one device, ...,
-docs/contracts.md): such a resume is said in one line (`numbers_warning`).
+docs/contracts.md), and so does going on on another machine or package set (gspo/train/provenance.py): such a
+resume is refused unless forced (`force_resume=true`; a requeued job's is forced, no one being there to refuse it),
+and a forced one is said in one line (`numbers_warning`).
 """
 
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
 from gspo.config.errors import ConfigError
+from gspo.train import provenance
 from gspo.train.rundir import replace_text
 
 RECORD = "resumes.jsonl"
@@ -27,15 +29,15 @@ MAY_CHANGE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
               "task.eval_size", "rollout.mismatch_every", "moe.stats_every", "moe.stats_rows_per_group",
               "rollout.workers", "rollout.worker_threads", "rollout.timeout_s",  # where sampling runs: the same run
               "model.gradient_checkpointing", "model.attn_implementation", "model.lora.save_merged", "name",
-              "cache_dir", "resume")
+              "cache_dir", "resume", "force_resume")
 FIXED = ("hardware.dtype",)  # under a prefix above, but the numerics of training: part of the experiment
 # keys a resume may change that change the run's numbers from that step on (docs/contracts.md, `seed`): another
 # thread count splits float sums otherwise (the trainer's, the sampler's), another device or attention kernel
 # computes otherwise, another world size or backend reduces the gradients in another order, a compiled sampler
 # decodes with other kernels
 NUMERICS = ("hardware.threads", "rollout.worker_threads", "hardware.device", "model.attn_implementation",
-            "hardware.name", "hardware.nproc", "hardware.strategy", "hardware.backend", "hardware.compile",
-            "machine.cpu", "machine.gpu", "machine.torch")
+            "hardware.name", "hardware.nproc", "hardware.strategy", "hardware.backend", "hardware.compile")
+NOT_RECORDED = ("resume", "force_resume")  # how the resume was asked for, not what it changes
 SUMMARY = "summary.json"
 
 
@@ -91,44 +93,40 @@ def check(old: Any, new: Any) -> None:
                           "evaluation and hardware (not hardware.dtype)")
 
 
-def machine() -> dict[str, str]:
-    """What computes the run besides its config, as summary.json's `machine` records it: the CPU model (another one
-    runs other kernels, whose float sums split otherwise), the GPU where one is visible, torch's version."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
-    except OSError:  # not Linux
-        pass
-    found = {"cpu": cpu, "torch": torch.__version__}
-    if torch.cuda.is_available():
-        found["gpu"] = torch.cuda.get_device_name(0)
-    return found
-
-
-def record(run_dir: Path | str, old: Any, new: Any, from_step: int) -> dict:
-    """Append what this resume changes, and the first step it applies to, to RUN_DIR/resumes.jsonl and to
-    summary.json's `resumes` (a resume that changes nothing is not listed: its run is the uninterrupted one): the
-    config's keys, and `machine.*` where the run goes on on another machine than its last session's.
-    Returns the entry ({} for no change)."""
-    diff = {k: {"was": o, "now": n} for k, (o, n) in changes(old, new).items() if k != "resume"}
+def entry(run_dir: Path | str, old: Any, new: Any, from_step: int) -> dict:
+    """What a resume of `run_dir` from `from_step` changes ({} for nothing: its run is the uninterrupted one): the
+    config's keys, and `machine.*` where the run goes on on another machine or package set than its last session's
+    (gspo/train/provenance.py; a key the run's record lacks, from before it was recorded, is not compared)."""
+    diff = {k: {"was": o, "now": n} for k, (o, n) in changes(old, new).items() if k not in NOT_RECORDED}
     try:
         was = json.loads((Path(run_dir) / SUMMARY).read_text()).get("machine") or {}
     except (OSError, ValueError):  # none yet, or unreadable: nothing to compare with
         was = {}
-    if was:  # (a run from before summary.json recorded its machine: nothing to compare with)
-        now = machine()
-        diff |= {f"machine.{k}": {"was": was.get(k), "now": now.get(k)} for k in sorted(was.keys() | now.keys())
-                 if was.get(k) != now.get(k)}
-    if diff:
-        entry = {"from_step": from_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": diff}
+    diff |= {f"machine.{k}": v for k, v in provenance.compared(was, provenance.machine()).items()}
+    if not diff:
+        return {}
+    return {"from_step": from_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": diff}
+
+
+def refuse_numbers(entry: dict, forced: bool) -> None:
+    """Refuse, in one line, a resume whose `entry` changes the run's numbers (a thread count, the device, the
+    machine, ...: NUMERICS) unless `forced` (`force_resume=true`): the resumed run would no longer be the one its
+    seed and config give, and a study that mixes such runs cannot tell it from an effect."""
+    changed = numbers_changed(entry)
+    if changed and not forced:
+        raise ConfigError(f"resume: {changed} from step {entry['from_step']} on: the run would no longer be the one "
+                          "its seed and config give (docs/contracts.md); resume where it ran, or add "
+                          "force_resume=true to go on anyway (recorded in summary.json's resumes)")
+
+
+def record(run_dir: Path | str, entry: dict) -> dict:
+    """Append a resume's `entry` (from `entry`; nothing for {}) to RUN_DIR/resumes.jsonl and to summary.json's
+    `resumes`. Returns the entry."""
+    if entry:
         with (Path(run_dir) / RECORD).open("a") as fh:
             fh.write(json.dumps(entry) + "\n")
         _into_summary(Path(run_dir) / SUMMARY, entry)
-        return entry
-    return {}
+    return entry
 
 
 def _into_summary(path: Path, entry: dict) -> None:
@@ -142,11 +140,19 @@ def _into_summary(path: Path, entry: dict) -> None:
     replace_text(path, json.dumps(data, indent=2))
 
 
+def numbers_changed(entry: dict) -> str:
+    """`hardware.threads 1 -> 2, machine.cpu A -> B` for what a resume's `entry` changes of what changes the run's
+    numbers ('' for nothing)."""
+    changed = {k: v for k, v in entry.get("changes", {}).items()
+               if k in NUMERICS or (k.startswith("machine.") and k.removeprefix("machine.") in provenance.NUMERICS)}
+    return ", ".join(f"{k} {v['was']} -> {v['now']}" for k, v in changed.items())
+
+
 def numbers_warning(entry: dict) -> str | None:
-    """One line when a resume's `entry` (from `record`) changes what changes the run's numbers, else None."""
-    changed = {k: v for k, v in entry.get("changes", {}).items() if k in NUMERICS}
-    if not changed:
+    """One line when a resume's `entry` (from `entry`) changes what changes the run's numbers, else None (said for
+    a forced resume and a requeued job's, which no one was there to refuse)."""
+    said = numbers_changed(entry)
+    if not said:
         return None
-    said = ", ".join(f"{k} {v['was']} -> {v['now']}" for k, v in changed.items())
     return (f"gspo: warning: this resume changes {said}: from step {entry['from_step']} on, the run is no longer the "
             "one its seed and config give (docs/contracts.md); recorded in summary.json's resumes")

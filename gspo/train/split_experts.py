@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from gspo.config.errors import ConfigError
-from gspo.train.resume import machine
+from gspo.train.provenance import machine
 
 BUILD_VERSION = 1  # bump when what is built changes, so stale copies are rebuilt
 DENSE_FAMILIES = ("llama",)  # the families whose attention Mixtral's is, exactly (no q/k/v biases, no q/k norms)
