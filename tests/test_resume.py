@@ -320,6 +320,7 @@ def test_a_resume_that_changes_the_numbers_is_refused_unless_forced_then_said_an
     would make the run no longer the one its seed gives (docs/contracts.md): it is refused in one line, exit 2,
     nothing recorded, unless forced (force_resume=true); then it says so in one line and summary.json lists it, from
     what to what and from which step. One that changes only train.steps is neither refused nor said."""
+    from test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
@@ -372,7 +373,8 @@ def test_a_run_from_before_a_machine_key_was_recorded_resumes_without_a_change(t
     (run / "summary.json").write_text(json.dumps(summary))
     res = CliRunner().invoke(app, ["train", f"resume={run}", "train.steps=2"])
     assert res.exit_code == 0, res.output
-    assert not (run / "resumes.jsonl").exists()
+    (entry,) = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert entry["changes"] == {"train.steps": {"was": 1, "now": 2}}  # no machine.* key
 
 
 def test_a_resumed_finished_run_says_running_while_it_works(tmp_path, cache_dir, monkeypatch):
