@@ -149,3 +149,129 @@ def test_a_run_with_a_shared_prefix_is_the_plain_run(model, tmp_path, cache_dir,
     weights = [AutoModelForCausalLM.from_pretrained(checkpoint.latest(tmp_path / str(s))).state_dict() for s in runs]
     for name, w in weights[0].items():
         torch.testing.assert_close(weights[1][name], w, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- every family: exact, or plain
+
+# (family, config overrides, packed?): tests/test_families.py's tiny models (2 layers, width 32), float64. A window
+# written "longest" is the longest row of the batch (then it hides nothing: packed), "longest-1" one less (plain).
+FAMILIES = [
+    ("qwen3", {}, True), ("qwen3_moe", {}, True), ("llama", {}, True), ("gpt2", {}, True), ("phi3", {}, True),
+    ("mixtral", {}, True), ("olmoe", {}, True), ("qwen2", {}, True), ("qwen2_moe", {}, True), ("granite", {}, True),
+    ("granitemoe", {}, True), ("cohere", {}, True), ("ernie4_5_moe", {}, True), ("gpt_oss", {}, True),
+    ("deepseek_v3", {}, True), ("glm4_moe", {}, True), ("hunyuan_v1_moe", {}, True), ("afmoe", {}, True),
+    ("phimoe", {}, True), ("jetmoe", {}, True),  # (a window of 64 where the config has one: wider than every row)
+    ("mistral", dict(sliding_window=4), False), ("mistral", dict(sliding_window="longest"), True),
+    ("mistral", dict(sliding_window="longest-1"), False),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0), False),
+    ("qwen2", dict(use_sliding_window=True, sliding_window="longest", max_window_layers=0), True),
+    ("gemma2", dict(sliding_window=4), False), ("gemma2", dict(sliding_window="longest"), True),
+    ("gemma3_text", dict(sliding_window=4), False), ("gemma3_text", dict(sliding_window="longest"), True),
+    ("gemma3_text", dict(sliding_window="longest-1"), False),
+    ("falcon_h1", {}, False), ("jamba", {}, False), ("mamba", {}, False),
+    ("qwen3_next", dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8), False),  # (its gated DeltaNet 16 x 128 wide by default: slow)
+    ("lfm2", dict(layer_types=["conv", "full_attention"]), False),
+    ("llama4_text", {}, False), ("openai-gpt", {}, False),
+]
+
+
+@pytest.fixture(scope="module")
+def family_rows():
+    """Rows every family's tiny model reads (one character vocabulary): 4 prompts of one length opening with 13
+    shared characters, 2 sampled completions each (uneven lengths), by a tiny Llama."""
+    from test_families import tiny_model
+
+    from gspo.rollout.generate import generate
+    from gspo.rollout.params import SamplingParams
+
+    model, tok = tiny_model("llama")
+    prompts = [f"# sum these:\n{p}" for p in ("1+2=", "3+4=", "5*6=", "7-8=")]
+    with torch.no_grad():
+        return generate(model, tok, prompts, 2, SamplingParams(6), generator=torch.Generator().manual_seed(0))
+
+
+def _family_model(family: str, extra: dict):
+    """test_families' tiny model of `family` with `extra` config values, float64, experts computed eagerly."""
+    from test_families import ALPHABET, EXTRA, SMALL
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gspo.models.build import char_tokenizer, choose_attention, normalise_config
+
+    tok = char_tokenizer(ALPHABET)
+    base = AutoConfig.for_model(family).to_dict()
+    kw = {k: v for k, v in SMALL.items() if k in base} | dict(
+        vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id) | EXTRA.get(family, {}) | extra
+    config = AutoConfig.for_model(family, **kw)
+    normalise_config(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")  # (grouped_mm: no float64)
+    for r in moe_lib.find_routers(model):  # spread, so that routing is not a tie
+        torch.nn.init.normal_(moe_lib.router_weight(r), std=1.0)
+    model.config._attn_implementation = choose_attention(type(model), "auto")
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("family,extra,exact", FAMILIES, ids=[
+    f + (f"-window{e['sliding_window']}" if "sliding_window" in e else "") for f, e, _ in FAMILIES])
+def test_every_family_packs_exactly_or_says_once_that_it_runs_plain(family, extra, exact, family_rows, monkeypatch,
+                                                                    capsys):
+    """Where the shared prefix is taken, the packed log-probs, entropies and gradients are the plain forward's to
+    1e-6 in float64; where it would not be exact (a sliding window shorter than a row, a recurrent, state-space or
+    convolutional layer, an attention that reads no 4-D mask, a family never checked), `for_forward` gives None (the
+    trainer's plain forward), said once in one line naming the model class and why."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from gspo.models import packing
+
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    sub = family_rows
+    longest = int(sub.attention_mask.sum(-1).max())
+    extra = {k: longest - (v == "longest-1") if isinstance(v, str) and v.startswith("longest") else v
+             for k, v in extra.items()}
+    model = _family_model(family, extra)
+    monkeypatch.setattr(packing, "_SAID", set())
+    p = for_forward(model, sub.input_ids, sub.attention_mask, sub.prompt_len, sub.pad_id)
+    if p is not None:  # packed: the plain forward's numbers (None: the trainer's forward is the plain one)
+        weights = torch.linspace(-1, 1, sub.completion_mask.numel(), dtype=torch.float64).view_as(sub.completion_mask)
+        out = []
+        for packed in (None, p):
+            model.zero_grad()
+            logp, entropy, _ = token_logprobs(model, sub, temperature=0.8, with_entropy=True, packing=packed)
+            ((logp * weights).sum() + entropy.sum()).backward()
+            out.append([logp, entropy, *(q.grad for q in model.parameters() if q.grad is not None)])
+        assert len(out[0]) == len(out[1]) > 2
+        for a, b in zip(*out):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+    again = for_forward(model, sub.input_ids, sub.attention_mask, sub.prompt_len, sub.pad_id)  # (said only once)
+    said = capsys.readouterr().err.splitlines()
+    if exact:
+        assert p is not None and p.input_ids.numel() < sub.input_ids.numel() and said == []
+    else:
+        assert p is None and again is None and len(said) == 1, said
+        assert said[0].startswith(f"gspo: train.shared_prefix: off for {type(model).__name__}: ")
+        assert said[0].endswith("; the plain forward is used")
+        if "sliding_window" in extra:
+            assert f"its sliding window ({extra['sliding_window']}) is not kept by a packed 4-D mask" in said[0]
+
+
+def test_every_family_taken_as_exact_is_checked():
+    """`EXACT_FAMILIES` is what the family test checks packed: a family added there without a case here fails."""
+    from gspo.models.packing import EXACT_FAMILIES
+
+    assert EXACT_FAMILIES == {f for f, _, exact in FAMILIES if exact}
+
+
+def test_flash_attention_and_an_unknown_family_run_plain():
+    """Flash attention reads no 4-D mask; a family never checked is plain until it is."""
+    from types import SimpleNamespace
+
+    from gspo.models import packing
+
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2", model_type="llama"))
+    unknown = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa", model_type="bloom"))
+    assert "attention flash_attention_2 reads no 4-D mask" == packing.why_plain(flash, 10)
+    assert "'bloom' is not a family" in packing.why_plain(unknown, 10)

@@ -14,10 +14,17 @@ packs. Both at once (a prefix tree: the batch's prefix, then each group's prompt
 
 `Packing.spread` and `Packing.source` map between the two layouts, so what is recorded per token of the packed
 forward (MoE routing) reads as the plain forward's (N, W) rows, and what is replayed per token is packed alike.
+
+Exact only where nothing but the 4-D mask lets tokens meet: transformers uses a prepared 4-D mask as given, so a
+sliding window is lost, and a recurrent, state-space or convolutional layer runs across the packed rows, one row's
+state flowing into the next. `why_plain` decides per model (and per batch, for a window): an allow-list of checked
+families (`EXACT_FAMILIES`) whose layers are all attention, a sliding window only where it hides no token of the
+batch; anything else gets the plain forward, said once on stderr.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +33,24 @@ from torch import Tensor
 
 # A shared prefix shorter than this is not worth a packed forward (its mask and bookkeeping).
 MIN_PREFIX = 8
+
+# Families (config.model_type) whose every layer is attention that reads a prepared 4-D mask as given and places
+# tokens by their position ids, with nothing else mixing tokens: packed, each token computes what it computes
+# unpacked. Each is checked against the plain forward in float64 (tests/test_packing.py, which fails when one here is
+# not among its cases). Not here, so plain: recurrent and state-space hybrids (Mamba, Jamba, Falcon-H1, Qwen3-Next,
+# LFM2), GPT-1 (its attention reads no 4-D mask), Llama 4 (chunked attention; an attention scale from the column),
+# and every family never checked.
+EXACT_FAMILIES = frozenset({
+    "llama", "gpt2", "mistral", "gemma2", "gemma3_text", "phi3", "qwen2", "qwen3", "granite", "cohere", "mixtral",
+    "olmoe", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3", "glm4_moe",
+    "hunyuan_v1_moe", "afmoe", "phimoe", "jetmoe",
+})
+# the layer kinds (config.layer_types) an exact family may have; a sliding layer's window is checked per batch
+_ATTENTION = frozenset({"full_attention", "sliding_attention"})
+# layer kinds (or parts of their names) that carry state along the sequence: linear attention (gated DeltaNet; also
+# transformers' name for Mamba layers), short convolutions (LFM2), Mamba beside attention (Falcon-H1's "hybrid")
+_STATEFUL = ("linear", "conv", "hybrid", "mamba", "recurrent", "ssm")
+_SAID: set[str] = set()  # the fallbacks said in this process (each once)
 
 
 @dataclass
@@ -153,16 +178,68 @@ def pack(input_ids: Tensor, attention_mask: Tensor, prompt_len: int, capacity: i
     return Packing(ids, pos, mask, spread, source)
 
 
-def for_forward(model, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, pad_id: int = 0,
-                capacity: Optional[int] = None) -> Optional[Packing]:
-    """`pack` for `model` (or its DDP wrapper), its mask in the form the model's attention reads (bool for SDPA,
-    additive for eager); None for another attention implementation (flash attention reads no 4-D mask) or where
-    `pack` finds nothing to share. Default capacity (a bound on a forward row's memory; `_bins` picks the count by
-    cost below it): 4,096 tokens or twice the plain row, whichever is more."""
-    config = getattr(getattr(model, "module", model), "config", None)
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a DDP (`module`) or peft (`get_base_model`) wrapper."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
+def _window(config) -> Optional[int]:
+    """The window of the model's sliding-window layers, or None where none has one: `sliding_window` where set,
+    unless `layer_types` names no sliding layer (Qwen2/Qwen3 without `use_sliding_window`). Taken as applied
+    wherever else it is set (Mistral, Phi-3, Mixtral: on every layer): at worst a plain forward more."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    return int(window) if window and (kinds is None or "sliding_attention" in kinds) else None
+
+
+def why_plain(model: torch.nn.Module, longest: int) -> Optional[str]:
+    """Why a packed forward of rows of up to `longest` real tokens would not give `model`'s plain numbers (None: it
+    gives them, to float rounding). A sliding window hides no token of a row no longer than it (a query sees the
+    `window` keys up to itself), so the packed mask, which has no window, is exact there."""
+    config = _unwrapped(model).config
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in ("sdpa", "eager"):
+        return f"attention {impl} reads no 4-D mask"
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION)
+    stateful = [k for k in kinds if any(w in k for w in _STATEFUL)]
+    if stateful:
+        return f"its {'/'.join(stateful)} layers carry state along the sequence, from one packed row into the next"
+    if kinds:
+        return f"its {'/'.join(kinds)} layers are not known to read a packed 4-D mask as given"
+    if getattr(config, "model_type", None) not in EXACT_FAMILIES:
+        return f"{getattr(config, 'model_type', None)!r} is not a family whose packed forward is known to be exact"
+    window = _window(config)
+    if window is not None and window < longest:
+        return f"its sliding window ({window}) is not kept by a packed 4-D mask"
+    return None
+
+
+def _say_once(model: torch.nn.Module, why: str) -> None:
+    """One line on stderr, once per model class and reason in this process (on rank 0 only under torch.distributed:
+    every rank decides alike)."""
+    name = type(_unwrapped(model)).__name__.removeprefix("FSDP")  # (fully_shard renames the class in place)
+    line = f"gspo: train.shared_prefix: off for {name}: {why}; the plain forward is used"
+    if line in _SAID:
+        return
+    _SAID.add(line)
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized() \
+            or torch.distributed.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def for_forward(model, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, pad_id: int = 0,
+                capacity: Optional[int] = None) -> Optional[Packing]:
+    """`pack` for `model` (or its DDP or peft wrapper), its mask in the form the model's attention reads (bool for
+    SDPA, additive for eager); None where `pack` finds nothing to share, or where the packed forward would not give
+    the plain forward's numbers (`why_plain`: another attention implementation, a family not known to be exact, a
+    sliding window shorter than a row), which is said once. Default capacity (a bound on a forward row's memory;
+    `_bins` picks the count by cost below it): 4,096 tokens or twice the plain row, whichever is more."""
+    why = why_plain(model, int(attention_mask.sum(-1).max()))
+    if why is not None:
+        _say_once(model, why)
         return None
+    impl = getattr(_unwrapped(model).config, "_attn_implementation", None) or "eager"
     W = input_ids.shape[1]
     packing = pack(input_ids, attention_mask, prompt_len, capacity or max(4096, 2 * W), pad_id)
     if packing is not None and impl == "eager":

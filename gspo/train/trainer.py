@@ -241,7 +241,8 @@ def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp,
         width = sub.completion_mask.shape[1]
         cut = lambda x: None if x is None else x[rows][:, :width] if x.dim() > 1 else x[rows]  # noqa: E731
         m, old, adv_mb = cut(mask), cut(old_logp), cut(adv)
-        # train.shared_prefix: one forward of rows packed behind the prefix they share (None: nothing to share)
+        # train.shared_prefix: one forward of rows packed behind the prefix they share (None: nothing to share, or
+        # a model whose packed forward would not give the plain numbers, said once: the plain forward)
         packing = packed(model, sub.input_ids, sub.attention_mask, sub.prompt_len, sub.pad_id) \
             if cfg.train.shared_prefix else None
         with s.moe_step.minibatch(model, ro, rows, window, packing) as mb:  # MoE: replay, capture, aux loss
