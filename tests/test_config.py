@@ -206,6 +206,20 @@ def test_bad_values_through_the_cli_are_one_line_and_exit_2():
         assert len(out.strip().splitlines()) == 1 and out.startswith("gspo: error:"), out
 
 
+def test_an_int8_sampler_with_onednn_products_is_refused_before_work():
+    """rollout.dtype=int8's copy has int8 projections (Int8Linear), no float32 weight for oneDNN to reorder: the
+    pair passed the checks and ended at the first rollout in an AttributeError traceback, after the warm start and
+    the base evaluation. Refused when the config is composed, in one line naming both keys and what works."""
+    with pytest.raises(ConfigError) as e:
+        compose(["rollout.dtype=int8", "rollout.matmul=onednn"])
+    msg = str(e.value)
+    assert "rollout.matmul=onednn" in msg and "rollout.dtype=int8" in msg and "rollout.matmul=aten" in msg, msg
+    assert "\n" not in msg
+    out = _error(["train", "--cfg", "job", "rollout.dtype=int8", "rollout.matmul=onednn"])
+    assert len(out.strip().splitlines()) == 1 and out.startswith("gspo: error: rollout.matmul=onednn"), out
+    compose(["rollout.dtype=int8"]), compose(["rollout.matmul=onednn"])  # each alone is fine
+
+
 def test_temperature_zero_says_why():
     with pytest.raises(ConfigError, match="greedy"):
         check(compose(["rollout.temperature=0"]))

@@ -169,6 +169,39 @@ def test_the_cache_is_keyed_by_what_writes_it(tmp_path, monkeypatch):
     assert [w["transformers"] for w in written] == [library, library, "0.0.1"]
 
 
+def test_a_copy_written_before_the_header_fix_is_not_reused(tmp_path, monkeypatch):
+    """A copy written by CACHE_VERSION 2 under transformers 5.17-5.18 before the header's eos and pad tokens won
+    holds `<|im_start|>` as its eos (no completion ends); the fix changed what a copy holds, so its key changed too:
+    such a copy (made here under version 2, its eos broken by hand as 5.17 wrote it) is never reused."""
+    from gspo.models import gguf
+    from gspo.models.build import load_tokenizer
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(gguf, "CACHE_VERSION", 2)
+    stale = checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=None)
+    conf = json.loads((stale / "tokenizer_config.json").read_text())
+    (stale / "tokenizer_config.json").write_text(json.dumps({**conf, "eos_token": "<|im_start|>"}))
+    monkeypatch.undo()
+    fresh = checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / "cache", log=None)
+    assert fresh != stale and load_tokenizer(fresh).eos_token == "<|im_end|>"
+
+
+def test_the_cached_copy_is_readable_by_those_sharing_the_cache(tmp_path):
+    """Made by tempfile.mkdtemp (mode 0o700) and renamed into place, the copy kept a colleague sharing cache_dir out
+    of it; it now has the mode a mkdir gives under the umask (0o755 under 022, 0o750 under 027)."""
+    import os
+    import stat
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    for umask, mode in ((0o022, 0o755), (0o027, 0o750)):
+        old = os.umask(umask)
+        try:
+            ckpt = checkpoint_dir(tmp_path / "tiny.gguf", tmp_path / f"cache{umask:o}", log=None)
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE(ckpt.stat().st_mode) == mode, oct(ckpt.stat().st_mode)
+
+
 def test_one_process_dequantizes_while_the_others_wait(tmp_path, monkeypatch):
     """Callers that ask for the same file at once (the ranks of a DDP run, the jobs of a sweep sharing cache_dir)
     dequantize it once: one holds the cache's lock and writes, the others wait for it and reuse its copy (flock

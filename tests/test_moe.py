@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -258,6 +259,45 @@ def test_replay_rejects_an_unknown_scoring_rule_in_one_line():
     with pytest.raises(ConfigError, match="ReluRouter cannot be replayed: its weights are neither"), torch.no_grad():
         with replay_routing(model, torch.zeros(1, 3, 1, K, dtype=torch.long)):
             model(torch.randn(3, 4))
+
+
+class AllExpertsRouter(torch.nn.Module):
+    """Mixtral's rule (softmax, renormalised top-k) over every expert (top_k = num_experts, as a split model at
+    top_k = experts has it), its (logits, weights, indices) returned in `order`: the two float tensors have one
+    shape, so only their values tell the logits from the weights."""
+
+    def __init__(self, order: tuple[str, ...], experts: int = 4, hidden: int = 6):
+        super().__init__()
+        self.top_k = self.num_experts = experts
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden))
+        self.order = order
+
+    def forward(self, h):
+        logits = h @ self.weight.T
+        weights, indices = torch.softmax(logits.float(), -1).topk(self.top_k, dim=-1)
+        parts = {"logits": logits, "weights": weights / weights.sum(-1, keepdim=True), "indices": indices}
+        return tuple(parts[name] for name in self.order)
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(("logits", "weights", "indices"))),
+                         ids=lambda o: ",".join(o))
+def test_a_router_over_every_expert_is_read_by_its_values_in_any_order(order):
+    """top_k = num_experts: weights and logits are both (N, E), and the shape read fell back to the tuple's order,
+    so (indices, weights, logits) (GraniteMoe's order) recorded the weights' softmax as the router's distribution
+    and replayed weights as logits. Read by their values (the weights are the rule of the logits at the indices):
+    the capture records log_softmax(logits) and a replay of its own routing returns the router's own output."""
+    torch.manual_seed(0)
+    router = AllExpertsRouter(order)
+    model = torch.nn.Sequential(router)
+    h = torch.randn(5, 6)
+    with torch.no_grad(), capture_routing(model) as trace:
+        own = model(h)
+    logits = own[order.index("logits")]
+    torch.testing.assert_close(trace.logprobs(1)[0, :, 0], torch.log_softmax(logits, -1), atol=1e-6, rtol=0)
+    with torch.no_grad(), replay_routing(model, trace.indices(1)):
+        again = model(h)
+    for name in ("logits", "weights", "indices"):
+        torch.testing.assert_close(again[order.index(name)], own[order.index(name)], atol=1e-6, rtol=0)
 
 
 def test_replay_rejects_wrong_shapes():

@@ -175,6 +175,107 @@ def test_what_mixtral_cannot_hold_is_refused_in_one_line(tmp_path):
     one_line_exit_2(res, "model.split_experts.", "model=smollm2_moe")
 
 
+def test_what_the_split_cannot_do_is_refused_before_the_dense_model_loads(tmp_path, monkeypatch):
+    """calibration_sequences=1 passed the checks, and the build held that one sequence out and fitted on none (an
+    IndexError after loading the model and sampling); experts that do not divide the MLP's width were refused only
+    by the build, after the GGUF copy and the dense load. Both are refused by the config checks, the width read from
+    config.json or from a GGUF file's header: one line, exit 2, nothing dequantized, loaded or built. Two sequences
+    (one to fit, one held out) build."""
+    from gguf_files import write_tiny_gguf
+
+    from gspo.models import gguf
+
+    monkeypatch.setattr(gguf, "dequantize", lambda *a, **k: pytest.fail("the GGUF file was dequantized"))
+    monkeypatch.setattr(split_experts, "checkpoint", lambda *a, **k: pytest.fail("the split was built"))
+    dense_dir = tiny_checkpoint("llama", tmp_path / "dense")  # an MLP of 64 neurons
+    write_tiny_gguf(tmp_path / "tiny.gguf")  # ... of 96
+    split = {"model.split_experts.experts": E, "model.split_experts.top_k": K}
+    for i, (path, extra, said) in enumerate((
+            (dense_dir, {"model.split_experts.calibration_sequences": 1},
+             "model.split_experts.calibration_sequences=1: must be >= 2"),
+            (dense_dir, {"model.split_experts.experts": 5}, "model.split_experts.experts=5: must divide the dense "
+                                                            "MLP's 64 neurons"),
+            (tmp_path / "tiny.gguf", {"model.split_experts.experts": 5}, "model.split_experts.experts=5: must "
+                                                                         "divide the dense MLP's 96 neurons"))):
+        overrides = run_config(path, tmp_path / "cache", **{**split, **extra})
+        with pytest.raises(ConfigError, match=said):
+            compose(overrides)
+        res = CliRunner().invoke(app, ["train", *overrides, f"hydra.run.dir={tmp_path / f'run{i}'}"])
+        one_line_exit_2(res, said)
+    assert not (tmp_path / "cache").exists()
+    compose(run_config(tmp_path / "tiny.gguf", tmp_path / "cache", **{**split, "model.split_experts.experts": 3}))
+    built, record = split_experts.build(_dense(), TOK, split_experts.SplitSettings(E, K, 2, 32), log=lambda m: None)
+    assert isinstance(built, MixtralForCausalLM) and record["kl_to_dense"] > 0
+
+
+@needs_real_model
+def test_the_presets_width_is_read_from_the_wheels_gguf_header():
+    """model=smollm2_moe: SmolLM2's 1536 neurons, read from the GGUF header in the wheel (nothing dequantized)."""
+    with pytest.raises(ConfigError, match="model.split_experts.experts=10: must divide the dense MLP's 1536 neurons"):
+        compose(["model=smollm2_moe", "model.split_experts.experts=10", "model.split_experts.top_k=5"])
+
+
+def _hand_recipe(dense_dir: Path, path: Path) -> Path:
+    """A recipe written by hand for the checkpoint `dense_dir` (contiguous neuron groups, zero routers): a split
+    made in a second, without the calibration text."""
+    from gspo.models.build import load_pretrained
+
+    dense, _ = load_pretrained(dense_dir, torch.float32, "sdpa")
+    width, hidden = dense.config.intermediate_size, dense.config.hidden_size
+    layers = len(dense.model.layers)
+    groups = [torch.arange(width, dtype=torch.int32).view(E, width // E) for _ in range(layers)]
+    routers = [torch.zeros(E, hidden) for _ in range(layers)]
+    split_experts.save_recipe(path, groups, routers, split_experts.weights_digest(dense), {})
+    return path
+
+
+def test_the_key_covers_the_tokenizer_chat_template_and_generation_config(tmp_path):
+    """The cached split copies the dense checkpoint's tokenizer (its chat template) and generation config, and a
+    build renders its calibration text with the template; the key hashed only the weights and config.json, so after
+    the template changed the same directory was reused, serving the old one. Now every file the build reads or copies
+    is keyed: another template or generation config, another directory (the same weights in it); a record such as a
+    GGUF copy's gguf.json (its timings) is not, so the key of one checkpoint is the same on every machine."""
+    from transformers import AutoTokenizer
+
+    dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
+    scfg = OmegaConf.create({**SETTINGS.__dict__, "recipe": str(_hand_recipe(dense_dir, tmp_path / "r.safetensors"))})
+    tok = AutoTokenizer.from_pretrained(dense_dir)
+
+    def template(text: str) -> None:
+        tok.chat_template = "{% for m in messages %}" + text + "{{ m['content'] }};{% endfor %}"
+        tok.save_pretrained(dense_dir)
+
+    template("old:")
+    first = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
+    (dense_dir / "gguf.json").write_text(json.dumps({"seconds": 12.3}))  # a record of timings: not keyed
+    assert split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None) == first
+    template("new:")
+    second = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
+    assert second != first and "new:" in AutoTokenizer.from_pretrained(second).chat_template
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+    generation = json.loads((dense_dir / "generation_config.json").read_text())
+    (dense_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [0, 1]}))
+    third = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
+    assert third not in (first, second)
+    assert json.loads((third / "generation_config.json").read_text())["eos_token_id"] == [0, 1]
+
+
+def test_the_cached_split_is_readable_by_those_sharing_the_cache(tmp_path):
+    """Made by tempfile.mkdtemp (mode 0o700) and renamed into place, the split's directory kept a colleague sharing
+    cache_dir out of it; it now has the mode a mkdir gives under the umask (0o755 under 022)."""
+    import os
+    import stat
+
+    dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
+    scfg = OmegaConf.create({**SETTINGS.__dict__, "recipe": str(_hand_recipe(dense_dir, tmp_path / "r.safetensors"))})
+    old = os.umask(0o022)
+    try:
+        path = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+
+
 @pytest.mark.parametrize("replay", ["R2", "R3"])
 def test_it_trains_under_routing_replay_with_the_routing_metrics(replay, tmp_path, cache_dir):
     """model=hf with model.split_experts: the run builds the MoE from the dense checkpoint and trains it as a MoE."""

@@ -115,6 +115,35 @@ def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_
     assert f"gspo: reusing the warm-started base {add} (built from task.path={data}, same content)" in capsys.readouterr().out
 
 
+def test_the_cached_base_and_a_partial_warm_start_are_readable_by_those_sharing_the_cache(tmp_path):
+    """Made by tempfile.mkdtemp (mode 0o700) and renamed into place, the warm-started base (and a stopped warm
+    start's `.partial-` state) kept a colleague sharing cache_dir out of it; both now have the mode a mkdir gives
+    under the umask (0o755 under 022)."""
+    import os
+    import random
+    import stat
+
+    from conftest import tiny
+
+    from gspo.config.loading import compose
+    from gspo.tasks import build_task
+    from gspo.train.warm_start import _save_partial, base_model
+
+    cfg = compose(tiny(tmp_path / "cache", **{"model.warm_start.steps": 1, "model.warm_start.target_accuracy": 0}))
+    tok = char_tokenizer("0123456789=")
+    model = tiny_model(tok)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    old = os.umask(0o022)
+    try:
+        base = base_model(cfg, build_task(cfg.task), log=lambda m: None)
+        _save_partial(tmp_path / "cache" / ".partial-x", model, opt, sched, random.Random(0), {}, 1, 1)
+    finally:
+        os.umask(old)
+    for made in (base, tmp_path / "cache" / ".partial-x"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o755, (made, oct(made.stat().st_mode))
+
+
 def test_sigterm_during_the_warm_start_saves_it_and_the_resume_continues_it(tmp_path, monkeypatch):
     """SIGTERM while the warm start runs: exit 75 and the one-line resume message (before: killed by the signal,
     exit -15, no message), the partial warm start saved beside the cache and never taken for a finished base;

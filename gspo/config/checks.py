@@ -133,7 +133,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.warm_start.steps": (*_at_least(0), "0 = no warm start"),
     "model.split_experts.experts": (*_at_least(0), "0 = the dense model as it is"),
     "model.split_experts.top_k": (*_at_least(1), ""),
-    "model.split_experts.calibration_sequences": (*_at_least(1), ""),
+    "model.split_experts.calibration_sequences": (*_at_least(2), "one in 8, at least one, is held out to choose "
+                                                  "the routers' scale; the others fit the split"),
     "model.split_experts.calibration_tokens": (*_at_least(16), ""),
     "model.split_experts.recovery_epochs": (*_at_least(0), "0 = no distillation from the dense model"),
     "model.split_experts.recovery_lr": (*_above(0), ""),
@@ -220,6 +221,22 @@ def _max_positions(cfg: Any) -> Optional[int]:
     return conf.get("max_position_embeddings")
 
 
+def _split_width_problem(cfg: Any) -> Optional[str]:
+    """Why `model.split_experts.experts` cannot split the dense MLP of `model.path`, or None: its width
+    (`intermediate_size`) is read from config.json, or from a GGUF file's header (`feed_forward_length`), so a
+    width the experts do not divide is refused before the GGUF is dequantized or the dense model loaded
+    (gspo/train/split_experts.py `mixtral_config` refuses it again there, in the same words). None where the width
+    does not read from there (a per-layer width, a header without it): the build says so."""
+    experts = cfg.model.split_experts.experts
+    try:
+        width = model_path.text_config(cfg.model.path).get("intermediate_size")
+    except (OSError, ValueError):
+        return None
+    if isinstance(width, int) and width > 0 and width % experts:
+        return f"model.split_experts.experts={experts}: must divide the dense MLP's {width} neurons"
+    return None
+
+
 def _cross_checks(cfg: Any) -> Optional[str]:
     """Limits that depend on another key: the first one broken, as a message, or None."""
     r, m = cfg.rollout, cfg.model
@@ -260,6 +277,9 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if m.arch == "hf" and m.split_experts.experts and m.split_experts.top_k > m.split_experts.experts:
         return (f"model.split_experts.top_k={m.split_experts.top_k}: must be at most "
                 f"model.split_experts.experts={m.split_experts.experts}")
+    problem = _split_width_problem(cfg) if m.arch == "hf" and m.split_experts.experts else None
+    if problem:
+        return problem
     if m.arch == "hf" and m.split_experts.experts and m.split_experts.recipe:
         if m.split_experts.recovery_epochs:
             return ("model.split_experts.recipe: a recipe holds a split without recovery; set "
@@ -268,6 +288,11 @@ def _cross_checks(cfg: Any) -> Optional[str]:
             model_path.split_recipe(m.split_experts.recipe)
         except ConfigError as e:
             return str(e)
+    if r.dtype == "int8" and r.matmul == "onednn" and r.engine in ("fast", "auto"):
+        # the int8 copy's projections are Int8Linear modules (gspo/rollout/quantized.py): no float32 weight for
+        # oneDNN to reorder, so the fast engine's onednn path would fail at the first rollout
+        return ("rollout.matmul=onednn: reorders float32 Linear weights, and rollout.dtype=int8's sampling copy has "
+                "none (its products run in int8); use rollout.matmul=aten with rollout.dtype=int8")
     if m.arch != "hf" and m.num_heads % m.num_kv_heads:
         return f"model.num_heads={m.num_heads}: must be a multiple of model.num_kv_heads={m.num_kv_heads}"
     return None

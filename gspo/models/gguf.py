@@ -31,7 +31,9 @@ import torch
 
 from gspo.config import model_path
 
-CACHE_VERSION = 2  # bump when what is written changes (2: the key holds what writes the copy)
+# bump when what is written changes (2: the key holds what writes the copy; 3: the header's eos and pad tokens win,
+# so that a copy transformers 5.17-5.18 wrote with <|im_start|> as eos is not reused under the same key)
+CACHE_VERSION = 3
 
 
 def checkpoint_dir(path: str | Path, cache_dir: str | Path, log: Optional[Callable[[str], None]] = print,
@@ -73,7 +75,7 @@ def build_once(target: Path, write: Callable[[Path], None]) -> bool:
     with _locked(target.parent / f".{target.name}.lock"):
         if (target / "config.json").is_file():  # made by the process that held the lock before this one
             return False
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
+        tmp = shared_mkdtemp(target.parent, f".tmp-{target.name}-")
         try:
             write(tmp)
             try:
@@ -84,6 +86,30 @@ def build_once(target: Path, write: Callable[[Path], None]) -> bool:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return True
+
+
+def shared_mkdtemp(parent: Path, prefix: str) -> Path:
+    """A new directory in `parent`, as tempfile.mkdtemp makes it (a unique name, never another process's) but with
+    the mode a plain mkdir gives (0o777 less the umask) rather than mkdtemp's 0o700: it is renamed into a cache (or
+    results) directory colleagues may share, where a private directory would keep them out of every copy in it."""
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
+def _umask() -> int:
+    """This process's umask. Read from /proc/self/status (Linux) without changing it; elsewhere set and restored,
+    a restrictive 0o077 in between, so that a file another thread makes meanwhile is never more open than asked."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def _written_by() -> dict[str, str | int]:

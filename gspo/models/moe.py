@@ -93,11 +93,15 @@ class RouterFormatError(TypeError):
     """A module that looks like a router returned something gspo cannot read as routing."""
 
 
+_ORDER: "weakref.WeakKeyDictionary[nn.Module, tuple[int, int, int]]" = weakref.WeakKeyDictionary()
+
+
 def _positions(output: tuple, router: nn.Module) -> tuple[int, int, int]:
     """Where a 3-tuple router output holds (logits, weights, indices), read from the tensors themselves: the
     indices are the integer tensor, the logits the float one over all experts. Most routers return them in that
     order; some do not (GraniteMoe's router before transformers 5.21 returns (indices, weights, logits)), and a
-    positional read would replay weights as logits without a word."""
+    positional read would replay weights as logits without a word. Where the router picks every expert (top_k =
+    num_experts) both float tensors span the experts, and the values tell them apart (`_order_by_values`)."""
     if not all(isinstance(t, torch.Tensor) for t in output):
         raise RouterFormatError(f"{type(router).__name__} returns a 3-tuple that is not all tensors")
     ints = [i for i, t in enumerate(output) if not (t.is_floating_point() or t.is_complex())]
@@ -107,13 +111,43 @@ def _positions(output: tuple, router: nn.Module) -> tuple[int, int, int]:
                                 "capture/replay needs exactly one (the chosen experts)")
     a, b = floats
     wide_a, wide_b = (output[i].shape[-1] == router.num_experts for i in (a, b))
-    if wide_b and not wide_a:  # b spans every expert (the logits), a the k chosen (the weights)
-        a, b = b, a
-    elif wide_a == wide_b and router.top_k != router.num_experts:
+    if wide_a != wide_b:  # the one spanning every expert is the logits, the other the k chosen experts' weights
+        return (b, a, ints[0]) if wide_b else (a, b, ints[0])
+    if router.top_k != router.num_experts:
         raise RouterFormatError(f"{type(router).__name__}'s float outputs have last dims "
                                 f"{output[a].shape[-1]} and {output[b].shape[-1]}: neither reads as the logits over "
                                 f"its {router.num_experts} experts")
-    return a, b, ints[0]
+    if router not in _ORDER:
+        order, settled = _order_by_values(output, a, b, ints[0], router)
+        if not settled:  # (not remembered: a later call's values may settle it)
+            return order
+        _ORDER[router] = order
+    return _ORDER[router]
+
+
+@torch.no_grad()
+def _order_by_values(output: tuple, a: int, b: int, i: int, router: nn.Module) -> tuple[tuple[int, int, int], bool]:
+    """(logits, weights, indices) positions of a router output whose two float tensors both span every expert
+    (top_k = num_experts), and whether its values settled it. The weights are a scoring rule of the logits at the
+    indices (`_fit`: a softmax or sigmoid, renormalised or not, times a positive constant); read the other way round
+    they are almost never (weights are positive and ranked as their logits, logits are neither). Where both readings
+    or neither fit (equal logits, an empty call, a rule gspo does not know), the weights are the float tensor beside
+    the indices, as in both orders routers use ((logits, weights, indices), and GraniteMoe's (indices, weights,
+    logits)); where both are beside them, the tuple's order."""
+    indices = output[i]
+    fits = []
+    if indices.numel():
+        k = indices.shape[-1]
+        rows = indices.reshape(-1, k)
+        for logits, weights in ((a, b), (b, a)):
+            z, w = output[logits].reshape(-1, output[logits].shape[-1]), output[weights].reshape(-1, k)
+            if _fit(router, z, w, rows) is not None:
+                fits.append((logits, weights, i))
+    if len(fits) == 1:
+        return fits[0], True
+    if abs(a - i) == 1 and abs(b - i) != 1:  # a beside the indices: a the weights
+        return (b, a, i), False
+    return (a, b, i), False
 
 
 def _unpack(output: object, router: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -203,7 +237,16 @@ _SCORING: "weakref.WeakKeyDictionary[nn.Module, Optional[Scoring]]" = weakref.We
 
 @torch.no_grad()  # a check only: saving tensors here would break checkpoint recomputation
 def _detect(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> Optional[Scoring]:
-    """The `Scoring` that reproduces the router's own weights at its own experts, or None.
+    """The `Scoring` that reproduces the router's own weights at its own experts (`_fit`), or None (and None for
+    the routers UNREPLAYABLE names, whatever their weights)."""
+    if type(router).__name__ in UNREPLAYABLE:
+        return None
+    return _fit(router, logits, scores, indices)
+
+
+@torch.no_grad()
+def _fit(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor) -> Optional[Scoring]:
+    """The `Scoring` under which `logits` (N, E) give `scores` (N, k) at `indices` (N, k), or None.
 
     Tried in the order the router's attributes suggest (``e_score_correction_bias``: sigmoid
     first; ``norm_topk_prob``: the declared normalisation first), so that an output both
@@ -211,8 +254,6 @@ def _detect(router: nn.Module, logits: torch.Tensor, scores: torch.Tensor, indic
     constant factor (DeepSeek-V3's ``routed_scaling_factor``, HY-V3's ``router_scaling_factor``
     ...) is fitted by least squares, then the fit must hold on every weight.
     """
-    if type(router).__name__ in UNREPLAYABLE:
-        return None
     kinds = ("sigmoid", "softmax") if hasattr(router, "e_score_correction_bias") else ("softmax", "sigmoid")
     declared = getattr(router, "norm_topk_prob", None)
     norms = (declared, not declared) if isinstance(declared, bool) else (True, False)

@@ -31,7 +31,8 @@ top_k = E and a uniform router (logits all equal: weights exactly 1/E, the facto
 model's outputs (tested).
 
 The built checkpoint is cached like the dense GGUF copy (gspo/models/gguf.py): in
-`cache_dir/moe-<dense name>-<key>/`, keyed by the dense weights' content, the construction's settings and what
+`cache_dir/moe-<dense name>-<key>/`, keyed by the content of the dense checkpoint's files it reads or copies (weights,
+config, tokenizer and chat template, generation config: `keyed_files`), the construction's settings and what
 builds it (BUILD_VERSION, torch, transformers), written once under a lock, renamed into place when complete.
 
 The calibration text is sampled, and another CPU's kernels round otherwise: the same settings build a different
@@ -546,7 +547,8 @@ def build(dense, tokenizer, settings: SplitSettings, log: Callable[[str], None] 
 
 def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Callable[[str], None]] = print) -> Path:
     """The split checkpoint of the dense checkpoint `dense_dir` (`model.split_experts` = `scfg`), built on first use
-    into `cache_dir/moe-<dense name>-<key>/` (the key: the dense weights' content, the settings, what builds it)."""
+    into `cache_dir/moe-<dense name>-<key>/` (the key: the content of the dense files it reads or copies, the
+    settings, what builds it)."""
     import os
 
     from gspo.models.build import load_pretrained
@@ -601,16 +603,29 @@ def _written_by() -> dict:
     return {"version": BUILD_VERSION, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+# The dense checkpoint's files a build reads or copies, as globs in its directory: its weights and config (loaded),
+# its tokenizer and chat template (loaded, the calibration text rendered with the template, and saved beside the
+# split), its generation config (copied: the end tokens). Not records such as a GGUF copy's gguf.json, which holds
+# its timings: the key of the same checkpoint is the same on every machine.
+KEYED_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "generation_config.json",
+               "tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.*",
+               "additional_chat_templates/*", "vocab.*", "merges.txt", "*.model", "*.tiktoken")
+
+
+def keyed_files(dense_dir: Path) -> list[Path]:
+    """The files of `dense_dir` that decide the split checkpoint (KEYED_FILES), sorted by their path in it."""
+    found = {p for pattern in KEYED_FILES for p in dense_dir.glob(pattern) if p.is_file()}
+    return sorted(found, key=lambda p: p.relative_to(dense_dir).as_posix())
+
+
 def _key(dense_dir: Path, settings: SplitSettings, recipe: Optional[Path] = None) -> str:
-    """What decides the split checkpoint's bytes: the dense weights and config (their content), the settings (from
-    a recipe: its content), and what builds it (the calibration text is sampled by torch, the model classes are
-    transformers')."""
+    """What decides the split checkpoint's bytes: the dense checkpoint's files it reads or copies (their content:
+    `keyed_files`), the settings (from a recipe: its content), and what builds it (the calibration text is sampled
+    by torch, the model classes are transformers')."""
     from gspo.models.gguf import file_sha256
 
-    files = sorted(p for p in dense_dir.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
-    blob = {"files": {p.name: file_sha256(p) for p in files}, "settings": settings.keyed(), **_written_by()}
+    files = {p.relative_to(dense_dir).as_posix(): file_sha256(p) for p in keyed_files(dense_dir)}
+    blob = {"files": files, "settings": settings.keyed(), **_written_by()}
     if recipe is not None:
         blob["recipe"] = file_sha256(recipe)
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
-
-

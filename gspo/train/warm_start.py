@@ -13,7 +13,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -23,7 +22,7 @@ import torch
 from gspo.config.errors import ConfigError
 from gspo.train import split_experts
 from gspo.models.build import build_model, char_tokenizer
-from gspo.models.gguf import checkpoint_dir, file_sha256
+from gspo.models.gguf import checkpoint_dir, file_sha256, shared_mkdtemp
 from gspo.models.moe import is_moe
 from gspo.rollout.chat import render_reference
 from gspo.rollout.generate import encode_prompts
@@ -89,7 +88,7 @@ def base_model(cfg, task, log=print, stop=None) -> Path:
     t0 = time.time()
     partial = target.parent / f".partial-{target.name}"
     record = warm_start(model, tokenizer, task, cfg.model.warm_start, log=log, stop=stop, partial=partial, tools=tools)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    tmp = shared_mkdtemp(target.parent, ".tmp-")  # (mkdtemp's 0o700 would keep colleagues out of a shared cache)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     inputs = {k: {"path": path, "sha256": file_sha256(path)} for k, path in _input_files(cfg).items()}
@@ -194,7 +193,7 @@ def _save_partial(partial: Path, model, opt, sched, rng: random.Random, record: 
     from safetensors.torch import save_model
 
     partial.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=partial.parent, prefix=".tmp-partial-"))
+    tmp = shared_mkdtemp(partial.parent, ".tmp-partial-")
     save_model(model, tmp / "model.safetensors")
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng.getstate(),
                 "torch_rng": torch.get_rng_state(), "record": record, "every": every, "step": step}, tmp / "state.pt")
