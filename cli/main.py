@@ -269,6 +269,8 @@ def compare(
         result = run_compare(paths, by=by, out=out, threshold=threshold, baseline=baseline)
     except ConfigError as e:
         _fail(str(e))
+    except OSError as e:  # writing the figure and table, no space or permission (an unreadable run is skipped)
+        _fail(f"{e.filename or out}: {e.strerror or e}")
     print_report(result)
     if not result.groups:
         raise typer.Exit(1)

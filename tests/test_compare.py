@@ -626,3 +626,72 @@ def test_the_critic_of_a_ppo_group_is_tabulated(tmp_path):
     md = (tmp_path / "out" / "compare.md").read_text()
     critic = md[md.index("## Critic"):]
     assert "| ppo | 0.03±0.0141 | 0.098±0.000 | 0.3±0 | 10%±0% |" in critic and "| grpo |" not in critic.split("\n\n")[1]
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every user may enter and write (tmp_path is its owner's alone), removed afterwards."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="gspo-shared-"))
+    path.chmod(0o777)
+    yield path
+    for p in [path, *path.rglob("*")]:  # (what the test made unreadable, readable again to be removed)
+        p.chmod(0o777)
+    shutil.rmtree(path)
+
+
+AS_COLLEAGUE = """
+import contextlib, io, os, sys
+from cli.main import app
+with contextlib.redirect_stdout(io.StringIO()):  # every module `gspo compare` imports, imported while it can be
+    app(["compare", os.environ["GSPO_WARM_UP"]], standalone_mode=False)
+if os.geteuid() == 0:  # (nobody may not enter /root, where this Python may live: hence after the imports)
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+app(sys.argv[1:], prog_name="gspo")
+"""
+
+
+def as_colleague(*args: str, cwd: Path):
+    """`gspo ARGS` as another user would run it: as root (which reads any file), as nobody once gspo is imported;
+    otherwise as this user, from whom chmod 000 hides a file as it hides it from anyone."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    make_run(cwd / "warm-up", "grpo")
+    env = {**os.environ, "PYTHONPATH": root, "MPLCONFIGDIR": str(cwd / ".mpl"), "GSPO_WARM_UP": str(cwd / "warm-up")}
+    return subprocess.run([sys.executable, "-c", AS_COLLEAGUE, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_run_whose_files_cannot_be_read_is_skipped_with_a_line_naming_them(shared_dir):
+    """A colleague's runs on a shared results directory, some of whose files this user may not read (written
+    owner-only by an older gspo: summary.json, a rewritten metrics.jsonl; or the run directory itself): `gspo
+    compare` compares what it can read and lists each of the others as skipped, naming the file and the error,
+    where it used to end in a PermissionError traceback (or, for a directory, leave the run out without a word);
+    given only such a run, one line and exit code 2. The denial is the kernel's, not a stand-in's."""
+    root = shared_dir / "sweep"
+    for job in range(4):
+        make_run(root / str(job), "grpo", seed=job)
+    (root / "1" / "summary.json").chmod(0)
+    (root / "2" / "metrics.jsonl").chmod(0)
+    (root / "3").chmod(0)
+    root.chmod(0o777)  # (the figure and table are written into SWEEP/compare)
+    res = as_colleague("compare", str(root), cwd=shared_dir)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout[-3000:] + res.stderr[-3000:]
+    skipped = {line.split(": ", 1)[0].split("/")[-1]: line for line in res.stdout.splitlines()
+               if line.startswith("skipped")}
+    assert sorted(skipped) == ["1", "2", "3"], res.stdout
+    assert "cannot read summary.json (Permission denied)" in skipped["1"]
+    assert "cannot read metrics.jsonl (Permission denied)" in skipped["2"]
+    assert "cannot read the directory (Permission denied)" in skipped["3"]
+    alone = as_colleague("compare", str(root / "1"), cwd=shared_dir)
+    out = alone.stdout + alone.stderr
+    assert alone.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert out.strip().splitlines() == [out.strip()] and out.startswith("gspo: error: no readable run directory")
+    assert "summary.json (Permission denied)" in out

@@ -2,7 +2,9 @@
 process replaced by a stand-in, and the listener of a shared engine (gspo/rollout/child.py `Clients`). A peer
 that says nothing or holds another key is dropped without keeping real trainers or ranks out; a trainer that
 connects during a run is told the server is busy; the connection an engine is handed has TCP keepalive, so an
-engine whose trainer vanished without closing it ends and the server serves the next run."""
+engine whose trainer vanished without closing it ends and the server serves the next run. The listener (`Gate`)
+survives a thread that cannot start and closes at once what is past its bound. And a killed engine's clean-up
+removes its own shared memory only."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pytest
 
 from gspo.config.errors import ConfigError, RunFailed
 from gspo.rollout import engine_server
-from gspo.rollout.child import Clients, RemoteChild, root
+from gspo.rollout.child import Clients, Gate, RemoteChild, dial, root
 
 KEY = "the-secret"
 DEADLINE_S = 60.0  # the most any of these waits: a test that reaches it has failed
@@ -266,3 +268,105 @@ def test_a_wrong_key_or_a_silent_peer_keeps_no_rank_from_a_shared_engine(capsys)
     with pytest.raises(RuntimeError, match=r"^0 of the 1 other ranks connected within 1 s$"):
         Clients(1, 1.0, "127.0.0.1", wrong_key)
     assert time.monotonic() - t0 >= 1.0
+
+
+def test_a_thread_that_cannot_start_costs_its_connection_not_the_listener(monkeypatch):
+    """A process that cannot start another thread (at its limit, for a moment) when a peer connects: that
+    connection is closed, with a line, and the gate listens on: the next peer is authenticated. The listener used
+    to end there, and `gspo vllm-serve` to stay up authenticating no one, without a word."""
+    lines = []
+    gate = Gate(("127.0.0.1", 0), KEY.encode(), refused=lines.append)
+    start, failed = threading.Thread.start, []
+
+    def at_its_limit_once(thread: threading.Thread) -> None:
+        if thread.name == "gspo-gate-auth" and not failed:
+            failed.append(thread)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", at_its_limit_once)
+    try:
+        first = socket.create_connection(gate.address, timeout=DEADLINE_S)
+        assert first.recv(1) == b""  # closed
+        first.close()
+        conn = dial(gate.address, KEY.encode(), 10.0)  # (the listener gone, this would wait out its 10 s)
+        assert gate.accept(DEADLINE_S) is not None
+        conn.close()
+    finally:
+        gate.close()
+    assert failed and len(lines) == 1, lines
+    assert re.fullmatch(r"127\.0\.0\.1:\d+: closed: no thread could be started to authenticate it \(can't start "
+                        r"new thread\)", lines[0]), lines
+
+
+def test_connections_past_the_bound_are_closed_at_once_and_the_gate_serves_when_one_is_free():
+    """At most `pending` peers are being authenticated at once, each on one thread (no timer beside it): one more
+    is closed at once with a line, not queued for ever nor given a thread; once a slot is free a peer with the key
+    is authenticated."""
+    lines = []
+    gate = Gate(("127.0.0.1", 0), KEY.encode(), refused=lines.append, auth_s=DEADLINE_S, pending=2)
+    silent = [socket.create_connection(gate.address, timeout=DEADLINE_S) for _ in range(2)]
+    try:
+        for sock in silent:  # each is sent its challenge: it holds a slot, for up to DEADLINE_S
+            assert sock.recv(1)
+        proving = [t for t in threading.enumerate() if t.name == "gspo-gate-auth"]
+        assert len(proving) == 2 and not any(isinstance(t, threading.Timer) for t in threading.enumerate())
+        t0 = time.monotonic()
+        extra = socket.create_connection(gate.address, timeout=DEADLINE_S)
+        assert extra.recv(1) == b"" and time.monotonic() - t0 < DEADLINE_S / 4  # closed at once, no challenge
+        extra.close()
+        assert len(lines) == 1 and re.fullmatch(r"127\.0\.0\.1:\d+: closed at once: 2 connections are being "
+                                                r"authenticated already, the most at once .*", lines[0]), lines
+        silent.pop().close()  # dropped (EOFError): its slot is freed as its thread ends
+        deadline = time.monotonic() + DEADLINE_S
+        while sum(t.name == "gspo-gate-auth" for t in threading.enumerate()) > 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        conn = dial(gate.address, KEY.encode(), 10.0)
+        assert gate.accept(DEADLINE_S) is not None
+        conn.close()
+    finally:
+        for sock in silent:
+            sock.close()
+        gate.close()
+
+
+def test_a_killed_child_leaves_another_programs_segment_made_meanwhile_alone(tmp_path):
+    """`Child.kill` removes the shared memory the child's processes made and can no longer unlink (its own, made
+    at start-up, and its worker's, made later), and nothing else: a segment another program of the same user made
+    while the child ran, and holds by name alone (made, closed, to be opened later), survives, though it is new
+    since the child started and no process maps it. The clean-up used to remove every such segment."""
+    from multiprocessing import shared_memory
+
+    from gspo.rollout.child import Child, shm_segments
+
+    (tmp_path / "standin.py").write_text(
+        "import subprocess, sys\n"
+        "from multiprocessing import shared_memory\n"
+        "from gspo.rollout.child import serve\n"
+        "def start(spec):\n"
+        "    early = shared_memory.SharedMemory(create=True, size=4096)\n"  # made at start-up, kept for its life
+        "    def handle(message):\n"
+        "        code = 'from multiprocessing import shared_memory as s; import time; ' \\\n"
+        "               'm = s.SharedMemory(create=True, size=4096); print(m.name, flush=True); time.sleep(600)'\n"
+        "        worker = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True)\n"
+        "        handle.kept = (early, worker)\n"
+        "        return ('made', [early.name, worker.stdout.readline().strip()])\n"
+        "    return handle\n"
+        "sys.exit(serve(int(sys.argv[1]), start))\n")
+    child = Child("the stand-in", "standin", {}, on_fail=lambda: None, env={"PYTHONPATH": f"{root()}:{tmp_path}"})
+    foreign = None
+    try:
+        child.expect("ready", None, DEADLINE_S)
+        _, made = child.ask(("make",), "made", DEADLINE_S)
+        foreign = shared_memory.SharedMemory(create=True, size=4096)  # another program's, after the child started
+        foreign.close()  # held by name alone from here on
+        assert set(made) | {foreign.name} <= shm_segments()
+    finally:
+        child.kill()
+    try:
+        assert not set(made) & shm_segments()  # the child's, its own and its worker's: removed
+        assert foreign.name in shm_segments()  # not the child's: kept
+    finally:
+        if foreign is not None:
+            foreign.unlink()

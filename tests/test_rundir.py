@@ -8,8 +8,10 @@ import datetime as dt
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import tiny
@@ -96,7 +98,7 @@ def test_a_live_runs_lock_refuses_a_resume_and_a_stale_one_is_taken_over(tmp_pat
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     write_lock(run, pid=dead.pid)  # a run killed with -9: its lock stays behind
-    res = runner.invoke(app, ["train", f"resume={run}", "train.steps=2", "hardware.threads=1"])
+    res = runner.invoke(app, ["train", f"resume={run}", "train.steps=2"])
     assert res.exit_code == 0, res.output
     assert steps(run) == [0, 1, 2] and not (run / rundir.LOCK).exists()  # released at the end
 
@@ -136,3 +138,68 @@ def test_a_lock_being_written_counts_as_held_and_an_old_unreadable_one_as_stale(
     assert rundir.holder(tmp_path) is not None
     os.utime(tmp_path / rundir.LOCK, (0, 0))
     assert rundir.holder(tmp_path) is None
+
+
+@pytest.fixture
+def umask():
+    """Set the process's umask for the test (`umask(0o022)`); the one before restored."""
+    before = os.umask(0o022)
+    yield os.umask
+    os.umask(before)
+
+
+def modes(root) -> dict[str, int]:
+    """Each path under `root` (itself included, as ".") with its permission bits."""
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
+def test_files_written_whole_and_temporary_directories_get_the_mode_open_and_mkdir_give(tmp_path, umask, monkeypatch):
+    """A file rewritten whole (`replace_text`: summary.json, metrics.jsonl, sweep.json, the resumes list) and a
+    directory filled under a temporary name (a checkpoint, a LoRA run's merged export) get 0o666 / 0o777 less the
+    umask, as open() and mkdir give, not mkstemp's and mkdtemp's owner-only 0o600 / 0o700; replacing a file
+    keeps no owner-only mode of the file it replaces, and the weights safetensors writes owner-only are widened."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gspo.models import adapters
+
+    class Saves:  # a merged model and its tokenizer: the weights written as transformers writes them (safetensors)
+        def merge_and_unload(self):
+            return self
+
+        def save_pretrained(self, path, **_):
+            save_file({"w": torch.zeros(1)}, str(Path(path) / "model.safetensors"))
+
+    monkeypatch.setattr(adapters, "load", lambda *a, **k: (Saves(), Saves()))
+    for mask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o027, 0o640, 0o750)):
+        umask(mask)
+        here = tmp_path / oct(mask)
+        here.mkdir()
+        rundir.replace_text(here / "summary.json", "{}")
+        (here / "sweep.json").write_text("old")
+        (here / "sweep.json").chmod(0o600)
+        rundir.replace_text(here / "sweep.json", "{}")
+        fd, name = rundir.temp_file(here, prefix=".x-")
+        os.close(fd)
+        rundir.temp_dir(here)
+        adapters.export_merged(here / "adapter", here / "merged")
+        found = modes(here)
+        wrong = {k: oct(v) for k, v in found.items() if v != (dir_mode if (here / k).is_dir() else file_mode)}
+        assert wrong == {}, oct(mask)
+        assert (here / "merged" / "model.safetensors").is_file() and len(found) == 7  # no temporary file left
+
+
+def test_a_runs_files_and_checkpoints_can_be_read_by_a_colleague(tmp_path, cache_dir, monkeypatch, umask):
+    """Under umask 022 every file a run and its resume write is 0o644 and every directory 0o755: summary.json and
+    the resumes list (rewritten through a temporary file) as config.yaml, the checkpoints (renamed from a temporary
+    directory) as the run's directory. Owner-only files kept a colleague on a shared results directory from them."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    train(compose(tiny(cache_dir, **{"train.steps": 1})), run)
+    res = runner.invoke(app, ["train", f"resume={run}", "train.steps=2"])
+    assert res.exit_code == 0, res.output
+    found = modes(run)
+    assert "resumes" in json.loads((run / "summary.json").read_text())
+    assert any(name.startswith("checkpoints/step_") for name in found), sorted(found)
+    wrong = {name: oct(mode) for name, mode in found.items() if mode != (0o755 if (run / name).is_dir() else 0o644)}
+    assert wrong == {}

@@ -2,7 +2,8 @@
 local processes, the trainer's side here and a receiver spawned: what arrives is what was pushed, bitwise (cast as
 the file push casts), in buckets no larger than asked; a receiver that dies or goes silent ends the push with
 `PeerLost`, never a hang; the group listens on loopback only on one host, and admits no peer without its
-store's secret."""
+store's secret; across hosts gloo listens only where the members reach each other, and a member in the group
+without the secret is refused before any weight."""
 
 from __future__ import annotations
 
@@ -20,16 +21,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gspo.config.errors import RunFailed
 from gspo.rollout import transport
 from gspo.rollout.transport import ALIGN, Group, PeerLost, Sender, backend_for, host_store, receive
 
 TIMEOUT_S = 300.0  # (a spawned receiver imports torch: slow on a busy machine)
 
 
-def _receiver(port: int, secret: bytes, pushes: int, out: str, stop: bool) -> None:
-    """Rank 1: join, receive `pushes` pushes, save every bucket (names, tensors, the bucket's data bytes)."""
+def _receiver(port: int, secret: bytes, pushes: int, out: str, stop: bool, host: str = transport.HOST) -> None:
+    """Rank 1: join (through the store at `host`), receive `pushes` pushes, save every bucket (names, tensors, the
+    bucket's data bytes), and where its sockets listen (`out`.listening)."""
     torch.set_num_threads(1)
-    group = Group("gloo", 1, 2, TIMEOUT_S, torch.device("cpu"), port=port, secret=secret)
+    group = Group("gloo", 1, 2, TIMEOUT_S, torch.device("cpu"), port=port, secret=secret, host=host)
+    with open(out + ".listening", "w") as f:
+        f.write(repr(sorted(listening())))
     if stop:  # joined, then silent: stopped as by SIGSTOP
         os.kill(os.getpid(), signal.SIGSTOP)
     got = []
@@ -263,3 +268,69 @@ def test_a_peer_without_the_stores_secret_neither_joins_the_weight_group_nor_rea
     got = [(name, t) for b in torch.load(out)[0] for name, t, _ in b]
     assert [name for name, _ in got] == [name for name, _ in weights()]
     assert all(torch.equal(t, w.float()) for (_, t), (_, w) in zip(got, weights()))
+
+
+def own_address() -> str:
+    """This host's address on its default route (what another host reaches it at); skips without one."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("198.51.100.1", 9))  # (TEST-NET-2: no packet is sent; the kernel picks the route)
+        address = probe.getsockname()[0]
+    except OSError:
+        pytest.skip("no network route: no address but loopback")
+    finally:
+        probe.close()
+    if loopback(address):
+        pytest.skip("no address but loopback")
+    return address
+
+
+def test_across_hosts_gloo_listens_only_where_the_members_reach_each_other(tmp_path):
+    """rollout.vllm.mode=server: the store on every interface, the engine reaching the trainer at its network
+    address. gloo's sockets listen on that address alone, on both sides: the trainer's where the engine reached its
+    store, the engine's where it reached it from; not on the address this host's name resolves to (gloo's default,
+    here loopback: another interface than the one the engine uses, or one it cannot reach at all)."""
+    address = own_address()
+    store = host_store(TIMEOUT_S, transport.EVERY)
+    before = listening()
+    out = str(tmp_path / "got.pt")
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(store.port, store.secret, 1, out, False, address),
+                                           daemon=True)
+    proc.start()
+    group = Group("gloo", 0, 2, TIMEOUT_S, torch.device("cpu"), store=store, alive=proc.is_alive)
+    try:
+        opened = {a for a, port in listening() - before if port != store.port}
+        Sender(group, 1024, alive=proc.is_alive).push(weights())
+        proc.join(TIMEOUT_S)
+    finally:
+        group.close()
+    assert proc.exitcode == 0
+    assert opened == {address}, opened
+    with open(out + ".listening") as f:
+        assert {a for a, _ in eval(f.read())} == {address}
+
+
+def _impostor(port: int, secret: bytes) -> None:
+    """Rank 1, standing in for a process that took the engine's place on gloo's own connections: in the group, but
+    without the store's secret to show (its tag made with another)."""
+    torch.set_num_threads(1)
+    transport.member_tag = lambda _, rank: list(bytes(32))
+    try:
+        Group("gloo", 1, 2, TIMEOUT_S, torch.device("cpu"), port=port, secret=secret)
+    except RunFailed:
+        pass
+
+
+def test_a_member_that_cannot_show_the_groups_secret_is_refused_before_any_weight(tmp_path):
+    """gloo's (and NCCL's) own connections carry no key: a process that reached them first could stand in for the
+    engine's worker. Once connected, each member shows an HMAC of its rank under the store's secret; a member that
+    cannot ends the group with one line naming its rank, before a weight is sent."""
+    store = host_store(TIMEOUT_S)
+    proc = mp.get_context("spawn").Process(target=_impostor, args=(store.port, store.secret), daemon=True)
+    proc.start()
+    try:
+        with pytest.raises(RunFailed, match=r"^the weight group: rank 1 did not prove it holds the group's secret"):
+            Group("gloo", 0, 2, TIMEOUT_S, torch.device("cpu"), store=store, alive=proc.is_alive)
+    finally:
+        proc.join(TIMEOUT_S)
+        store.close()

@@ -350,15 +350,17 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, dtype: torch.dty
     """
     import os
     import shutil
-    import tempfile
+
+    from gspo.train.rundir import temp_dir, widen_to_open_modes
 
     model, tokenizer = load(adapter_dir, dtype, base_dir=base_dir)
     merged = model.merge_and_unload()
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".tmp-merged-"))
+    tmp = temp_dir(out_dir.parent, prefix=".tmp-merged-")  # (the umask's mode, as the run's other files: not 0o700)
     merged.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    widen_to_open_modes(tmp)  # (safetensors writes its files owner-only)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)

@@ -401,9 +401,11 @@ def compare(
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise CompareError(f"--out {out}: a file is there; --out names a directory")
     runs, broken = load_runs(paths)
-    if not runs:
-        detail = "".join(f"\n  {b.path}: {b.reason}" for b in broken)
-        raise CompareError(f"no readable run directory under {', '.join(map(str, paths))}{detail}")
+    if not runs:  # (one line, as every error: the first few reasons, then how many more)
+        detail = "; ".join(f"{b.path}: {b.reason}" for b in broken[:3]) + (
+            f"; and {len(broken) - 3} more" if len(broken) > 3 else "")
+        raise CompareError(f"no readable run directory under {', '.join(map(str, paths))}"
+                           + (f" ({detail})" if detail else ""))
     warnings = [note for r in runs for note in r.notes]
     for run in runs:
         run.collapse, run.collapse_step = detect_collapse(run)

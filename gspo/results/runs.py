@@ -154,6 +154,8 @@ def _load_run(path: Path) -> Run:
 
     try:
         config = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=False)
+    except OSError:
+        raise  # (no permission: said as every file that cannot be read is, by `load_runs`)
     except Exception as e:
         raise _Broken(f"config.yaml is unreadable ({e})") from None
     if not isinstance(config, dict):
@@ -161,7 +163,7 @@ def _load_run(path: Path) -> Run:
     metrics, notes = _read_metrics(path / "metrics.jsonl")
     summary = None
     if (path / "summary.json").exists():
-        try:
+        try:  # (an OSError, no permission, goes up: a run whose status cannot be known is not compared)
             summary = json.loads((path / "summary.json").read_text())
         except ValueError:
             notes.append(f"{path}: summary.json is unreadable; ignored")
@@ -173,7 +175,12 @@ def _load_run(path: Path) -> Run:
 
 
 def _looks_like_run(path: Path) -> bool:
-    return any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", ".hydra"))
+    """Whether `path` holds a run's files; True also where it cannot be looked into (no permission): reading it
+    then says why it cannot be compared (`load_runs`), where passing it over would drop a run without a word."""
+    try:
+        return any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", ".hydra"))
+    except OSError:
+        return True
 
 
 def _natural(name: str) -> tuple:
@@ -181,17 +188,21 @@ def _natural(name: str) -> tuple:
 
 
 def find_run_dirs(paths: Sequence[Path | str]) -> list[Path]:
-    """Run directories at or under each path, in order, each once."""
+    """Run directories at or under each path, in order, each once. A directory that cannot be listed (no
+    permission) is among them, as a run might be: `load_runs` reports it, where os.walk alone would skip it."""
     found: dict[Path, None] = {}
     for p in map(Path, paths):
-        if not p.exists():
-            raise CompareError(f"{p} does not exist (expected a run directory or a sweep directory)")
-        if p.is_file():
-            p = p.parent
+        try:
+            if not p.exists():
+                raise CompareError(f"{p} does not exist (expected a run directory or a sweep directory)")
+            if p.is_file():
+                p = p.parent
+        except OSError as e:  # a directory above it that this user may not enter
+            raise CompareError(f"{p}: cannot be read ({e.strerror or e})") from None
         if _looks_like_run(p):
             found[p] = None
             continue
-        for root, dirs, _ in os.walk(p):
+        for root, dirs, _ in os.walk(p, onerror=lambda e: found.setdefault(Path(e.filename), None)):
             here = Path(root)
             if here != p and _looks_like_run(here):
                 found[here] = None
@@ -201,11 +212,20 @@ def find_run_dirs(paths: Sequence[Path | str]) -> list[Path]:
     return list(found)
 
 
+def _unreadable(path: Path, e: OSError) -> str:
+    """The reason a run directory `path` cannot be compared, for an OSError reading it (no permission)."""
+    inside = e.filename and Path(e.filename) != path and os.access(path, os.R_OK | os.X_OK)
+    what = Path(e.filename).name if inside else "the directory"  # (a directory not to be entered: none of its files)
+    return (f"cannot read {what} ({e.strerror or e}); if the run is someone else's, its owner can share it: "
+            f"chmod -R a+rX {path}")
+
+
 def load_runs(paths: Sequence[Path | str]) -> tuple[list[Run], list[BrokenRun]]:
     """Readable runs and the run-like dirs that could not be read (with the reason).
 
     A directory holding only Hydra's own files (`.hydra/`, `*.log`) is skipped quietly: every
-    `gspo train resume=...` leaves one beside the run it continues.
+    `gspo train resume=...` leaves one beside the run it continues. A run whose files this user may not read
+    (another user's, written owner-only) is one of the broken, its reason naming the file.
     """
     runs, broken = [], []
     for path in find_run_dirs(paths):
@@ -215,6 +235,6 @@ def load_runs(paths: Sequence[Path | str]) -> tuple[list[Run], list[BrokenRun]]:
             continue
         except _Broken as e:
             broken.append(BrokenRun(path, str(e)))
+        except OSError as e:  # no permission (a file or the directory itself)
+            broken.append(BrokenRun(path, _unreadable(path, e)))
     return runs, broken
-
-

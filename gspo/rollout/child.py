@@ -11,8 +11,10 @@ its own): no child outlives a failure.
 
 Connections over TCP (a shared engine's other ranks, `gspo vllm-serve`'s trainers, the weight group's store) are
 accepted by a `Gate`: each peer proves it holds the key within `AUTH_S` on a thread of its own, so a silent or
-wrong peer is dropped without holding up the next, and every accepted connection has TCP keepalive (`KEEPALIVE`),
-so a peer that vanished without closing it (power loss, a partition) ends the read waiting on it.
+wrong peer is dropped without holding up the next (at most `PENDING` at once: one more is closed at once, and a
+thread that cannot start costs its connection only, never the listener), and every accepted connection has TCP
+keepalive (`KEEPALIVE`), so a peer that vanished without closing it (power loss, a partition) ends the read
+waiting on it.
 
 The child's end (`serve`): ignores SIGINT / SIGTERM (the trainer finishes its step and stops it), dies with
 the trainer (PR_SET_PDEATHSIG), sends "ready" once its start-up is done, answers each message in order, and
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -44,6 +47,10 @@ AUTH_S = 10.0  # how long a peer that connected has to prove the key: a handshak
 # a blocked read would otherwise wait for ever; a peer that is alive answers the probes from its kernel, however long
 # it says nothing (a trainer between two steps).
 KEEPALIVE = (60, 10, 6)
+# peers a `Gate` authenticates at once, at most (each on a thread for up to AUTH_S): a real peer takes milliseconds,
+# so this bounds what a flood of silent connections can hold, not the peers that may connect (a listener expecting
+# n ranks at once allows n more: `Clients`)
+PENDING = 64
 
 
 class Child:
@@ -60,6 +67,7 @@ class Child:
             full.pop(k, None)
         ours, theirs = socket.socketpair()
         self.segments = shm_segments()  # the shared memory that was there before it (`kill` removes what it leaks)
+        self.owned: set[str] = set()  # segments its processes were seen holding (`kill` removes these alone)
         # a session of its own: what it starts (the engine's tensor-parallel workers) is killed with it (`kill`)
         self.proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], env=full,
                                      pass_fds=(theirs.fileno(),), start_new_session=True)
@@ -90,6 +98,8 @@ class Child:
             message = pickle.loads(self.conn.recv_bytes())
         except (EOFError, OSError):
             raise self.fail(RunFailed(self.died(step))) from None
+        if message[0] == "ready" and self.proc is not None:  # started: what it made for its life is mapped now
+            self.owned |= held(group_members(self.proc.pid))
         if message[0] == "error":  # the child's own exception, in one line
             _, at, kind, text, users = message
             raise self.fail((ConfigError if users else RunFailed)(f"{self.name}{at_step(at)}: {kind}: {text}"))
@@ -157,7 +167,14 @@ class Child:
     def kill(self) -> None:
         """SIGKILL to it and every process it started (its session's group), then remove the shared memory they
         left: a process killed so cannot unlink the segments it created (vLLM's tensor-parallel message queues,
-        160-240 MiB each, held in RAM by /dev/shm until the machine restarts)."""
+        160-240 MiB each, held in RAM by /dev/shm until the machine restarts). Only segments its processes were
+        seen holding (at "ready", and here, stopped, just before the kill) are removed: another program's segment,
+        made meanwhile by the same user, is not, even where no process holds it (`unlink_orphans`)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGSTOP)  # frozen: no segment made or dropped between the look and the kill
+        except (ProcessLookupError, PermissionError):
+            pass  # none left
+        self.owned |= held(group_members(self.proc.pid))
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -166,7 +183,7 @@ class Child:
         # its own workers are not our children: wait until the kernel has torn them down too (their mappings go
         # before they turn zombie), else their segments still look in use and stay behind
         wait_group_gone(self.proc.pid)
-        unlink_orphans(self.segments)
+        unlink_orphans(self.segments, self.owned)
 
 
 SHM = Path("/dev/shm")
@@ -204,10 +221,11 @@ def shm_segments() -> set[str]:
         return set()
 
 
-def _in_use() -> set[str]:
-    """The segments some living process maps or holds open (/proc/PID/maps and fd)."""
+def held(pids: Optional[list[int]] = None) -> set[str]:
+    """The /dev/shm segments processes `pids` (None: every process) map or hold open (/proc/PID/maps and fd)."""
     used, prefix = set(), str(SHM) + "/"
-    for proc in Path("/proc").glob("[0-9]*"):
+    procs = Path("/proc").glob("[0-9]*") if pids is None else (Path("/proc") / str(pid) for pid in pids)
+    for proc in procs:
         try:
             maps = (proc / "maps").read_text()
             fds = list((proc / "fd").iterdir())
@@ -224,11 +242,16 @@ def _in_use() -> set[str]:
     return used
 
 
-def unlink_orphans(before: set[str]) -> list[str]:
+def unlink_orphans(before: set[str], owned: Optional[set[str]] = None) -> list[str]:
     """Unlink the segments created since `before` that no living process maps or holds open (another program's live
-    ones are kept); the names removed."""
+    ones are kept) and, given `owned`, that are among those: the names removed. A child's `kill` gives the segments
+    its processes were seen holding, so that a segment another program made meanwhile and holds by name alone (made,
+    closed, to be opened again later) is not taken for the child's; without `owned` (a test's check that nothing
+    was leaked) every such segment counts."""
     new = shm_segments() - before
-    orphans = sorted(new - _in_use()) if new else []
+    if owned is not None:
+        new &= owned
+    orphans = sorted(new - held()) if new else []
     for name in orphans:
         try:
             (SHM / name).unlink()
@@ -338,14 +361,18 @@ def keepalive(sock: socket.socket) -> None:
 class Gate:
     """A listening socket at `address` (host, port; port 0: a free one, then `address` says which) whose peers must
     prove they hold `key` (multiprocessing's HMAC challenge, both ways: `multiprocessing.connection.Client` passes
-    it) within `auth_s` of connecting. Each peer is authenticated on a thread of its own, so one that says nothing,
-    or the wrong thing, holds up no other: it is dropped, and `refused` gets one line about it (`auth_s`: AUTH_S
-    unless given). `accept` hands out the proven connections in the order they were proven, with TCP keepalive on
-    (`keepalive`)."""
+    it) within `auth_s` of connecting. Each peer is authenticated on a thread of its own (one, its deadline in its
+    reads: `authenticate`), so one that says nothing, or the wrong thing, holds up no other: it is dropped, and
+    `refused` gets one line about it (`auth_s`: AUTH_S unless given). At most `pending` peers are authenticated at
+    once: one more is closed at once, with a line, rather than given a thread (a flood of silent connections would
+    otherwise start threads until the process can start none); a thread that cannot start costs its connection
+    only, with a line, and the gate listens on. `accept` hands out the proven connections in the order they were
+    proven, with TCP keepalive on (`keepalive`)."""
 
     def __init__(self, address: tuple[str, int], key: bytes, refused: Callable[[str], None],
-                 auth_s: Optional[float] = None):
+                 auth_s: Optional[float] = None, pending: int = PENDING):
         self.key, self.refused, self.auth_s = key, refused, AUTH_S if auth_s is None else auth_s
+        self.pending, self.slots = pending, threading.BoundedSemaphore(pending)  # (a slot per peer being proven)
         self.sock = socket.create_server(address)
         self.address = self.sock.getsockname()[:2]
         self.proven: queue.Queue = queue.Queue()  # proven connections; None once closed
@@ -379,6 +406,13 @@ class Gate:
                 conn.close()
         self.proven.put(None)
 
+    def _say(self, line: str) -> None:
+        """`refused(line)`; whatever it raises is not the listener's end."""
+        try:
+            self.refused(line)
+        except Exception:  # noqa: BLE001  (a closed console: the line is lost, the gate is not)
+            pass
+
     def _listen(self) -> None:
         while True:
             try:
@@ -388,62 +422,85 @@ class Gate:
                     return
                 time.sleep(0.1)  # (a connection reset before it was accepted, no file descriptor left: try again)
                 continue
-            threading.Thread(target=self._prove, args=(sock, peer), name="gspo-gate-auth", daemon=True).start()
+            try:
+                self._admit(sock, f"{peer[0]}:{peer[1]}")
+            except Exception as e:  # noqa: BLE001  (one connection's trouble never ends the listener)
+                sock.close()
+                self._say(f"{peer[0]}:{peer[1]}: {type(e).__name__}: {e}; closed")
 
-    def _prove(self, sock: socket.socket, peer: tuple) -> None:
-        where = f"{peer[0]}:{peer[1]}"
-        try:
-            keepalive(sock)
-            conn = authenticate(sock, self.key, self.auth_s, server=True)
-        except (AuthenticationError, EOFError, OSError, ValueError) as e:  # a stranger, a wrong key, a silent peer
-            sock.close()  # (already, where `authenticate` got it)
-            self.refused(f"{where}: {type(e).__name__}: {' '.join(str(e).split()) or 'closed'}")
+    def _admit(self, sock: socket.socket, where: str) -> None:
+        """Prove the peer on a thread of its own, if a slot is free and a thread starts; else close it, with a line."""
+        if not self.slots.acquire(blocking=False):
+            sock.close()
+            self._say(f"{where}: closed at once: {self.pending} connections are being authenticated already, the "
+                      "most at once (a flood of connections that say nothing?)")
             return
-        if self.closed:
-            conn.close()
-        else:
-            self.proven.put(conn)
+        try:
+            threading.Thread(target=self._prove, args=(sock, where), name="gspo-gate-auth", daemon=True).start()
+        except RuntimeError as e:  # "can't start new thread": the process is at its limit; it may not stay there
+            self.slots.release()
+            sock.close()
+            self._say(f"{where}: closed: no thread could be started to authenticate it ({e})")
+
+    def _prove(self, sock: socket.socket, where: str) -> None:
+        try:
+            try:
+                keepalive(sock)
+                conn = authenticate(sock, self.key, self.auth_s, server=True)
+            except (AuthenticationError, EOFError, OSError, ValueError) as e:  # a stranger, a wrong key, a silent peer
+                sock.close()  # (already, where `authenticate` got it)
+                self._say(f"{where}: {type(e).__name__}: {' '.join(str(e).split()) or 'closed'}")
+                return
+            if self.closed:
+                conn.close()
+            else:
+                self.proven.put(conn)
+        finally:
+            self.slots.release()
+
+
+class _Timed(Connection):
+    """A Connection whose reads and writes raise TimeoutError once `deadline` (time.monotonic()) has passed: each
+    waits (poll) for the socket at most until then, so a peer that says nothing, or a byte now and then, is cut off
+    at the deadline by the thread reading it, with no timer thread beside it. (Connection's `_recv` / `_send` take
+    the read and write functions as arguments: the hooks multiprocessing itself uses on each platform.)"""
+
+    def __init__(self, fd: int, timeout_s: float):
+        super().__init__(fd)
+        self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
+
+    def _ready(self, handle: int, event: int) -> None:
+        left = self.deadline - time.monotonic()
+        poller = select.poll()
+        poller.register(handle, event)
+        if left <= 0 or not poller.poll(left * 1000):  # (POLLHUP and POLLERR come anyway: the read or write says)
+            raise TimeoutError(f"did not prove the key within {self.timeout_s:g} s")
+
+    def _recv(self, size: int, read=None):
+        return super()._recv(size, read=lambda handle, n: (self._ready(handle, select.POLLIN), os.read(handle, n))[1])
+
+    def _send(self, buf, write=None) -> None:
+        super()._send(buf, write=lambda handle, data: (self._ready(handle, select.POLLOUT), os.write(handle, data))[1])
 
 
 def authenticate(sock: socket.socket, key: bytes, timeout_s: float, server: bool) -> Connection:
     """`sock` as a Connection whose peer proved it holds `key` and was shown that this side does (the server's side
     challenges first, as multiprocessing's Listener; the client's answers first, as its Client), within
-    `timeout_s`: else TimeoutError (the socket is shut down at the deadline, which ends a blocked read),
-    AuthenticationError, EOFError or OSError, `sock` closed. On success `sock` itself is closed: the Connection
-    holds the socket."""
-    conn = Connection(os.dup(sock.fileno()))
-    lock, state = threading.Lock(), {"done": False, "expired": False}
-
-    def expire() -> None:
-        with lock:
-            if not state["done"]:
-                state["expired"] = True
-                sock.shutdown(socket.SHUT_RDWR)
-
-    timer = threading.Timer(timeout_s, expire)
-    timer.daemon = True
-    timer.start()
+    `timeout_s`: else TimeoutError, AuthenticationError, EOFError or OSError. `sock` is closed either way: on success
+    the (blocking) Connection holds the socket. Runs on the calling thread alone (`_Timed`)."""
+    sock.setblocking(True)  # (the Connection reads with os.read: the wait is `_Timed`'s poll, not the socket's)
+    timed = _Timed(os.dup(sock.fileno()), timeout_s)
+    sock.close()
     try:
         if server:
-            deliver_challenge(conn, key)
-            answer_challenge(conn, key)
+            deliver_challenge(timed, key)
+            answer_challenge(timed, key)
         else:
-            answer_challenge(conn, key)
-            deliver_challenge(conn, key)
-    except BaseException:
-        conn.close()
-        if state["expired"]:
-            raise TimeoutError(f"did not prove the key within {timeout_s:g} s") from None
-        raise
+            answer_challenge(timed, key)
+            deliver_challenge(timed, key)
+        return Connection(os.dup(timed.fileno()))  # (a plain one: no deadline on what is read later)
     finally:
-        with lock:
-            state["done"] = True
-        timer.cancel()
-        sock.close()
-    if state["expired"]:  # (shut down after the last read: the connection is unusable)
-        conn.close()
-        raise TimeoutError(f"did not prove the key within {timeout_s:g} s")
-    return conn
+        timed.close()
 
 
 def dial(address: tuple[str, int], key: bytes, timeout_s: float) -> Connection:
@@ -521,7 +578,7 @@ class Clients:
         refused = refused or (lambda line: print(f"gspo: the shared engine refused a connection from {line}",
                                                  file=sys.stderr, flush=True))
         key = os.urandom(16)
-        gate = Gate((host, 0), key, refused)
+        gate = Gate((host, 0), key, refused, pending=PENDING + n)  # (the n ranks may all connect at once)
         send(("listening", gate.address[1], key))
         self.conns: list[Connection] = []
         deadline = time.monotonic() + timeout_s

@@ -54,7 +54,8 @@ def serve_runs(host: str, port: int, threads: int, runs: Optional[int] = None,
                say: Callable[[str], None] = print) -> None:
     """Listen on host:port and serve trainers one run at a time (`runs` of them; None: until stopped). A connection
     that does not prove the key within `child.AUTH_S` (a port scan, a health check, a wrong key) is refused in a line
-    and holds up no one (`child.Gate`); a trainer that connects while a run is served is told the server is busy."""
+    and holds up no one (`child.Gate`: at most `child.PENDING` being proven at once, one more closed at once with a
+    line); a trainer that connects while a run is served is told the server is busy."""
     from gspo.rollout.child import RANK_VARS, Gate, root
     from gspo.rollout.vllm_engine import environment
 

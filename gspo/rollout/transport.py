@@ -9,7 +9,9 @@ host, of every interface where it is not (`rollout.vllm.mode=server`): a member 
 secret, fresh for each group, before it reads or writes a key (torch's TCPStore listens on every interface, admits
 any peer and lists its keys to it: a stranger could join as the engine and be sent the weights). The port and the
 secret travel over the engine's own channel (its socket pair, or the connection authenticated with
-GSPO_VLLM_KEY). Where the store is on loopback, gloo's own connections are too.
+GSPO_VLLM_KEY). Where the store is on loopback, gloo's own connections are too; across hosts gloo listens on the
+route between them alone (`Group.gloo_devices`). gloo's and NCCL's own connections carry no key: once connected,
+each member proves it holds the store's secret to the others (`Group.prove`) before any weight moves.
 
 A push is a stream of buckets (`Sender.push` / `receive`): weights packed whole, in order, into one flat byte
 buffer of `bucket_bytes` (each at a 64-byte offset), sent as three broadcasts: a header (the manifest's length,
@@ -27,6 +29,7 @@ A dead or silent peer does not hang the sender: each broadcast is polled, with t
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 import os
@@ -42,6 +45,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from gspo.config.errors import RunFailed
 from gspo.rollout.child import AUTH_S, Gate, dial
 
 ALIGN = 64  # bytes: every weight starts at a multiple of this in a bucket (any dtype can view it)
@@ -96,6 +100,7 @@ class KeyStore:
         self.values: dict[str, bytes] = {}
         self.changed = threading.Condition()  # (guards values, members and closed)
         self.members: list[Connection] = []
+        self.routes: list[tuple[tuple, str]] = []  # each member's (address, this host's address it reached us at)
         self.closed = False
         self.gate = Gate((bind, 0), self.secret, refused=lambda line: print(
             f"gspo: the weight group's store refused a connection from {line}", file=sys.stderr, flush=True))
@@ -117,12 +122,34 @@ class KeyStore:
 
     def _accept(self) -> None:
         while (conn := self.gate.accept()) is not None:
+            try:
+                here, there = ends(conn)
+            except OSError:  # (gone already)
+                conn.close()
+                continue
             with self.changed:
                 if self.closed:
                     conn.close()
                     return
                 self.members.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="gspo-weight-store", daemon=True).start()
+                self.routes.append((there, here[0]))
+                self.changed.notify_all()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="gspo-weight-store", daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: this member is dropped, the store serves on
+                conn.close()
+                print(f"gspo: the weight group's store dropped a member at {there[0]}:{there[1]}: {e}",
+                      file=sys.stderr, flush=True)
+
+    def reached_at(self, besides: tuple, timeout_s: float) -> str:
+        """This host's address at which a member other than `besides` (the trainer's own client, on loopback)
+        reached the store: the interface the engine's host reaches this one through. Waits up to `timeout_s`."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.closed or any(p != besides for p, _ in self.routes), timeout_s)
+            found = [here for p, here in self.routes if p != besides]
+        if not found:
+            raise TimeoutError(f"no member of the weight group reached its store within {timeout_s:g} s")
+        return found[0]
 
     def _serve(self, conn: Connection) -> None:
         """One member's requests, (operation, arguments) each, answered in order until it leaves."""
@@ -239,6 +266,21 @@ class StoreClient(dist.Store):
         self.conn.close()
 
 
+def ends(conn: Connection) -> tuple[tuple, tuple]:
+    """(this side's address, the peer's) of a connection over TCP."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        return sock.getsockname()[:2], sock.getpeername()[:2]
+    finally:
+        sock.close()
+
+
+def member_tag(secret: bytes, rank: int) -> list[int]:
+    """What member `rank` shows the others once the group is connected: an HMAC of its rank under the store's
+    secret (a fresh one for each group), which a process that never had the secret cannot make."""
+    return list(hmac.new(secret, f"gspo weight group member {rank}".encode(), "sha256").digest())
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (an address or a name) is this host's loopback."""
     try:
@@ -251,7 +293,11 @@ class Group:
     """One member of the weight group: rank 0 sends, the others receive. `store`: the trainer's (`host_store`), or
     for a receiver None: it connects to the trainer's at `host`:`port` with the store's `secret`. Constructing it
     waits until every member has joined; with `alive` (the sender's view of its peers) it stops waiting when they
-    are gone. Where the store is on loopback, gloo connects the members over loopback too."""
+    are gone. gloo's own sockets listen on one address (`gloo_devices`): loopback where the store is on it, else the
+    address the members reach each other at through the store. Once connected, every member shows the others it
+    holds the store's secret (`member_tag`), or the group is left with a RunFailed naming the rank that did not:
+    gloo's (and NCCL's) own connections carry no key, so this is what keeps a process that raced the engine to
+    them from being sent the weights or sending its own."""
 
     def __init__(self, backend: str, rank: int, world: int, timeout_s: float, device: torch.device,
                  store: Optional[KeyStore] = None, port: Optional[int] = None, secret: Optional[bytes] = None,
@@ -265,32 +311,63 @@ class Group:
             port, secret, host = store.port, store.secret, HOST  # (the trainer reaches its own store on loopback)
 
         def connect():
-            if backend == "nccl":  # (connects at its first collective)
+            if backend == "nccl":  # (connects at its first collective; its sockets on NCCL_SOCKET_IFNAME's)
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 return dist.ProcessGroupNCCL(prefixed, rank, world, options)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
-            # on one host, gloo's sockets on loopback too; else on the interface the host name resolves to (or
-            # GLOO_SOCKET_IFNAME's), gloo's own choice
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST) if local else
-                                dist.ProcessGroupGloo.create_default_device()]
+            options._devices = self.gloo_devices(local, timeout_s)
             return dist.ProcessGroupGloo(prefixed, rank, world, options)  # (connects every member here)
 
         try:
             self.store = StoreClient(host, port, secret, timeout_s)  # (kept: torch holds only its C++ half)
             prefixed = dist.PrefixStore("gspo-weights", self.store)
             self.pg = connect() if alive is None else _watched(connect, alive, timeout_s)
-            self.broadcast(torch.zeros(1, device=self.device), alive)  # every member is connected from here on
+            self.prove(secret, alive)  # every member is connected, and is who it says, from here on
         except BaseException:
             self.close()
             raise
+
+    def gloo_devices(self, local: bool, timeout_s: float) -> list:
+        """Where gloo's sockets listen: loopback on one host; else the interfaces GLOO_SOCKET_IFNAME names, if it
+        is set; else the one address through which the members reach each other: a receiver's own end of its
+        connection to the store, the trainer's end of the first engine member's (`KeyStore.reached_at`). (gloo's
+        default, the address this host's name resolves to, may be another interface, or one other hosts cannot
+        reach; and torch reads GLOO_SOCKET_IFNAME only for groups it makes itself.)"""
+        create = dist.ProcessGroupGloo.create_device
+        names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+        if local:
+            return [create(hostname=HOST)]
+        if names:
+            return [create(interface=n) for n in names]
+        mine = ends(self.store.conn)[0]
+        return [create(hostname=mine[0] if self.server is None else self.server.reached_at(mine, timeout_s))]
+
+    def prove(self, secret: bytes, alive: Optional[Callable[[], bool]] = None) -> None:
+        """Every member's `member_tag`, summed into one table by an all-reduce (each adds its own row to zeros)
+        and checked here: a rank whose row is not its tag is a process without the store's secret in the
+        engine's place (RunFailed, naming it)."""
+        tags = torch.zeros(self.world, 32, dtype=torch.int64)
+        tags[self.rank] = torch.tensor(member_tag(secret, self.rank))
+        tags = tags.to(self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        self._finish(self.pg.allreduce([tags], options), alive)
+        wrong = [r for r, row in enumerate(tags.cpu().tolist()) if row != member_tag(secret, r)]
+        if wrong:
+            raise RunFailed(f"the weight group: rank {', '.join(map(str, wrong))} did not prove it holds the group's "
+                            "secret: a process that is not the engine's answered on the group's own connections "
+                            "(gloo's or NCCL's, which carry no key); the group was left before any weight was sent")
 
     def broadcast(self, tensor: torch.Tensor, alive: Optional[Callable[[], bool]] = None) -> None:
         """Rank 0's `tensor` into every member's; on rank 0 polled, with `alive()` (the peer's liveness) checked."""
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
-        work = self.pg.broadcast([tensor], options)
+        self._finish(self.pg.broadcast([tensor], options), alive)
+
+    def _finish(self, work, alive: Optional[Callable[[], bool]]) -> None:
+        """Wait for a collective's `work`: plainly, or polled with `alive()` checked (PeerLost)."""
         if alive is None:
             work.wait()
             return
