@@ -209,27 +209,81 @@ def test_one_update_on_two_ranks_is_the_one_process_update(tmp_path):
                                        msg=lambda m: f"{name}: {k}: {m}")
 
 
-def reduce_counted(rank: int, world: int) -> dict:
+INF = float("inf")
+
+
+def reduce_counted(rank: int, world: int, cfg) -> dict:
+    """`reduce_metrics` on each rank's own metrics, for the tests below (one spawn of gloo ranks for all)."""
     dist = distributed.Dist(rank=rank, world=world, strategy="ddp")
     C = distributed.COUNT
-    mine = [{"reward/fn/a/mean": float("nan"), f"{C}reward/fn/a/mean": 0.0, "reward/fn/b/mean": 1.0,
-             f"{C}reward/fn/b/mean": 1.0, "reward/mean": 0.2},
-            {"reward/fn/a/mean": 0.5, f"{C}reward/fn/a/mean": 4.0, "reward/fn/b/mean": 0.0,
-             f"{C}reward/fn/b/mean": 3.0, "reward/mean": 0.4}][rank]
-    return dist.reduce_metrics(mine, rows=4)
+    counted = [{"reward/fn/a/mean": float("nan"), f"{C}reward/fn/a/mean": 0.0, "reward/fn/b/mean": 1.0,
+                f"{C}reward/fn/b/mean": 1.0, "reward/mean": 0.2},
+               {"reward/fn/a/mean": 0.5, f"{C}reward/fn/a/mean": 4.0, "reward/fn/b/mean": 0.0,
+                f"{C}reward/fn/b/mean": 3.0, "reward/mean": 0.4}][rank]
+    # rank 0 had no tokens (the loss's identities for min / max); DAPO's counts of this rank's groups
+    totals = [{"policy/token_ratio_min": INF, "policy/token_ratio_max": -INF, "policy/ratio_min": INF,
+               "policy/ratio_max": -INF, "sampling/batches": 2.0, "sampling/groups_drawn": 4.0,
+               "sampling/groups_dropped": 3.0, "sampling/groups_kept": 1.0, "reward/mean": 0.0},
+              {"policy/token_ratio_min": 0.8, "policy/token_ratio_max": 1.3, "policy/ratio_min": 0.9,
+               "policy/ratio_max": 1.1, "sampling/batches": 2.0, "sampling/groups_drawn": 4.0,
+               "sampling/groups_dropped": 2.0, "sampling/groups_kept": 2.0, "reward/mean": 0.5}][rank]
+    nothing = {"policy/token_ratio_min": INF, "policy/token_ratio_max": -INF, "reward/mean": 0.0}  # no rank had tokens
+    return {"counted": dist.reduce_metrics(counted, rows=4), "totals": dist.reduce_metrics(totals, rows=4),
+            "nothing": dist.reduce_metrics(nothing, rows=4), "evaluated": evaluated(dist, cfg)}
 
 
-def test_a_reward_functions_mean_over_ranks_weighs_the_rows_it_scored(tmp_path):
-    """A function that returned None on every row of one rank: its mean is the other rank's, not NaN; and
-    means over different numbers of scored rows are weighed by them (before: a mean of rank means)."""
+EVAL_PROBLEMS = 7  # split 4 + 3 over 2 ranks: unequal shares
+
+
+def evaluated(dist: distributed.Dist, cfg) -> dict:
+    """The Evaluator's step-0 metrics on `dist`, scoring EVAL_PROBLEMS problems with a stand-in for the model's
+    evaluation whose verdicts are known (answer divisible by 3 or 5): the recombination and the gather alone."""
+    from gspo.tasks import Problem
+    from gspo.train import evaluator
+
+    def scored(model, tokenizer, task, problems, *args, **kwargs) -> dict:
+        correct = [int(p.answer) % 3 == 0 or int(p.answer) % 5 == 0 for p in problems]
+        return {"eval/accuracy": sum(correct) / len(correct), "eval/n": len(correct), "correct": correct,
+                "eval/len_mean": sum(int(p.answer) ** 2 for p in problems) / len(problems)}
+
+    evaluator.evaluate = scored  # (in a spawned rank, or restored by the caller)
+    problems = [Problem(f"{i}+0=", str(i)) for i in range(EVAL_PROBLEMS)]
+    return evaluator.Evaluator(cfg, dist, None, None, None, problems).maybe_run(0)
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory) -> list[dict]:
     from gloo import run_ranks
 
+    # resolved here: a spawned rank has not registered the config's resolvers (eval.every's)
+    return run_ranks(reduce_counted, 2, tmp_path_factory.mktemp("reduce"),
+                     OmegaConf.create(OmegaConf.to_container(compose([]), resolve=True)))
+
+
+def test_a_reward_functions_mean_over_ranks_weighs_the_rows_it_scored(reduced):
+    """A function that returned None on every row of one rank: its mean is the other rank's, not NaN; and
+    means over different numbers of scored rows are weighed by them (before: a mean of rank means)."""
     one = distributed.Dist().reduce_metrics({"reward/mean": 0.2, f"{distributed.COUNT}reward/mean": 4.0}, rows=4)
     assert one == {"reward/mean": 0.2}  # one process: the counts are not logged
-    for got in run_ranks(reduce_counted, 2, tmp_path):
+    for got in (rank["counted"] for rank in reduced):
         assert got["reward/fn/a/mean"] == pytest.approx(0.5)
         assert got["reward/fn/b/mean"] == pytest.approx(0.25)
         assert got["reward/mean"] == pytest.approx(0.3) and not any(k.startswith(distributed.COUNT) for k in got)
+
+
+def test_counts_are_summed_over_ranks_and_a_rank_without_tokens_has_no_extremes(reduced):
+    """Counts are the run's totals (DAPO's groups: before, each rank's share averaged over ranks, 3.5 of 7 groups
+    dropped); a rank without tokens is left out of the min and max (before: its 1.0 was the step's maximum
+    ratio); with no tokens on any rank the extremes are not logged (in one process either), nor a made-up 1."""
+    for got in (rank["totals"] for rank in reduced):
+        assert (got["sampling/groups_drawn"], got["sampling/groups_dropped"], got["sampling/groups_kept"]) == (8, 5, 3)
+        assert got["sampling/batches"] == 2  # every rank draws the same batches, each a batch of the whole run
+        assert (got["policy/token_ratio_min"], got["policy/token_ratio_max"]) == pytest.approx((0.8, 1.3))
+        assert (got["policy/ratio_min"], got["policy/ratio_max"]) == pytest.approx((0.9, 1.1))
+        assert got["reward/mean"] == pytest.approx(0.25)  # a mean stays a mean
+    for got in [rank["nothing"] for rank in reduced] + [distributed.Dist().reduce_metrics(
+            {"policy/token_ratio_min": INF, "policy/token_ratio_max": -INF, "reward/mean": 0.0}, rows=4)]:
+        assert got == {"reward/mean": 0.0}
 
 
 def merged_under_fsdp(rank: int, world: int, lora: int) -> dict:
@@ -335,11 +389,60 @@ def assert_same_run(one: Path, two: Path) -> None:
     assert max((wa[k] - base[k]).abs().max().item() for k in wa if k in base) > 1e-4  # the step moved the weights
 
 
-def test_two_ranks_compute_what_one_process_computes(one_process, tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, cache_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """`one_process`'s run under `gspo train hardware=cpu-ddp` (2 gloo processes, launched by gspo): its directory
+    and the command's output."""
+    root = tmp_path_factory.mktemp("two-processes")
+    res = cli("train", "hardware=cpu-ddp", f"hydra.run.dir={root / 'ddp'}", *small(cache_dir), cwd=root)
+    return root / "ddp", res
+
+
+def test_an_evaluation_over_two_ranks_is_the_whole_splits_in_its_order(reduced, monkeypatch):
+    """The Evaluator under 2 ranks of unequal shares: eval/n is the problems scored by both (before: 25/7, the
+    share-weighted mean of the shares); rank 0 hands the logger the whole split's outcomes in the split's order,
+    the record one process makes ("1001011": the strided shares put back in place); the means as one process's."""
+    from gspo.train import evaluator
+    from gspo.train.heldout import HELDOUT
+
+    monkeypatch.setattr(evaluator, "evaluate", evaluator.evaluate)  # restored after `evaluated` replaces it
+    one = evaluated(distributed.Dist(), compose([]))
+    assert one[HELDOUT]["correct"] == "1001011" and one["eval/n"] == EVAL_PROBLEMS
+    two = [rank["evaluated"] for rank in reduced]
+    assert two[0][HELDOUT] == one[HELDOUT] and HELDOUT not in two[1]  # rank 0 alone writes heldout.jsonl
+    for got in two:
+        assert got["eval/n"] == EVAL_PROBLEMS and isinstance(got["eval/n"], int)
+        # per-problem means, weighted by the shares: 13, where the mean of the ranks' means is 12.83
+        assert (got["eval/accuracy"], got["eval/len_mean"]) == pytest.approx((one["eval/accuracy"], 13.0))
+
+
+def test_two_ranks_compute_what_one_process_computes(one_process, two_processes):
     """`gspo train hardware=cpu-ddp` (2 gloo processes, launched by gspo) vs `hardware=cpu`."""
-    res = cli("train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'ddp'}", *small(cache_dir), cwd=tmp_path)
+    run, res = two_processes
     assert "starting 2 processes" in res.stdout and "run directory" in res.stdout
-    assert_same_run(one_process, tmp_path / "ddp")
+    assert_same_run(one_process, run)
+
+
+def test_an_evaluation_under_two_ranks_counts_and_records_the_whole_split(one_process, two_processes):
+    """eval/n is the problems every rank scored together, as summary.json says and one process logs (before: one
+    rank's share, 8 of 16, so `gspo compare`'s eval SE was sqrt(2) too large); heldout.jsonl holds, per evaluation,
+    the whole split's outcomes in its order, the same string as one process writes, with eval/accuracy x n ones."""
+    from gspo.train.heldout import HELDOUT, read_outcomes, read_records
+
+    records = {}
+    for run in (one_process, two_processes[0]):
+        n = json.loads((run / "summary.json").read_text())["eval_n"]
+        rows = [m for m in jsonl(run / "metrics.jsonl") if "eval/accuracy" in m]
+        assert [m["step"] for m in rows] == [0, 1] and all(m["eval/n"] == n == 16 for m in rows)
+        assert not any(HELDOUT in m for m in jsonl(run / "metrics.jsonl"))
+        records[run] = read_records(run)
+        assert [r["step"] for r in records[run]] == [0, 1]
+        for r, m in zip(records[run], rows):
+            assert r["n"] == n == len(r["correct"]) and set(r["correct"]) <= {"0", "1"}
+            assert r["correct"].count("1") == round(m["eval/accuracy"] * n)
+        assert read_outcomes(run) == {r["step"]: [c == "1" for c in r["correct"]] for r in records[run]}
+    assert records[one_process] == records[two_processes[0]]
+    assert len({r["problems"] for r in records[one_process]}) == 1  # every evaluation scores the same problems
 
 
 @pytest.mark.slow
@@ -443,6 +546,23 @@ def test_dapo_refills_in_step_on_every_rank(strategy, tmp_path, cache_dir):
     assert len(steps) == 3
     for m in steps:  # the mean over ranks of equal integers is an integer
         assert m["sampling/batches"] == int(m["sampling/batches"]) >= 1
+        assert m["sampling/groups_drawn"] == 4 * m["sampling/batches"]  # every draw: the step's 4 prompts' groups
+
+
+def test_dapo_counts_the_groups_of_every_rank(tmp_path, cache_dir):
+    """DAPO's sampling/groups_* under 2 ranks are the run's totals, what one process logs for the same groups
+    (before: each rank's share averaged over ranks, half the count, so `gspo compare`'s completions column was
+    halved). One draw (algo.max_sample_batches=1), so that both sample the same groups with the same weights."""
+    opts = small(cache_dir, algo="dapo", **{"algo.agg": "null", "algo.max_sample_batches": 1, "task.eval_size": 4,
+                                            "logger.wandb_cfg.samples_every": 0})
+    train(compose(opts), tmp_path / "one")
+    cli("train", "hardware=cpu-ddp", f"hydra.run.dir={tmp_path / 'two'}", *opts, cwd=tmp_path)
+    a, b = (jsonl(tmp_path / run / "metrics.jsonl")[1] for run in ("one", "two"))
+    keys = ("sampling/batches", "sampling/groups_drawn", "sampling/groups_dropped", "sampling/groups_kept")
+    assert [b[k] for k in keys] == [a[k] for k in keys]
+    assert a["sampling/batches"] == 1 and a["sampling/groups_drawn"] == 4  # rollout.prompts_per_step groups
+    assert a["sampling/groups_dropped"] + a["sampling/groups_kept"] == 4
+    assert jsonl(tmp_path / "two" / "metrics.jsonl")[0]["eval/n"] == 4
 
 
 FLAKY = """
@@ -538,13 +658,22 @@ def test_torchrun_by_hand_then_resume_with_two_ranks(tmp_path, cache_dir):
 
 def test_a_checkpoint_resumes_under_another_world_size(one_process, tmp_path):
     """A one-process checkpoint continues under 2 ranks (and its optimizer state loads). The run is a copy of
-    `one_process` (the same 1-step run this test trained itself before)."""
+    `one_process` (the same 1-step run this test trained itself before). heldout.jsonl, as metrics.jsonl, loses
+    what was written after the checkpoint (here a line of step 2 planted as a run killed after it would leave)."""
     import shutil
 
+    from gspo.train.heldout import read_records
+
     run = shutil.copytree(one_process, tmp_path / "run")
-    cli("train", f"resume={run}", "train.steps=2", "hardware.strategy=ddp", "hardware.nproc=2", cwd=tmp_path)
+    with (run / "heldout.jsonl").open("a") as fh:
+        fh.write(json.dumps({"step": 2, "n": 16, "problems": "planted", "correct": "1" * 16}) + "\n")
+    # (another world size changes the numbers: a resume refused unless forced, tests/test_resume.py)
+    cli("train", f"resume={run}", "train.steps=2", "hardware.strategy=ddp", "hardware.nproc=2", "force_resume=true",
+        cwd=tmp_path)
     assert [m["step"] for m in jsonl(run / "metrics.jsonl")] == [0, 1, 2]
     assert OmegaConf.load(run / "config.yaml").hardware.strategy == "ddp"
+    records = read_records(run)
+    assert [r["step"] for r in records] == [0, 1, 2] and len({r["problems"] for r in records}) == 1
 
 
 # --------------------------------------------------------------------------- real checkpoints

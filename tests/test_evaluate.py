@@ -25,13 +25,39 @@ def test_pass_at_k_by_hand():
         pass_at_k(2, 1, 3)
 
 
-def test_eval_of_a_run_writes_eval_json(tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory, cache_dir):
+    """A tiny run of one step (the tests below each write their own eval.json into it, and read it at once)."""
+    run_dir = tmp_path_factory.mktemp("one-step") / "run"
     train(compose(tiny(cache_dir, **{"train.steps": 1})), run_dir)
+    return run_dir
+
+
+def test_eval_of_a_run_writes_eval_json(one_step_run):
+    run_dir = one_step_run
     res = run_eval(str(run_dir), ["task.eval_size=8"], examples=2, pass_k=2)
     saved = json.loads((run_dir / "eval.json").read_text())
     assert saved["n"] == 8 and 0.0 <= saved["eval/accuracy"] <= 1.0 and "eval/pass@2" in saved
     assert len(res["examples"]) == 2 and "checkpoints/step_000001" in saved["model"]
+    assert "correct" not in saved and saved["heldout"]["n"] == 8  # the outcomes as a record, not a list
+
+
+def test_eval_of_a_run_records_which_problems_it_answered(one_step_run, cache_dir):
+    """eval.json's "heldout" is the record heldout.jsonl keeps for the run's own evaluations: `gspo eval` of the
+    last checkpoint on the run's problems gives its final evaluation's line (the same weights, greedy); on another
+    problem list, another digest, so the two are never paired."""
+    from gspo.train.heldout import read_records
+
+    run_dir = one_step_run
+    final = read_records(run_dir)[-1]
+    res = run_eval(str(run_dir), [], examples=0, pass_k=0)
+    saved = json.loads((run_dir / "eval.json").read_text())["heldout"]
+    assert saved == res["heldout"] == final and final["step"] == 1
+    assert saved["correct"].count("1") == round(res["eval/accuracy"] * res["n"])
+    other = run_eval(str(run_dir), ["task.eval_size=8"], examples=0, pass_k=0)["heldout"]
+    assert other["n"] == 8 and other["problems"] != final["problems"]
+    base = run_eval(None, tiny(cache_dir, **{"task.eval_size": 8}), examples=0, pass_k=0)["heldout"]
+    assert base["step"] is None and base["problems"] == other["problems"]  # not a run's checkpoint; same problems
 
 
 def test_eval_of_the_warm_start_base(cache_dir):
@@ -39,10 +65,9 @@ def test_eval_of_the_warm_start_base(cache_dir):
     assert "base-" in res["model"] and 0.0 <= res["eval/accuracy"] <= 1.0
 
 
-def test_eval_of_a_run_on_another_task(tmp_path, cache_dir):
+def test_eval_of_a_run_on_another_task(one_step_run):
     """GROUP=OPTION swaps the run's whole task node; KEY=VALUE then tunes it."""
-    run_dir = tmp_path / "run"
-    train(compose(tiny(cache_dir, **{"train.steps": 1})), run_dir)
+    run_dir = one_step_run
     res = run_eval(str(run_dir), ["task=countdown", "task.eval_size=4"], examples=1, pass_k=1)
     assert res["task"] == "countdown" and res["n"] == 4
     assert "," in res["examples"][0]["prompt"]  # a Countdown prompt ("3,5,7=22:"), not "a+b="

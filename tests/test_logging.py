@@ -63,6 +63,35 @@ def test_resume_truncates_steps_after_the_checkpoint(tmp_path):
     assert truncate_jsonl(tmp_path / "missing.jsonl", 3) == 0
 
 
+def test_heldout_outcomes_go_to_their_own_file_and_a_resume_drops_later_lines(tmp_path):
+    """An evaluation's outcome record (the evaluator's, under HELDOUT) is a line of heldout.jsonl with its step,
+    not part of metrics.jsonl; read back as {step: [bool]}; a resume drops the lines after its checkpoint's step,
+    as it drops metrics.jsonl's."""
+    from gspo.tasks import Problem
+    from gspo.train.heldout import HELDOUT, outcome_record, problems_digest, read_outcomes
+
+    problems = [Problem("1+1=", "2"), Problem("2+2=", "4"), Problem("3+3=", "6")]
+    with MetricsLogger(tmp_path, cfg()) as log:
+        for step in range(5):
+            evaluated = {HELDOUT: outcome_record(problems, [True, step > 1, step > 3])} if step % 2 == 0 else {}
+            log.log({"reward/mean": step / 10, **evaluated}, step=step)
+    assert read_jsonl(tmp_path / "heldout.jsonl") == [
+        {"step": s, "n": 3, "problems": problems_digest(problems), "correct": c} for s, c in ((0, "100"), (2, "110"),
+                                                                                            (4, "111"))]
+    assert all(HELDOUT not in row for row in read_jsonl(tmp_path / "metrics.jsonl"))
+    assert read_outcomes(tmp_path) == {0: [True, False, False], 2: [True, True, False], 4: [True, True, True]}
+    with (tmp_path / "heldout.jsonl").open("a") as fh:
+        fh.write('{"step": 6, "n": 3, "corr')  # half-written line from a crash: skipped by the reader
+    assert list(read_outcomes(tmp_path)) == [0, 2, 4]
+    with MetricsLogger(tmp_path, cfg(), resume_step=3) as log:
+        assert list(read_outcomes(tmp_path)) == [0, 2]
+        log.log({HELDOUT: outcome_record(problems, [False] * 3)}, step=4)
+    assert read_outcomes(tmp_path) == {0: [True, False, False], 2: [True, True, False], 4: [False] * 3}
+    assert problems_digest(problems) != problems_digest(problems[::-1]) and len(problems_digest(problems)) == 16
+    with pytest.raises(ValueError, match="2 outcomes for 3 problems"):
+        outcome_record(problems, [True, False])
+
+
 def test_samples_follow_samples_every(tmp_path):
     with MetricsLogger(tmp_path, cfg(samples_every=2)) as log:
         assert not log.should_log_samples(1) and log.should_log_samples(2)

@@ -203,6 +203,19 @@ def test_grpo_hand_worked():
     assert st["policy/ratio_mean"] == pytest.approx(2.5 / 3)
 
 
+@pytest.mark.parametrize("name", ["grpo", "gspo"])
+def test_a_minibatch_without_tokens_gives_the_identities_of_min_and_max(name):
+    """No completion token (a rank whose rows the overlong filter dropped): the ratio extremes are +inf / -inf,
+    which no min / max over minibatches and ranks picks (before: 1.0, which became the step's extreme when the
+    other ranks' tokens all had ratios above or below 1); the loss is 0 and finite."""
+    logp, old, mask, a = make_batch()
+    loss, st = policy_loss(name, logp, old, a, torch.zeros_like(mask))
+    assert loss.item() == 0.0
+    assert (st["policy/ratio_min"], st["policy/ratio_max"]) == (math.inf, -math.inf)
+    assert (st["policy/token_ratio_min"], st["policy/token_ratio_max"]) == (math.inf, -math.inf)
+    assert st["policy/ratio_mean"] == 1.0 and st["clip/frac"] == 0.0
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_token_ratio_losses_match_reference(seed):
     st = check("grpo", seed)

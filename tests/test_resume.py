@@ -408,6 +408,9 @@ def _same_end(run: Path, whole: Path) -> None:
     assert a.pop("wall_s") > 0 and b.pop("wall_s") > 0
     assert a == b and a["status"] == "finished"
     assert steady(metrics(run)) == steady(metrics(whole))
+    from gspo.train.heldout import read_records
+
+    assert read_records(run) == read_records(whole) != []  # which problems each evaluation answered, the last too
     files = sorted(p.name for p in checkpoint.latest(whole).glob("*.safetensors"))  # LoRA: the adapter's
     assert files and files == sorted(p.name for p in checkpoint.latest(run).glob("*.safetensors"))
     for name in files:

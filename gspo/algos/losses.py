@@ -658,7 +658,8 @@ def policy_loss(
     loss = aggregate(-J_{i,t} + beta * KL_t(pi || ref), mask, agg). hyper: the fields of `Hyper`
     (unknown names raise TypeError). Stats: clip/frac_low, clip/frac_high, clip/frac (token
     fractions), clip/seq_frac, policy/ratio_mean|min|max (the loss's ratio), policy/token_ratio_min|max
-    (pi/pi_old per token), kl/old (k3 to the rollout policy) and,
+    (pi/pi_old per token; with no token in `mask`, +inf and -inf: the identities of min and max), kl/old (k3 to
+    the rollout policy) and,
     with the KL term on, kl/ref (k3 to the reference); clip/frac_dual when dual clip is on.
     """
     spec = get_loss(name)
@@ -716,12 +717,15 @@ def policy_loss(
         r = terms.ratio.detach()[m]
         empty = r.numel() == 0
         stats["policy/ratio_mean"] = 1.0 if empty else float(r.mean())
-        stats["policy/ratio_min"] = 1.0 if empty else float(r.min())
-        stats["policy/ratio_max"] = 1.0 if empty else float(r.max())
+        # no tokens: the extremes are the identities of min and max (+inf, -inf), so that a minibatch or a rank
+        # without tokens never enters the extremes over minibatches and ranks (the trainer leaves an extreme over
+        # nothing out of the step's row: gspo.train.distributed.Dist.reduce_metrics)
+        stats["policy/ratio_min"] = math.inf if empty else float(r.min())
+        stats["policy/ratio_max"] = -math.inf if empty else float(r.max())
         # pi/pi_old per token whatever ratio the loss uses: a sequence-ratio loss (GSPO) hides in its
         # policy/ratio_* the single tokens whose probability moved by orders of magnitude.
         d = (logp.detach() - old)[m]
-        stats["policy/token_ratio_min"] = 1.0 if empty else float(d.min().exp())
-        stats["policy/token_ratio_max"] = 1.0 if empty else float(d.max().exp())
+        stats["policy/token_ratio_min"] = math.inf if empty else float(d.min().exp())
+        stats["policy/token_ratio_max"] = -math.inf if empty else float(d.max().exp())
         stats["kl/old"] = _masked_mean(kl_penalty(logp, old, "k3"), mf)
     return loss, stats

@@ -3,7 +3,10 @@ checkpoint, a checkpoint directory or the warm-start base (the scoring itself: g
 
 from __future__ import annotations
 
-from gspo.train.heldout import eval_params, evaluate, heldout_problems
+from pathlib import Path
+from typing import Optional
+
+from gspo.train.heldout import eval_params, evaluate, heldout_problems, outcome_record
 
 DEFAULT_PASS_K = 4  # `gspo eval` estimates pass@4 unless eval.pass_k=K is given
 
@@ -11,13 +14,15 @@ DEFAULT_PASS_K = 4  # `gspo eval` estimates pass@4 unless eval.pass_k=K is given
 def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k: int | None = None) -> dict:
     """`gspo eval`: score a run's last checkpoint, a checkpoint directory, or the warm-start base.
 
-    With a run directory, writes RUN_DIR/eval.json. Overrides change the task or the
-    budget (e.g. `task=countdown`, `task.eval_size=500`, `eval.pass_k=8`; 0 = no pass@k).
+    With a run directory, writes RUN_DIR/eval.json. Its "heldout" is the evaluation's outcome record, as a line
+    of RUN_DIR/heldout.jsonl has it: {"step" (the checkpoint's; null for a model that is not a run's
+    checkpoint), "n", "problems" (the problem list's digest), "correct" ("0110...", one character per problem)}.
+    Overrides change the task or the budget (e.g. `task=countdown`, `task.eval_size=500`, `eval.pass_k=8`;
+    0 = no pass@k).
     pass@k is estimated with k = `pass_k` if given, else `eval.pass_k` from the overrides,
     else DEFAULT_PASS_K (a run's own eval.pass_k is about evaluation during training).
     """
     import json
-    from pathlib import Path
 
     from gspo.config.errors import ConfigError
     from gspo.config.loading import compose, load_run_config
@@ -63,6 +68,7 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     model, tokenizer = checkpoint.load_model(model_dir)  # a LoRA adapter loads onto the base it records
     res = evaluate(model, tokenizer, task, problems, eval_params(cfg), pass_k=pass_k, examples=examples,
                    timeout_s=cfg.reward.timeout_s, key=(cfg.seed, "gspo-eval"), tools=ToolUse.of(cfg))
+    res["heldout"] = {"step": checkpoint_step(model_dir), **outcome_record(problems, res.pop("correct"))}
     res["model"] = str(model_dir)
     res["task"] = cfg.task.name
     res["n"] = len(problems)  # what was scored, which a small held-out split makes fewer than task.eval_size
@@ -70,6 +76,14 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
         (run_dir / "eval.json").write_text(json.dumps(res, indent=2))
     _print_eval(res)
     return res
+
+
+def checkpoint_step(model_dir: Path) -> Optional[int]:
+    """The step of a run's checkpoint directory (`checkpoints/step_000040` -> 40); None for any other model."""
+    import re
+
+    m = re.fullmatch(r"step_(\d+)", Path(model_dir).name)
+    return int(m.group(1)) if m and Path(model_dir).parent.name == "checkpoints" else None
 
 
 def _print_eval(res: dict) -> None:

@@ -21,8 +21,8 @@ does (tests/test_distributed.py checks it):
   (sequences, tokens or rows), so the average is the gradient of the one-process loss on
   the whole minibatch, whatever the ranks' completion lengths.
 - metrics are reduced over ranks (mean; min/max for *_min/*_max; max for time/*; sum for
-  throughput/*); evaluation is split over ranks and recombined; rank 0 alone writes
-  metrics.jsonl, checkpoints and summary.json.
+  throughput/* and for counts, `is_total`); evaluation is split over ranks and recombined; rank 0
+  alone writes metrics.jsonl, heldout.jsonl, checkpoints and summary.json.
 - FSDP: parameters, gradients and optimizer state are sharded (fp32 master shards,
   `hardware.dtype` compute). Sampling and evaluation run a data-dependent number of
   forward passes per rank, so they run inside `gathered()`, which all-gathers the full
@@ -34,6 +34,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import inspect
+import math
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -349,14 +350,18 @@ class Dist:
         return box[0]
 
     def reduce_metrics(self, metrics: dict, rows: int) -> dict:
-        """Step metrics over ranks: mean, min for *_min, max for *_max and time/*, sum for throughput/*.
+        """Step metrics over ranks: mean, min for *_min, max for *_max and time/*, sum for throughput/* and for
+        counts (`is_total`: what a count means is the run's total, whatever the world size).
 
         `reward/std` is recombined from the ranks' first and second moments (`rows` each). A mean that comes
         with a count (`COUNT + key`: the rows it is over, e.g. a reward function's rows not None) is the
         count-weighted mean over ranks, a rank with count 0 (its mean NaN) left out; the counts are not logged.
+        An extreme over nothing (+inf for a *_min, -inf for a *_max: the identities a rank with no tokens gives,
+        `gspo.algos.losses.policy_loss`) leaves that rank out of the min / max; when no rank had any, the key is
+        left out of the step's row (in one process too), rather than logged as a made-up value.
         """
         if self.world == 1:
-            return {k: v for k, v in metrics.items() if not k.startswith(COUNT)}
+            return _without_empty_extremes({k: v for k, v in metrics.items() if not k.startswith(COUNT)})
         m = dict(metrics)
         for k in [k for k in m if k.startswith(COUNT)]:  # sums of value x count, then divided by the summed count
             key = k[len(COUNT):]
@@ -379,7 +384,7 @@ class Dist:
                 out[k] = lo[i].item()
             elif k.endswith("_max") or k.startswith("time/"):
                 out[k] = hi[i].item()
-            elif k.startswith("throughput/"):
+            elif k.startswith("throughput/") or is_total(k):
                 out[k] = total[i].item()
             else:
                 out[k] = total[i].item() / self.world
@@ -391,7 +396,7 @@ class Dist:
             n = rows * self.world
             var = max(out.pop("reward/_sq") - out["reward/mean"] ** 2, 0.0) * n / max(n - 1, 1)
             out["reward/std"] = var ** 0.5
-        return out
+        return _without_empty_extremes(out)
 
     # -- weights for a checkpoint ----------------------------------------------
     def full_state(self, model, opt=None) -> tuple[dict, Optional[dict]]:
@@ -413,6 +418,20 @@ class Dist:
         optim_state = None if opt is None else get_optimizer_state_dict(model, opt, options=opts)
         tied = _tied_aliases(model)  # e.g. lm_head.weight = embed_tokens.weight: saved once, as HF does
         return {k: v for k, v in model_state.items() if k not in tied}, optim_state
+
+
+def is_total(key: str) -> bool:
+    """Whether step metric `key` is a count, summed over ranks (each rank counts its own share): DAPO's
+    `sampling/groups_*` (groups drawn, dropped, kept) and any `.../n`. Not `sampling/batches`: every rank draws
+    the same number of batches (they agree after each draw), each a batch of the whole run."""
+    return key.startswith("sampling/groups_") or key.endswith("/n")
+
+
+def _without_empty_extremes(metrics: dict) -> dict:
+    """`metrics` without a *_min at +inf or a *_max at -inf: the identity of the min / max, an extreme over no
+    value at all (no rank had a token)."""
+    return {k: v for k, v in metrics.items()
+            if not ((k.endswith("_min") and v == math.inf) or (k.endswith("_max") and v == -math.inf))}
 
 
 def _tied_aliases(model) -> set[str]:

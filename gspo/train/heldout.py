@@ -1,12 +1,21 @@
 """Held-out evaluation during training (and the warm start's check): greedy accuracy, pass@k,
 completion length, well-formedness. `gspo eval` (gspo/results/evaluate.py) runs the same on a
-finished run."""
+finished run.
+
+Each evaluation's per-problem outcomes are kept too, so that two runs (or two models) can be paired on the
+same problems (McNemar, a paired bootstrap): RUN_DIR/heldout.jsonl, one line per evaluation,
+{"step": S, "n": N, "problems": DIGEST, "correct": "0110..."} (`outcome_record`, written by the metrics
+logger; `read_outcomes` reads it back).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import replace
 from math import comb
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
@@ -56,7 +65,8 @@ def evaluate(
     `tools` (`rollout.tools`): whole trajectories with tool calls, judged on their last assistant message;
     adds eval/turns_mean, eval/tool_calls_mean and the task's conversation parts (the calculator's
     eval/correct_call), and the examples show the conversations.
-    Returns metrics under `eval/` keys, plus `examples`: a few (prompt, completion, correct).
+    Returns metrics under `eval/` keys, plus `correct`: each problem's greedy verdict (a list of bools in
+    `problems`' order, for `outcome_record`), plus `examples`: a few (prompt, completion, correct).
     """
     model = sampler if isinstance(sampler, torch.nn.Module) else None  # put in eval mode while evaluating
 
@@ -93,6 +103,7 @@ def evaluate(
         "eval/len_mean": sum(lengths) / max(1, len(lengths)),
         "eval/n": len(correct),  # problems scored: the binomial error of eval/accuracy is sqrt(p (1 - p) / n)
     } | {k: sum(v) / max(1, len(v)) for k, v in extra.items()}
+    out["correct"] = [bool(c) for c in correct]  # (not a metric: the evaluator and `gspo eval` take it out)
     if pass_k > 0:
         n = 2 * pass_k
         scores = []
@@ -132,3 +143,49 @@ def heldout_problems(task: Task, tcfg) -> list[Problem]:
               f"{mix}: evaluating those {len(problems)} (raise task.eval_fraction for a tighter estimate)",
               file=sys.stderr)
     return problems
+
+
+# --------------------------------------------------------------------------- per-problem outcomes
+
+HELDOUT_FILE = "heldout.jsonl"  # RUN_DIR/heldout.jsonl: one line per held-out evaluation
+HELDOUT = "_heldout"  # the metrics key under which the evaluator hands the logger an evaluation's outcome record
+
+
+def problems_digest(problems: Sequence[Problem]) -> str:
+    """A short sha256 (16 hex digits) of the problem list, prompts and reference answers in order: two records
+    with the same digest scored the same problems in the same order, so their outcome strings pair up."""
+    text = json.dumps([[p.prompt, p.answer] for p in problems], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def outcome_record(problems: Sequence[Problem], correct: Sequence[bool]) -> dict:
+    """{"n", "problems", "correct"} of one evaluation of `problems` (the whole split, in its order): `correct` a
+    string of one character per problem, "1" answered right, "0" not. The writer adds the step."""
+    if len(correct) != len(problems):
+        raise ValueError(f"{len(correct)} outcomes for {len(problems)} problems")
+    return {"n": len(problems), "problems": problems_digest(problems),
+            "correct": "".join("1" if c else "0" for c in correct)}
+
+
+def read_records(run_dir: Path | str) -> list[dict]:
+    """The records of RUN_DIR/heldout.jsonl in file order ([] without the file); an unreadable line (a crash
+    mid-write) is skipped."""
+    path = Path(run_dir) / HELDOUT_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            readable = isinstance(record, dict) and isinstance(record.get("correct"), str) and int(record["step"]) >= 0
+        except (ValueError, KeyError, TypeError):
+            readable = False
+        if readable:
+            records.append(record)
+    return records
+
+
+def read_outcomes(run_dir: Path | str) -> dict[int, list[bool]]:
+    """{step: [answered right?] per held-out problem, in the split's order} of a run's evaluations
+    (RUN_DIR/heldout.jsonl). Pair two runs' lists only where their records' "problems" digests agree."""
+    return {int(r["step"]): [c == "1" for c in r["correct"]] for r in read_records(run_dir)}

@@ -106,6 +106,8 @@ def _finish(s: Setup) -> None:
     _check_finite(ckpt.last_row, ckpt.start)  # a run that failed at its last step stays failed
     if ckpt.final is None:
         ckpt.record_final(s.evaluator.run(ckpt.start))  # every rank: the evaluation is split over them
+        if s.evaluator.record is not None:  # which problems it answered, as every evaluation records it
+            s.logger.log_heldout(s.evaluator.record, ckpt.start)
     ckpt.finish()
 
 
