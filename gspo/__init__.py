@@ -3,6 +3,7 @@
 The parts, bottom to top; a module imports only from its own package or from a package
 below it (tests/test_layout.py keeps this true):
 
+  core      files written whole, with modes others can read: what every layer uses
   config    the typed schema, composing it with Hydra, checks that need only the config, errors
   tasks     tasks with verifiable answers, their verifiers, reward functions      } one level:
   algos     the equations: losses, advantages, KL, shaping, mismatch corrections  } none of them

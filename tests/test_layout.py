@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "gspo"
-RANK = {"config": 0, "tasks": 1, "algos": 1, "models": 1, "rollout": 2, "train": 3, "results": 4}
+RANK = {"core": 0, "config": 1, "tasks": 2, "algos": 2, "models": 2, "rollout": 3, "train": 4, "results": 5}
 
 
 def _modules() -> dict[str, Path]:

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
+from gspo.core import files
 from gspo.results.runs import load_runs
 from gspo.train import rundir
 from gspo.train.trainer import train
@@ -175,13 +176,13 @@ def test_files_written_whole_and_temporary_directories_get_the_mode_open_and_mkd
         umask(mask)
         here = tmp_path / oct(mask)
         here.mkdir()
-        rundir.replace_text(here / "summary.json", "{}")
+        files.replace_text(here / "summary.json", "{}")
         (here / "sweep.json").write_text("old")
         (here / "sweep.json").chmod(0o600)
-        rundir.replace_text(here / "sweep.json", "{}")
-        fd, name = rundir.temp_file(here, prefix=".x-")
+        files.replace_text(here / "sweep.json", "{}")
+        fd, name = files.temp_file(here, prefix=".x-")
         os.close(fd)
-        rundir.temp_dir(here)
+        files.temp_dir(here)
         adapters.export_merged(here / "adapter", here / "merged")
         found = modes(here)
         wrong = {k: oct(v) for k, v in found.items() if v != (dir_mode if (here / k).is_dir() else file_mode)}

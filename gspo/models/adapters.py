@@ -351,7 +351,7 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, dtype: torch.dty
     import os
     import shutil
 
-    from gspo.train.rundir import temp_dir, widen_to_open_modes
+    from gspo.core.files import temp_dir, widen_to_open_modes
 
     model, tokenizer = load(adapter_dir, dtype, base_dir=base_dir)
     merged = model.merge_and_unload()

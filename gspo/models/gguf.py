@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from gspo.config import model_path
+from gspo.core.files import temp_dir, widen_to_open_modes
 
 # bump when what is written changes (2: the key holds what writes the copy; 3: the header's eos and pad tokens win,
 # so that a copy transformers 5.17-5.18 wrote with <|im_start|> as eos is not reused under the same key)
@@ -75,9 +75,10 @@ def build_once(target: Path, write: Callable[[Path], None]) -> bool:
     with _locked(target.parent / f".{target.name}.lock"):
         if (target / "config.json").is_file():  # made by the process that held the lock before this one
             return False
-        tmp = shared_mkdtemp(target.parent, f".tmp-{target.name}-")
+        tmp = temp_dir(target.parent, f".tmp-{target.name}-")
         try:
             write(tmp)
+            widen_to_open_modes(tmp)  # (save_pretrained's safetensors are written owner-only)
             try:
                 os.rename(tmp, target)
             except OSError:  # without flock, another process may have finished first: use its copy
@@ -86,30 +87,6 @@ def build_once(target: Path, write: Callable[[Path], None]) -> bool:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return True
-
-
-def shared_mkdtemp(parent: Path, prefix: str) -> Path:
-    """A new directory in `parent`, as tempfile.mkdtemp makes it (a unique name, never another process's) but with
-    the mode a plain mkdir gives (0o777 less the umask) rather than mkdtemp's 0o700: it is renamed into a cache (or
-    results) directory colleagues may share, where a private directory would keep them out of every copy in it."""
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
-    os.chmod(tmp, 0o777 & ~_umask())
-    return tmp
-
-
-def _umask() -> int:
-    """This process's umask. Read from /proc/self/status (Linux) without changing it; elsewhere set and restored,
-    a restrictive 0o077 in between, so that a file another thread makes meanwhile is never more open than asked."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
 
 
 def _written_by() -> dict[str, str | int]:

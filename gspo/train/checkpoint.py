@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from gspo.config.errors import ConfigError
 from gspo.models import adapters
-from gspo.train import rundir
+from gspo.core.files import temp_dir, widen_to_open_modes
 
 
 class CheckpointError(ConfigError):
@@ -42,7 +42,7 @@ def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep:
     final, tmp = root / f"step_{step:06d}", None
     try:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = rundir.temp_dir(root)  # (umask-derived mode: mkdtemp's 0o700 would hide the checkpoint from colleagues)
+        tmp = temp_dir(root)  # (umask-derived mode: mkdtemp's 0o700 would hide the checkpoint from colleagues)
         if adapters.is_adapted(model):
             adapters.save(unwrap(model), tmp, state_dict=model_state)  # the adapter only: the base is not ours to copy
         else:
@@ -53,7 +53,7 @@ def save(run_dir: Path, step: int, model, tokenizer, optimizer, scheduler, keep:
         optim = optimizer.state_dict() if optimizer_state is None else optimizer_state
         state = {"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), **(extra or {})}
         torch.save(state, tmp / "trainer_state.pt")
-        rundir.widen_to_open_modes(tmp)  # (safetensors writes its files owner-only)
+        widen_to_open_modes(tmp)  # (safetensors writes its files owner-only)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)

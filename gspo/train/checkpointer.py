@@ -35,7 +35,7 @@ from gspo.rollout.source import pending_of
 from gspo.train import checkpoint, provenance
 from gspo.train.components import BatchSource, Saved
 from gspo.train.distributed import Dist
-from gspo.train.rundir import replace_text
+from gspo.core.files import replace_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

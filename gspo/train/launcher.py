@@ -26,7 +26,7 @@ import torch.distributed as tdist
 from gspo.config.errors import ConfigError, RunFailed
 from gspo.train import failures, preemption
 from gspo.train.distributed import check, device_of, in_torchrun, join
-from gspo.train.rundir import replace_text
+from gspo.core.files import replace_text
 
 
 def is_main_process() -> bool:

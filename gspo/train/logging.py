@@ -10,9 +10,13 @@ writes under RUN_DIR/wandb/ and needs no account; the `wandb sync` command
 that uploads it later is printed once at the end (by W&B, or by `close()` when
 W&B is silenced).
 
+Held-out outcomes: a `log` call whose metrics carry an evaluation's outcome record
+(under `gspo.train.heldout.HELDOUT`, from the evaluator) appends it, with the step,
+to RUN_DIR/heldout.jsonl; it is left out of metrics.jsonl and W&B.
+
 Resuming: pass the checkpoint's step as `resume_step`; lines logged after it
-(by the run that crashed) are dropped from metrics.jsonl and samples.jsonl
-before appending, and the W&B run continues under the id kept in
+(by the run that crashed) are dropped from metrics.jsonl, samples.jsonl and
+heldout.jsonl before appending, and the W&B run continues under the id kept in
 RUN_DIR/wandb_id.txt.
 """
 
@@ -28,7 +32,8 @@ from typing import Any, Mapping, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from gspo.config.schema import LoggerConfig
-from gspo.train.rundir import replace_text
+from gspo.train.heldout import HELDOUT, HELDOUT_FILE
+from gspo.core.files import replace_text
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -135,11 +140,13 @@ class MetricsLogger:
         )
         self.metrics_path = self.run_dir / METRICS_FILE
         self.samples_path = self.run_dir / SAMPLES_FILE
+        self.heldout_path = self.run_dir / HELDOUT_FILE
         if resume_step is not None:
-            truncate_jsonl(self.metrics_path, resume_step)
-            truncate_jsonl(self.samples_path, resume_step)
+            for path in (self.metrics_path, self.samples_path, self.heldout_path):
+                truncate_jsonl(path, resume_step)
         self._metrics_fh = self.metrics_path.open("a")
         self._samples_fh = None
+        self._heldout_fh = None
         self.wandb_run = None
         self._closed = False
         wcfg = self.logger_cfg.wandb_cfg
@@ -191,14 +198,25 @@ class MetricsLogger:
 
     # -- sinks ---------------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Append {"step": step, **metrics} to metrics.jsonl (flushed) and log to W&B. None = not logged."""
-        record = {key: _scalar(value) for key, value in metrics.items() if value is not None}
+        """Append {"step": step, **metrics} to metrics.jsonl (flushed) and log to W&B. None = not logged.
+        An outcome record under `HELDOUT` goes to heldout.jsonl instead, {"step": step, **record}."""
+        if metrics.get(HELDOUT) is not None:
+            self.log_heldout(metrics[HELDOUT], step)
+        record = {key: _scalar(value) for key, value in metrics.items() if value is not None and key != HELDOUT}
         record.pop("step", None)
         line = json.dumps({"step": int(step), **record}, allow_nan=True)
         self._metrics_fh.write(line + "\n")
         self._metrics_fh.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=int(step))
+
+    def log_heldout(self, outcome: Mapping[str, Any], step: int) -> None:
+        """One evaluation's outcome record (`gspo.train.heldout.outcome_record`) as a line of heldout.jsonl,
+        {"step": step, **outcome} (flushed: a crash keeps it)."""
+        if self._heldout_fh is None:
+            self._heldout_fh = self.heldout_path.open("a")
+        self._heldout_fh.write(json.dumps({"step": int(step), **{k: _json(v) for k, v in outcome.items()}}) + "\n")
+        self._heldout_fh.flush()
 
     def should_log_samples(self, step: int) -> bool:
         """Whether `log_samples(step, ...)` would write anything (skip building rows otherwise)."""
@@ -233,8 +251,9 @@ class MetricsLogger:
             return
         self._closed = True
         self._metrics_fh.close()
-        if self._samples_fh is not None:
-            self._samples_fh.close()
+        for fh in (self._samples_fh, self._heldout_fh):
+            if fh is not None:
+                fh.close()
         run, self.wandb_run = self.wandb_run, None
         if run is None:
             return
@@ -258,6 +277,9 @@ class NullLogger:
     """The metrics sink of ranks other than 0: nothing is written."""
 
     def log(self, metrics, step: int) -> None:
+        pass
+
+    def log_heldout(self, outcome, step: int) -> None:
         pass
 
     def should_log_samples(self, step: int) -> bool:

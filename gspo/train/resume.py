@@ -21,7 +21,7 @@ from typing import Any
 
 from gspo.config.errors import ConfigError
 from gspo.train import provenance
-from gspo.train.rundir import replace_text
+from gspo.core.files import replace_text
 
 RECORD = "resumes.jsonl"
 # keys (or key prefixes, ending in ".") a resume may change

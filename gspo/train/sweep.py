@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from gspo.config.errors import ConfigError
 from gspo.config.loading import bare_key, job_name, load_run_config, swept_keys
-from gspo.train.rundir import replace_text
+from gspo.core.files import replace_text
 from gspo.train.resume import experiment_key, listed, may_change, other_experiment
 
 RECORD = "sweep.json"

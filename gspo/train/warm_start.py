@@ -22,7 +22,8 @@ import torch
 from gspo.config.errors import ConfigError
 from gspo.train import split_experts
 from gspo.models.build import build_model, char_tokenizer
-from gspo.models.gguf import checkpoint_dir, file_sha256, shared_mkdtemp
+from gspo.core.files import temp_dir, widen_to_open_modes
+from gspo.models.gguf import checkpoint_dir, file_sha256
 from gspo.models.moe import is_moe
 from gspo.rollout.chat import render_reference
 from gspo.rollout.generate import encode_prompts
@@ -88,11 +89,12 @@ def base_model(cfg, task, log=print, stop=None) -> Path:
     t0 = time.time()
     partial = target.parent / f".partial-{target.name}"
     record = warm_start(model, tokenizer, task, cfg.model.warm_start, log=log, stop=stop, partial=partial, tools=tools)
-    tmp = shared_mkdtemp(target.parent, ".tmp-")  # (mkdtemp's 0o700 would keep colleagues out of a shared cache)
+    tmp = temp_dir(target.parent, ".tmp-")  # (mkdtemp's 0o700 would keep colleagues out of a shared cache)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     inputs = {k: {"path": path, "sha256": file_sha256(path)} for k, path in _input_files(cfg).items()}
     (tmp / "warm_start.json").write_text(json.dumps({"seconds": time.time() - t0, **record, "inputs": inputs}))
+    widen_to_open_modes(tmp)  # (save_pretrained's safetensors are written owner-only)
     try:
         os.rename(tmp, target)
     except OSError:  # another job finished first: use its base
@@ -193,10 +195,11 @@ def _save_partial(partial: Path, model, opt, sched, rng: random.Random, record: 
     from safetensors.torch import save_model
 
     partial.parent.mkdir(parents=True, exist_ok=True)
-    tmp = shared_mkdtemp(partial.parent, ".tmp-partial-")
+    tmp = temp_dir(partial.parent, ".tmp-partial-")
     save_model(model, tmp / "model.safetensors")
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng.getstate(),
                 "torch_rng": torch.get_rng_state(), "record": record, "every": every, "step": step}, tmp / "state.pt")
+    widen_to_open_modes(tmp)
     shutil.rmtree(partial, ignore_errors=True)
     os.rename(tmp, partial)
 
