@@ -1,4 +1,4 @@
-"""Every command the docs give runs. The `gspo ...` lines of the code blocks in README.md, docs/*.md and
+"""Every command the docs give runs. The `gspo ...` lines of the code blocks in README.md, docs/**/*.md and
 examples/README.md: a `gspo train` line is composed and checked job by job as `gspo train --cfg job` does (nothing
 is trained; a sweep over seeds at its first seed: seeds change no config's shape, and a study's 100 jobs take
 Hydra half a minute to compose); a `gspo compare` or `gspo eval` line, which reads runs a study makes, is parsed (its options exist);
@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from cli.main import app
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "examples" / "README.md"]  # (CHANGELOG.md names scripts that are gone)
+DOCS = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if (REPO / "docs" / "data") not in p.parents),
+        REPO / "examples" / "README.md"]  # (CHANGELOG.md names scripts that are gone; docs/data holds compare's outputs)
 PLACEHOLDER = re.compile(r"\.\.\.|^\[|(^|[=/])(DIR|RUN_DIR|DATE|TIME|FILE|SWEEP|RUN_[A-Z]|OVERRIDES|KEY|LR|S)\b|/path/to/|(^|=)/models/")
 
 
@@ -73,7 +74,7 @@ COMMANDS = commands()
 def test_the_docs_give_commands():
     """The extraction finds the study lines (a regression here would make the test below check nothing)."""
     where = {w.split(":")[0] for w, _ in COMMANDS}
-    assert {"README.md", "docs/results.md", "docs/scaling.md"} <= where
+    assert {"README.md", "docs/scaling.md", "docs/results/smollm2-matched.md", "docs/results/staleness.md"} <= where
     assert sum(argv[:2] == ["train", "-m"] for _, argv in COMMANDS) >= 10
 
 
@@ -106,6 +107,79 @@ def test_every_script_the_docs_name_exists():
     named = {m for path in DOCS for m in re.findall(r"scripts/[\w.-]+\.(?:py|sh|sbatch)", path.read_text())}
     assert named, "no script named: the pattern is wrong"
     assert sorted(n for n in named if not (REPO / n).is_file()) == []
+
+
+# --------------------------------------------------------------------------- links between the pages
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors a page has: its headings' (a repeated heading's with -1, -2, ...) and its explicit `id`s."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    block = False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            block = not block
+            continue
+        m = None if block else re.match(r"^#{1,6}\s+(.*?)\s*#*$", line)
+        if m:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            found.add(slug if n == 0 else f"{slug}-{n}")
+        found.update(re.findall(r'<a id="([^"]+)">', line))
+    return found
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_in_the_pages_resolves():
+    """Every relative link of README.md, docs/**/*.md and examples/README.md names a file that exists and, with
+    #anchor, a heading (or an explicit id) of that page; a link to an anchor of the page itself too. Code spans and
+    blocks are not links."""
+    broken, checked = [], 0
+    for page in DOCS:
+        block = False
+        for i, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                block = not block
+                continue
+            if block:
+                continue
+            for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
+                if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                    continue
+                checked += 1
+                path, _, anchor = target.partition("#")
+                file = (page.parent / path).resolve() if path else page
+                where = f"{page.relative_to(REPO)}:{i}: {target}"
+                if not file.exists():
+                    broken.append(f"{where} (no such file)")
+                elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                    broken.append(f"{where} (no such heading)")
+    assert checked > 100  # (a pattern gone wrong would check nothing)
+    assert broken == []
+
+
+def test_the_docs_pages_the_configs_name_exist():
+    """A config's comment that sends the reader to a page (docs/results/staleness.md) names one that exists."""
+    configs = sorted((REPO / "conf").rglob("*.yaml"))
+    named = {m for f in configs for m in re.findall(r"docs/[\w./-]+\.md", f.read_text())}
+    assert any(n.startswith("docs/results/") for n in named)  # the configs point at the results' pages
+    assert sorted(n for n in named if not (REPO / n).is_file()) == []
+
+
+def test_the_results_index_is_short_and_links_every_results_page():
+    index = (REPO / "docs" / "results.md").read_text()
+    assert len(index.splitlines()) <= 150
+    assert sorted(p.name for p in (REPO / "docs" / "results").glob("*.md") if f"(results/{p.name}" not in index) == []
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
 
 
 # Words of a work log, not of a page that says what holds now (the history is CHANGELOG.md's and git's)
