@@ -260,18 +260,20 @@ def compare(
     by: str = typer.Option("algo", "--by", help="Config key that tells the groups apart (dotted; 'algo' = algo.name)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: SWEEP/compare)."),
     threshold: Optional[float] = typer.Option(None, help="Accuracy target for 'steps to target' (default: halfway from base to best)."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="A group to compare every other group with (difference of means, Welch 95% interval)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="A group to compare every other group with (difference of means: Welch 95% interval, paired by seed where they share seeds; the smallest difference detectable at 80% power)."),
+    power: Optional[float] = typer.Option(None, "--power", help="With --baseline: how many seeds a difference of final accuracy this large (0.05 = 5 points) needs at 80% power, from each comparison's own spread."),
+    wide: bool = typer.Option(False, "--wide", help="Every column on the console (as compare.md has them), not the brief table in the terminal's width."),
 ) -> None:
     from gspo.results.compare import compare as run_compare
     from gspo.results.compare import print_report
 
     try:
-        result = run_compare(paths, by=by, out=out, threshold=threshold, baseline=baseline)
+        result = run_compare(paths, by=by, out=out, threshold=threshold, baseline=baseline, power=power)
     except ConfigError as e:
         _fail(str(e))
     except OSError as e:  # writing the figure and table, no space or permission (an unreadable run is skipped)
         _fail(f"{e.filename or out}: {e.strerror or e}")
-    print_report(result)
+    print_report(result, wide=wide)
     if not result.groups:
         raise typer.Exit(1)
 

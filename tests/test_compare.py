@@ -308,7 +308,7 @@ def test_figures_and_report(tmp_path):
     from rich.console import Console
 
     console = Console(record=True, width=320)
-    print_report(result, console)
+    print_report(result, console, wide=True)
     text = console.export_text()
     assert "grpo" in text and "gspo" in text and "collapsed" in text and "compare.png" in text
     # brackets are text, not rich markup: the intervals and the legend survive
@@ -440,7 +440,9 @@ def test_compare_cli_baseline(tmp_path):
     root = sweep(tmp_path)
     res = CliRunner().invoke(app, ["compare", str(root), "--baseline", "gspo"])
     assert res.exit_code == 0, res.output
-    assert "against the baseline gspo" in res.output and "Welch" in res.output
+    assert "against gspo" in res.output and "Welch" in res.output
+    wide = CliRunner().invoke(app, ["compare", str(root), "--baseline", "gspo", "--wide"])
+    assert wide.exit_code == 0 and "against the baseline gspo" in wide.output and "P(improvement)" in wide.output
     res = CliRunner().invoke(app, ["compare", str(root), "--baseline", "nope"])
     assert res.exit_code == 2 and "no such group" in res.output and "Traceback" not in res.output
 
@@ -695,3 +697,95 @@ def test_a_run_whose_files_cannot_be_read_is_skipped_with_a_line_naming_them(sha
     assert alone.returncode == 2 and "Traceback" not in out, out[-3000:]
     assert out.strip().splitlines() == [out.strip()] and out.startswith("gspo: error: no readable run directory")
     assert "summary.json (Permission denied)" in out
+
+
+def _three_seeds_each(tmp_path: Path, machine=None) -> Path:
+    """grpo finals 0.5, 0.6, 0.7 and gspo finals 0.55, 0.70, 0.75 on seeds 0-2 (`machine`: seed -> summary machine
+    of the gspo run, else one machine for all)."""
+    root = tmp_path / "sweep"
+    one = {"cpu": "CPU A", "cpu_id": "GenuineIntel 6/207/2", "cpu_flags": "avx2 avx512f amx_bf16"}
+    for i, (algo, seed, final) in enumerate([("grpo", 0, 0.5), ("grpo", 1, 0.6), ("grpo", 2, 0.7),
+                                             ("gspo", 0, 0.55), ("gspo", 1, 0.70), ("gspo", 2, 0.75)]):
+        run = make_run(root / str(i), algo, seed, acc={0: 0.3, 20: final})
+        here = (machine or {}).get(seed, one) if algo == "gspo" else one
+        summary = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**summary, "machine": here}))
+    return root
+
+
+def test_a_comparison_pairs_seeds_states_its_power_and_the_seeds_a_difference_needs(tmp_path):
+    """The final accuracy's difference paired by seed: d = 0.05, 0.10, 0.05; mean 0.0667; s_d = sqrt((0.0167² +
+    0.0333² + 0.0167²) / 2) = 0.02887; half-width t(0.975, 2) = 4.3027 x 0.02887 / sqrt(3) = 0.07172. The smallest
+    difference detectable at 80% power: stats.detectable at the pooled std (sqrt((0.01 + 0.010833) / 2) = 0.10206)
+    and 3 seeds a group, and at s_d over 3 pairs; --power 0.05: the seeds that needs."""
+    from gspo.results.stats import detectable, seeds_needed
+
+    result = compare([_three_seeds_each(tmp_path)], plot=False, baseline="grpo", power=0.05)
+    [pair] = result.pairwise
+    assert pair.paired.diff == pytest.approx(0.2 / 3) and pair.paired.n == 3
+    assert pair.paired.sd == pytest.approx(0.0288675, rel=1e-5)
+    assert pair.paired.half_width == pytest.approx(4.302653 * 0.0288675 / math.sqrt(3), rel=1e-5)
+    assert pair.detectable == pytest.approx(detectable(math.sqrt((0.01 + 0.0108333) / 2), 3), rel=1e-4)
+    assert pair.detectable_paired == pytest.approx(detectable(0.0288675, 3, paired=True), rel=1e-4)
+    assert pair.seeds_needed == seeds_needed(0.05, math.sqrt((0.01 + 0.0108333) / 2))
+    assert pair.seeds_needed_paired == seeds_needed(0.05, 0.0288675, paired=True)
+    assert pair.improvement.estimate == pytest.approx(6.5 / 9)  # gspo above grpo in 6 of 9 pairs, 1 tie (0.70)
+    md = result.table_path.read_text()
+    assert f"+0.067 [{pair.paired.low:+.3f}, {pair.paired.high:+.3f}] (3 pairs)" in md
+    assert "seeds for Δ = 0.05 at 80% power (unpaired / paired)" in md
+    saved = json.loads((result.out_dir / "compare.json").read_text())["pairwise"][0]
+    assert saved["paired"]["n"] == 3 and saved["seeds_needed_paired"] == pair.seeds_needed_paired
+    with pytest.raises(CompareError, match="--power needs --baseline"):
+        compare([tmp_path / "sweep"], plot=False, power=0.05)
+
+
+def test_runs_on_other_machines_are_said_and_no_pair_crosses_machines(tmp_path):
+    """gspo's seed 1 ran on another CPU: the group mixes machines, seed 1's arms do too (both said), and the paired
+    difference leaves seed 1 out (two pairs: 0.05, 0.05)."""
+    other = {"cpu": "CPU B", "cpu_id": "AuthenticAMD 23/49/0", "cpu_flags": "avx2"}
+    result = compare([_three_seeds_each(tmp_path, {1: other})], plot=False, baseline="grpo")
+    said = " | ".join(result.warnings)
+    assert "group gspo: its runs ran on 2 machines" in said and "seed 1: its arms ran on different machines" in said
+    [pair] = result.pairwise
+    assert pair.paired.n == 2 and pair.paired.diff == pytest.approx(0.05)
+    assert "CPU B (AuthenticAMD 23/49/0, avx2) x1" in result.table_path.read_text()
+
+
+def test_the_same_problems_are_compared_problem_by_problem(tmp_path):
+    """Each run's last heldout.jsonl line: grpo's runs answer problem 0 of 4, gspo's problems 0 and 1; the
+    difference on the same problems is 1/4, over 4 problems."""
+    root = _three_seeds_each(tmp_path)
+    for run in sorted(root.iterdir()):
+        algo = OmegaConf.load(run / "config.yaml").algo.name
+        correct = "1000" if algo == "grpo" else "1100"
+        (run / "heldout.jsonl").write_text(json.dumps({"step": 0, "n": 4, "problems": "abc", "correct": "0000"}) + "\n"
+                                           + json.dumps({"step": 20, "n": 4, "problems": "abc", "correct": correct})
+                                           + "\n")
+    [pair] = compare([root], plot=False, baseline="grpo").pairwise
+    assert pair.problems_n == 4 and pair.problems.estimate == pytest.approx(0.25)
+    assert pair.problems.low <= 0.25 <= pair.problems.high
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_console_table_fits_the_terminal_with_every_number_whole(tmp_path, width):
+    """The brief table (what a reader decides from) in an 80- and a 120-column terminal: no line wider, every cell
+    whole on one line; --wide prints every column of compare.md."""
+    import io
+
+    from rich.console import Console
+
+    from gspo.results.report import brief_table
+
+    result = compare([_three_seeds_each(tmp_path)], plot=False, baseline="grpo")
+    console = Console(width=width, file=io.StringIO(), force_terminal=False)
+    print_report(result, console)
+    out = console.file.getvalue()
+    assert max(len(line) for line in out.splitlines()) <= width
+    names, cells = brief_table(result, width)
+    table = [line for line in out.splitlines() if "grpo" in line or "gspo" in line]
+    assert names[:4] == ["group", "seeds", "final acc % [95%]", "Δ points [95%]"]
+    for row in cells:
+        assert any(all(cell in line for cell in row) for line in table), row
+    wide = Console(width=width, file=io.StringIO(), force_terminal=False)
+    print_report(result, wide, wide=True)
+    assert "clip low / high" in wide.file.getvalue() or "clip low" in wide.file.getvalue()

@@ -39,9 +39,13 @@ from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of
     CompareError,
     Run, _flatten, _looks_like_run, load_runs, lookup,
 )
-from gspo.results.stats import LEVEL, welch
+from gspo.results.stats import (
+    LEVEL, bootstrap_problems, detectable, paired, pooled_sd, prob_improvement, seeds_needed, welch,
+)
+from gspo.train import heldout, provenance
 
 PAIRWISE_STATS = ("final_acc", "best_acc")  # compared against the baseline group, with Welch intervals
+POWER = 0.8  # the power at which compare states the smallest detectable difference and the seeds a difference needs
 
 # Config keys whose differences make runs incomparable (unless it is the grouping key).
 COMPARABILITY_KEYS = ("model.", "task.", "reward.", "rollout.", "train.steps", "train.minibatches")
@@ -52,7 +56,7 @@ TREATMENT_KEYS = ("rollout.dtype", "rollout.old_logprobs", "rollout.mismatch_eve
 # Keys that never make two runs different experiments (bookkeeping, logging, diagnostics, how the same
 # arithmetic is laid out on the machine). Everything else does: runs of a group differ in the seed alone.
 IGNORED_KEYS = (
-    "seed", "name", "resume", "cache_dir", "run_dir", "output_dir", "logger.", "eval.",
+    "seed", "name", "resume", "force_resume", "cache_dir", "run_dir", "output_dir", "logger.", "eval.",
     "hardware.name", "hardware.device", "hardware.nproc", "hardware.backend", "hardware.strategy", "hardware.threads",
     "hardware.compile", "hardware.collective_timeout_s",
     "model.name", "model.attn_implementation", "model.experts_implementation", "model.gradient_checkpointing",
@@ -254,6 +258,48 @@ def comparability_warnings(groups: Sequence[Group], key: str) -> list[str]:
     return warnings
 
 
+UNRECORDED = provenance.label({})
+
+
+def machines(run: Run) -> list[str]:
+    """The machines `run` ran on, first to last (`provenance.label`; a resume on another adds one)."""
+    return list(dict.fromkeys(provenance.label(m) for m in provenance.history(run.summary or {})))
+
+
+def machine_warnings(groups: Sequence[Group]) -> list[str]:
+    """Where runs that a comparison treats alike ran on different machines (another CPU or package set computes
+    other float sums, and the same seed's run parts from itself: docs/contracts.md, `seed`): a run continued on
+    another machine, a group whose runs ran on several, a seed whose arms did."""
+    warnings = []
+    for g in groups:
+        for r in g.runs:
+            if len(machines(r)) > 1:
+                warnings.append(f"run {r.path} went on on another machine: {' -> '.join(machines(r))}")
+        ran = Counter(m for r in g.runs for m in machines(r))
+        if len(set(ran) - {UNRECORDED}) > 1:  # (a run that recorded none may have run anywhere: not a difference)
+            warnings.append(f"group {g.label}: its runs ran on {len(ran)} machines ("
+                            + "; ".join(f"{m} x{c}" for m, c in ran.most_common()) + ")")
+    by_seed: dict[str, dict[str, str]] = {}
+    for g in groups:
+        for r in g.runs:
+            by_seed.setdefault(repr(r.seed), {})[g.label] = machines(r)[-1]
+    for seed, arms in by_seed.items():
+        if len(set(arms.values()) - {UNRECORDED}) > 1:
+            warnings.append(f"seed {seed}: its arms ran on different machines ("
+                            + "; ".join(f"{g} on {m}" for g, m in arms.items()) + ")")
+    return warnings
+
+
+def final_outcomes(run: Run) -> tuple[str, list[bool]] | None:
+    """(the held-out problems' digest, which of them the run's last recorded evaluation answered right), from its
+    heldout.jsonl; None for a run that recorded none (runs from before the record)."""
+    records = heldout.read_records(run.path)
+    if not records:
+        return None
+    last = max(records, key=lambda rec: rec["step"])
+    return last["problems"], [c == "1" for c in last["correct"]]
+
+
 def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
     """One run's statistics, as the table shows them: base / final / best held-out accuracy (final and best
     after step 0), the first step at `target` accuracy, the reward over its last 10% of steps, and the means
@@ -354,23 +400,82 @@ def summarize_group(group: Group, target: float | None) -> dict[str, Any]:
         row[key] = Stat.of(s[key] for s in stats)
     row["final_by_seed"] = sorted(((r.seed, s["final_acc"]) for r, s in zip(group.runs, stats)
                                    if s["final_acc"] is not None), key=lambda pair: _seed_order(pair[0]))
+    row["machine_by_seed"] = {repr(r.seed): machines(r)[-1] for r in group.runs}
+    row["machines"] = Counter(m for r in group.runs for m in machines(r))
+    outcomes = [final_outcomes(r) for r in group.runs]
+    digests = {o[0] for o in outcomes if o is not None}
+    # the share of the group's runs that answered each problem right (only where every run recorded the same problems)
+    row["problem_rates"] = (None if len(digests) != 1 or None in outcomes else
+                            (digests.pop(), np.mean([o[1] for o in outcomes], axis=0).tolist()))
     return row
 
 
-def pairwise(rows: Sequence[dict[str, Any]], baseline: str) -> list[Pairwise]:
+def _pair(row: dict[str, Any], base: dict[str, Any], level: float):
+    """The final accuracy of `row` − `base` paired by seed, over the seeds both have whose runs ran on the same
+    machine (a seed whose arms ran on different machines is no pair: compare warns about it)."""
+    def same(seed: Any) -> bool:
+        here, there = row["machine_by_seed"].get(repr(seed)), base["machine_by_seed"].get(repr(seed))
+        return here == there or UNRECORDED in (here, there)
+
+    a = {s: v for s, v in row["final_by_seed"] if same(s)}
+    b = {s: v for s, v in base["final_by_seed"] if same(s)}
+    return paired(a, b, level)
+
+
+def pairwise(rows: Sequence[dict[str, Any]], baseline: str, power_delta: float | None = None) -> list[Pairwise]:
     """Each other group against `baseline` (a group label): Welch 95% intervals for mean differences, and for
     the final accuracy also at the Bonferroni level 1 - 0.05 / m over the table's m comparisons, whose intervals
-    then all hold together with 95% probability (the same as the 95% one when m = 1)."""
+    then all hold together with 95% probability (the same as the 95% one when m = 1); where the groups share seeds,
+    the final accuracy's difference paired by seed (95% and Bonferroni); the probability of improvement; the
+    smallest difference this spread and these seeds detect at 80% power (unpaired and paired); with `power_delta`,
+    the seeds that difference needs; where both groups recorded their runs' answers to the same held-out problems,
+    the difference on those problems (problems resampled: the evaluation's noise, not the seeds')."""
     base = next(r for r in rows if r["group"] == baseline)
     others = [r for r in rows if r["group"] != baseline]
     family = 1 - (1 - LEVEL) / max(1, len(others))
-    return [Pairwise(r["group"], baseline, {**{k: welch(r[k].values, base[k].values) for k in PAIRWISE_STATS},
-                                            "final_acc_family": welch(r["final_acc"].values,
-                                                                      base["final_acc"].values, family)})
-            for r in others]
+    pairs = []
+    for r in others:
+        a, b = r["final_acc"].values, base["final_acc"].values
+        pair = Pairwise(r["group"], baseline, {**{k: welch(r[k].values, base[k].values) for k in PAIRWISE_STATS},
+                                               "final_acc_family": welch(a, b, family)})
+        pair.paired, pair.paired_family = _pair(r, base, LEVEL), _pair(r, base, family)
+        pair.improvement = prob_improvement(a, b)
+        sd = pooled_sd(a, b)
+        d_sd = pair.paired.sd if pair.paired is not None else None
+        if sd is not None and sd > 0:
+            pair.detectable = detectable(sd, min(len(a), len(b)), power=POWER)
+        if d_sd is not None and d_sd > 0:
+            pair.detectable_paired = detectable(d_sd, pair.paired.n, power=POWER, paired=True)
+        if power_delta is not None:
+            pair.power_delta = power_delta
+            if sd is not None and sd > 0:
+                pair.seeds_needed = seeds_needed(power_delta, sd, power=POWER)
+            if d_sd is not None and d_sd > 0:
+                pair.seeds_needed_paired = seeds_needed(power_delta, d_sd, power=POWER, paired=True)
+        pa, pb = r["problem_rates"], base["problem_rates"]
+        if pa is not None and pb is not None and pa[0] == pb[0]:
+            pair.problems, pair.problems_n = bootstrap_problems(pa[1], pb[1]), len(pa[1])
+        pairs.append(pair)
+    return pairs
 
 
 # -- output --------------------------------------------------------------------
+def _pair_json(p: Pairwise) -> dict[str, Any]:
+    """A comparison as compare.json holds it: each interval with its ends."""
+    def interval(x: Any) -> Any:
+        if x is None or isinstance(x, (int, float)):
+            return x
+        out = asdict(x)
+        if hasattr(x, "low"):
+            out |= {"low": x.low, "high": x.high}
+        return out
+
+    return {"group": p.group, "baseline": p.baseline, **{k: interval(w) for k, w in p.stats.items()},
+            **{k: interval(getattr(p, k)) for k in ("paired", "paired_family", "improvement", "detectable",
+                                                     "detectable_paired", "power_delta", "seeds_needed",
+                                                     "seeds_needed_paired", "problems", "problems_n")}}
+
+
 def _default_out(paths: Sequence[Path], runs: Sequence[Run]) -> Path:
     """The first PATH that is a sweep (not a run) dir, else the runs' common parent, + /compare."""
     for p in paths:
@@ -386,11 +491,14 @@ def compare(
     threshold: float | None = None,
     plot: bool = True,
     baseline: str | None = None,
+    power: float | None = None,
 ) -> CompareResult:
     """Load, group, check, aggregate, plot and tabulate; writes OUT/compare.{png,svg,md,json}.
 
     `baseline`: a group label (as the table shows it, e.g. `grpo`); every other group is then
-    compared with it (difference of means, Welch 95% interval) for final and best accuracy.
+    compared with it (difference of means, Welch 95% interval, paired by seed where they share seeds) for final
+    and best accuracy. `power`: a difference of final accuracy (0.05 = 5 points) whose seeds needed at 80% power
+    each comparison states, from its own spread.
     """
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not paths:
@@ -398,6 +506,10 @@ def compare(
     key = ",".join("algo.name" if k.strip() == "algo" else k.strip() for k in by.split(","))
     if threshold is not None and not 0 <= threshold <= 1:
         raise CompareError(f"--threshold {threshold}: must be in [0, 1] (a held-out accuracy)")
+    if power is not None and not 0 < power <= 1:
+        raise CompareError(f"--power {power}: must be in (0, 1] (a difference of held-out accuracy: 0.05 = 5 points)")
+    if power is not None and baseline is None:
+        raise CompareError("--power needs --baseline: it says how many seeds a difference from the baseline needs")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise CompareError(f"--out {out}: a file is there; --out names a directory")
     runs, broken = load_runs(paths)
@@ -416,6 +528,7 @@ def compare(
     if any(all(lookup(r.config, k) == _MISSING for r in runs) for k in key.split(",")):
         warnings.append(f"no run has the config key {key!r}: all runs form one group")
     warnings += comparability_warnings(groups, key)
+    warnings += machine_warnings(groups)
     partial = [r for r in runs if r.partial]
     if partial:
         warnings.append(f"{len(partial)} run(s) are partial (still running or stopped early); "
@@ -429,7 +542,7 @@ def compare(
                         + "); final acc is compared")
         for row in rows:
             row["best_acc"] = row["steps_to_target"] = Stat.of([])
-    pairs = pairwise(rows, baseline) if baseline is not None else []
+    pairs = pairwise(rows, baseline, power) if baseline is not None else []
     out_dir = Path(out) if out is not None else _default_out(paths, runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     from gspo.results.plots import plot_groups  # matplotlib only when a figure is asked for
@@ -440,8 +553,7 @@ def compare(
     write_markdown(result, result.table_path)
     (out_dir / "compare.json").write_text(json.dumps(
         {"by": key, "target": target, "level": 0.95, "baseline": baseline,
-         "rows": [{k: asdict(v) if isinstance(v, Stat) else v for k, v in r.items()} for r in rows],
-         "pairwise": [{"group": p.group, "baseline": p.baseline,
-                       **{k: None if w is None else {**asdict(w), "low": w.low, "high": w.high}
-                          for k, w in p.stats.items()}} for p in pairs]}, indent=1))
+         "rows": [{k: asdict(v) if isinstance(v, Stat) else dict(v) if isinstance(v, Counter) else v
+                   for k, v in r.items() if k != "problem_rates"} for r in rows],
+         "pairwise": [_pair_json(p) for p in pairs]}, indent=1))
     return result

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from gspo.results.runs import BrokenRun, Run
-from gspo.results.stats import Welch, mean_ci
+from gspo.results.stats import Bootstrap, Paired, Welch, mean_ci
 
 
 @dataclass
@@ -62,11 +62,24 @@ class Group:
 
 @dataclass
 class Pairwise:
-    """One group against the baseline group: a Welch interval per statistic (None: < 2 seeds on a side)."""
+    """One group against the baseline group: a Welch interval per statistic (None: < 2 seeds on a side); the final
+    accuracy's difference paired by seed where the groups share seeds (the same seed draws the same prompts in every
+    arm), the probability of improvement, the smallest difference this study detects at 80% power, the seeds a
+    given difference needs, and the difference on the same held-out problems."""
 
     group: str
     baseline: str
     stats: dict[str, Welch | None]
+    paired: Paired | None = None  # final acc, group − baseline over the shared seeds (95%)
+    paired_family: Paired | None = None  # the same at the Bonferroni level of the table's comparisons
+    improvement: Bootstrap | None = None  # P(a seed's final acc in the group > one in the baseline), with its interval
+    detectable: float | None = None  # smallest true difference detected at 80% power (Welch's design, this spread)
+    detectable_paired: float | None = None  # the same for the paired comparison (the spread of the differences)
+    power_delta: float | None = None  # `--power DELTA`: the difference asked about
+    seeds_needed: int | None = None  # seeds per arm for DELTA at 80% power (unpaired), None: beyond the cap
+    seeds_needed_paired: int | None = None  # seed pairs for DELTA (paired)
+    problems: Bootstrap | None = None  # on the same held-out problems: the runs' final answers, problems resampled
+    problems_n: int = 0  # the problems both groups' final evaluations answered
 
 
 @dataclass

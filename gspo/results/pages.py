@@ -74,6 +74,7 @@ def _arguments(args: str) -> argparse.Namespace:
     parser.add_argument("--by", default="algo")
     parser.add_argument("--threshold", type=float)
     parser.add_argument("--baseline")
+    parser.add_argument("--power", type=float)
     return parser.parse_args(shlex.split(args))
 
 
@@ -86,7 +87,7 @@ def tables(args: str, root: Path) -> str:
     ns = _arguments(args)
     with tempfile.TemporaryDirectory() as out:
         result = compare([root / p for p in ns.paths], by=ns.by, out=out, threshold=ns.threshold, plot=False,
-                         baseline=ns.baseline)
+                         baseline=ns.baseline, power=ns.power)
     lines = [f"**{line[3:]}**" if line.startswith("## ") else line for line in tables_markdown(result)]
     return "\n".join(lines).strip("\n") + "\n"
 

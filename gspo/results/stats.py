@@ -151,6 +151,7 @@ class Paired:
     df: int  # n - 1
     n: int  # seeds paired
     seeds: tuple  # which seeds, in the order of `a`
+    sd: float = 0.0  # s_d, the sample std of the differences (what a paired power calculation needs)
 
     @property
     def low(self) -> float:
@@ -179,7 +180,7 @@ def paired(a: Mapping[Hashable, float], b: Mapping[Hashable, float], level: floa
     sd = math.sqrt(math.fsum((x - mean) ** 2 for x in d) / (n - 1))
     if sd < 1e-12 * max(1.0, abs(mean)):
         sd = 0.0  # rounding noise of equal differences
-    return Paired(mean, t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n), n - 1, n, seeds)
+    return Paired(mean, t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n), n - 1, n, seeds, sd)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -127,6 +127,20 @@ def label(m: dict) -> str:
     return f"{name} ({m['cpu_id']}, {top})"
 
 
+def history(summary: dict) -> list[dict]:
+    """The machines a run ran on, first to last, from its summary.json: the latest (`machine`) and, back through its
+    resumes, each one before (a resume's `machine.*` changes say what it was before); [{}] where none is recorded."""
+    latest = dict(summary.get("machine") or {})
+    found = [latest]
+    for entry in reversed(summary.get("resumes") or []):
+        was = {k.removeprefix("machine."): v.get("was") for k, v in (entry.get("changes") or {}).items()
+               if k.startswith("machine.")}
+        if was:
+            latest = {**latest, **was}
+            found.append(latest)
+    return found[::-1]
+
+
 def compared(was: dict, now: dict) -> dict[str, dict]:
     """key -> {was, now} for the keys both records hold whose values differ (a record from before a key was
     recorded says nothing about it)."""
