@@ -1,4 +1,5 @@
-"""Warm-start the default base into an empty cache and print its held-out greedy accuracy (docs/results.md).
+"""Warm-start the default base into an empty cache and print its held-out greedy accuracy
+(docs/results/calibrations.md, the warm start's spread).
 
     python scripts/base_acc.py THREADS [KEY=VALUE ...]     # e.g. python scripts/base_acc.py 1 model.warm_start.seed=3
 

@@ -1,4 +1,5 @@
-"""The sampler/trainer mismatch of a config's starting policy, before any update (docs/results.md).
+"""The sampler/trainer mismatch of a config's starting policy, before any update (docs/results/bf16-mismatch.md,
+docs/results/engine-mismatch.md, docs/results/smollm2-precision.md).
 
 Samples rollout batches from the warm-started base with the config's sampler (`rollout.dtype`, e.g. the
 bf16 copy of `+experiment=moe_mismatch`; with `rollout.engine=vllm` the vLLM engine in that precision),
@@ -8,7 +9,7 @@ recomputes the same tokens with the trainer in `hardware.dtype`, and prints one 
 i.e. when the sampler's log-probs serve as the old policy's. It also scores every sample with the run's task
 (`correct`, `reward`; the success rate per prompt in `correct_by_prompt`): `--paired OTHER.json` compares the
 success rate with another precision's probe of the same prompts (the saved JSON line of a run at the same seed),
-paired by prompt, with a 95% interval (docs/results.md, the bf16 sampler on the real model).
+paired by prompt, with a 95% interval (docs/results/smollm2-precision.md).
 
     python scripts/probe_mismatch.py                                  # +experiment=moe_mismatch, 4 batches
     python scripts/probe_mismatch.py +experiment=moe_mismatch rollout.dtype=float16 --batches 2

@@ -1,4 +1,5 @@
-"""Whether a MoE's routing matters: how far its token log-probs move when its routing changes (docs/results.md).
+"""Whether a MoE's routing matters: how far its token log-probs move when its routing changes
+(docs/results/smollm2-moe.md).
 
 Samples rollout batches of a config's model (its task's training prompts, the run's sampling settings and keys, as
 scripts/probe_mismatch.py draws them), then recomputes every sampled token's log-prob under variants of the same

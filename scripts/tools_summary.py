@@ -1,4 +1,4 @@
-"""What a study with tools (docs/results.md, "Tool use") measured, run by run: the base's held-out greedy accuracy
+"""What a study with tools (docs/results/tool-use.md) measured, run by run: the base's held-out greedy accuracy
 and share of correct tool calls (step 0) against the final ones, and the sampled batches' tool metrics at the start
 and the end of training.
 

@@ -241,7 +241,7 @@ WIDE = {"model": "qwen3-moe-wide"}
 
 
 def test_the_probe_sees_the_mismatch_of_a_bf16_sampler_and_not_of_the_trainer_itself(cache_dir):
-    """scripts/probe_mismatch.py (docs/results.md's table) on the tiny wide MoE: one rollout batch."""
+    """scripts/probe_mismatch.py (docs/results/bf16-mismatch.md's table) on the tiny wide MoE: one rollout batch."""
     sys.path.insert(0, str(SCRIPTS))
     import probe_mismatch
 

@@ -3,9 +3,9 @@ runs every algorithm preset; `model=hf` takes a checkpoint the project saved its
 
 import json
 import math
-import sys
 from pathlib import Path
 
+import learning_spread  # tests/learning_spread.py: the learning test's run and the script that measures its spread
 import pytest
 from conftest import tiny
 from transformers import AutoModelForCausalLM
@@ -14,9 +14,6 @@ from gspo.config.loading import compose
 from gspo.config.schema import group_options
 from gspo.train import checkpoint
 from gspo.train.trainer import train
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import learning_spread  # noqa: E402  (scripts/ is not a package: the learning test's run and its measured spread)
 
 STEP_KEYS = {
     "reward/mean", "reward/std", "reward/frac_zero_std", "reward/tinyzero/mean", "clip/frac_low", "clip/frac_high",
@@ -185,7 +182,7 @@ def test_trimming_each_minibatch_to_its_own_width_changes_no_number(algo, replay
 
 # The measured spread of what the test asserts on: the batch reward, last 20 steps minus first 10. A seed draws
 # its own warm-started base and samples, as another CPU's rounding does (2-core x86, torch 2.13.0+cpu):
-#   python scripts/learning_spread.py --seeds 3 --jobs 2                   (passk, grpo_passk: --seeds 5)
+#   python tests/learning_spread.py --seeds 3 --jobs 2                     (passk, grpo_passk: --seeds 5)
 #   algo                          min     mean    max         algo                          min     mean    max
 #   dppo_tv                       +0.679  +0.698  +0.716      topr                          +0.651  +0.689  +0.714
 #   dppo_kl                       +0.676  +0.693  +0.710      reinforce_plus_plus           +0.632  +0.686  +0.718

@@ -5,16 +5,11 @@ is at hand (VERL_SRC=<unpacked verl wheel>, as scripts/peer_verl.py; verl itself
 from __future__ import annotations
 
 import math
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from gspo.algos.value import explained_variance, gae, outcome_rewards, value_loss, whiten
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 
 def test_gae_by_hand():
@@ -102,12 +97,10 @@ def test_explained_variance():
 
 
 @pytest.fixture(scope="module")
-def verl():
-    if not os.environ.get("VERL_SRC"):
-        pytest.skip("VERL_SRC (an unpacked verl 0.9.1 wheel) not set: see scripts/peer_verl.py")
-    import peer_verl
-
-    return peer_verl.verl_core()[0]
+def verl(verl_tree):
+    """verl's `core_algos` (conftest's `verl_tree`, imported as scripts/peer_verl.py imports it; skipped without
+    VERL_SRC, an unpacked verl 0.9.1 wheel)."""
+    return verl_tree
 
 
 def test_gae_and_value_loss_equal_verls(verl):

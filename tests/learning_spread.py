@@ -9,10 +9,12 @@ failed on another CPU.)
 Another CPU rounds differently, so a run there is another draw: another warm-started base and other sampled
 tokens. This script draws that spread here by varying both seeds, `model.warm_start.seed` and `seed`, and
 prints, per algorithm, what the test asserts on: the batch-reward gain, the mean of the last 20 steps minus
-the mean of the first 10. The test's threshold is set from this table (written beside the test).
+the mean of the first 10. The test's threshold is set from this table (written beside the test). The test imports
+this module for its run (ALGOS, `overrides`, the `has_seven` reward, `reward_gain`): one description of the run for
+the test and for the measurement.
 
-    python scripts/learning_spread.py                          # every algorithm the test covers, 3 seeds, 2 jobs
-    python scripts/learning_spread.py gpg topr --seeds 5 --jobs 1 --override reward=tinyzero   # the task's reward
+    python tests/learning_spread.py                          # every algorithm the test covers, 3 seeds, 2 jobs
+    python tests/learning_spread.py gpg topr --seeds 5 --jobs 1 --override reward=tinyzero   # the task's reward
 
 Runs go to --out (default outputs/learning_spread/<algo>_s<seed>); a finished run is not run again, one cut short
 is resumed.
