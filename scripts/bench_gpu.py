@@ -17,12 +17,18 @@ after every measurement so a run cut short still returns what it finished:
   mismatch  sampler vs trainer log-probs of the same sampled tokens: per token |diff| (mean, max),
             per sequence |mean diff| (GSPO's log-ratio; mean, max), k3 KL, and the share of sequences
             whose ratio would already sit outside GSPO's clip range (3e-4 / 4e-4) before any update
+  decode    (not in the default parts) decode ms per step of the fast engine under `rollout.decode`: eager (one
+            kernel after another), static (the static KV cache op by op) and graph (the step captured once as a
+            CUDA graph, replayed per token), the same batch and seeds, alternating; graph against static bit for
+            bit, eager against graph row by row. Built in memory (no checkpoint saved, no Hydra: it runs on a
+            machine that has only torch and transformers); the MoE model records its routing (R3) as it samples
 
 Usage (the defaults are sized for one device call of under 10 minutes on one H100 — an estimate, not yet
 measured; `--models` / `--parts` split the work across calls):
   python scripts/bench_gpu.py --out $OUT/bench_gpu.json
   python scripts/bench_gpu.py --models moe --parts step --override rollout.old_logprobs=sampler
   python scripts/bench_gpu.py --tiny                      # seconds on a CPU: a smoke test
+  python scripts/bench_gpu.py --parts decode --out $OUT/decode.json   # eager vs graph decode, dense and moe
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from bench_common import (
     fmt,
     gspo_overrides,
     markdown_table,
+    never_ending_tokenizer,
     random_model,
     ratio,
     run_worker,
@@ -170,6 +177,174 @@ def bench_rollout(model, tok, a) -> dict:
         r["median_s"] = statistics.median(r["s"])
         r["tokens_per_s"] = statistics.median(n / s for n, s in zip(r["tokens"], r["s"]))
     return res
+
+
+# --------------------------------------------------------------------------- decode: eager against graph
+
+DECODE_MODES = ("eager", "static", "graph")
+DECODE_ALPHABET = "0123456789+="
+
+
+def decode_prompts(a) -> list[str]:
+    """`a.prompts` addition prompts of 4 to 10 characters (left padding up to 6 columns), from `a.seed`."""
+    import random
+
+    rng = random.Random(a.seed)
+    return [f"{rng.randrange(10 ** rng.randint(1, 4))}+{rng.randrange(10 ** rng.randint(1, 4))}="
+            for _ in range(a.prompts)]
+
+
+def bench_decode(name: str, a) -> dict:
+    """Decode ms per step of the fast engine in each `rollout.decode` mode (`--decode-modes`), on one batch.
+
+    ms/step = (a rollout of T tokens - one of 2 tokens) / (T - 2): the prefill, the first draw and the rollout's
+    set-up cancel; every row runs to T (an EOS the model never samples). Each mode runs once untimed first at both
+    lengths (graph: its captures, timed as `first_call_s`), then `a.repeats` rounds alternate the modes. The
+    rollouts of the last round share their seeds: graph against static bit for bit (tokens, log-probs, kept mass,
+    routing), eager against graph row by row. A mode this machine cannot run (graph without CUDA) is skipped, said.
+    """
+    from gspo.models import moe
+    from gspo.rollout import static_decode
+    from gspo.rollout.generate import generate
+    from gspo.rollout.params import SamplingParams
+
+    about, shape, moe_cfg = (TINY if a.tiny else MODELS)[name]
+    model, tok = random_model(shape, DECODE_ALPHABET, a.seed, DTYPES[a.dtype], a.device, moe_cfg)
+    model.eval()
+    prompts, T, capture = decode_prompts(a), a.max_new_tokens, moe.is_moe(model)
+    res: dict = {"about": about, "rows": len(prompts) * a.group, "new_tokens": T, "dtype": a.dtype,
+                 "device": a.device, "capture_routing": capture, "modes": {}}
+    modes = []
+    for mode in a.decode_modes:
+        runs_as = static_decode.resolve(mode, model)
+        if runs_as != mode:  # graph on a CPU: what --tiny checks is everything else
+            why = static_decode.unsupported(model, graph=mode == "graph") or f"resolves to {runs_as}"
+            res["modes"][mode] = {"skipped": why}
+            print(f"  decode {mode}: skipped: {why}", flush=True)
+        else:
+            modes.append(mode)
+    captures = {"n": 0}
+    original = static_decode.StaticDecoder._capture
+
+    def counted(self):
+        captures["n"] += 1
+        return original(self)
+
+    def run(mode: str, tokens: int):
+        gens = [torch.Generator(device=a.device).manual_seed(1000 + i) for i in range(len(prompts))]
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            ro = generate(model, tok, prompts, a.group, SamplingParams(tokens, engine="fast", decode=mode,
+                                                                       capture_routing=capture), generator=gens)
+        sync()
+        return ro, time.perf_counter() - t0
+
+    static_decode.StaticDecoder._capture = counted
+    try:
+        times = {m: {"long": [], "short": [], "first_call_s": None} for m in modes}
+        for mode in modes:  # warm-up: kernels and allocator; graph: one capture per cache length (T and 2)
+            captures["n"] = 0
+            times[mode]["first_call_s"] = run(mode, T if mode == "graph" else min(T, 8))[1]
+            run(mode, 2)
+            times[mode]["captures"] = captures["n"]
+        last = {}
+        for _ in range(a.repeats):
+            for mode in modes:
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                captures["n"] = 0
+                last[mode], s = run(mode, T)
+                times[mode]["long"].append(s)
+                times[mode]["short"].append(run(mode, 2)[1])
+                times[mode]["captures_timed"] = times[mode].get("captures_timed", 0) + captures["n"]
+                if torch.cuda.is_available():
+                    times[mode]["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    finally:
+        static_decode.StaticDecoder._capture = original
+    for mode in modes:
+        t = times[mode]
+        per_step = [(lo - sh) / max(T - 2, 1) * 1e3 for lo, sh in zip(t["long"], t["short"])]
+        res["modes"][mode] = {
+            "ms_per_step": statistics.median(per_step), "rounds_ms_per_step": per_step,
+            "rollout_s": statistics.median(t["long"]), "first_call_s": t["first_call_s"],
+            "tokens_per_s": res["rows"] * T / statistics.median(t["long"]), "captures_warmup": t["captures"],
+            "captures_timed": t.get("captures_timed", 0), "peak_allocated_gib": t.get("peak_allocated_gib"),
+            "failed_capture": static_decode._FAILED.get(model)}
+    res["modes"] = {m: res["modes"][m] for m in a.decode_modes}  # in the order asked
+    if "graph" in last and "static" in last:
+        g, st = last["graph"], last["static"]
+        same = {f: bool(torch.equal(getattr(g, f), getattr(st, f))) for f in
+                ("input_ids", "sampler_logp", "kept_mass", "routing", "router_logp") if getattr(g, f) is not None}
+        res["graph_equals_static"] = {**same, "all": all(same.values()),
+                                      "logp_max_abs_diff": (g.sampler_logp - st.sampler_logp).abs().max().item()}
+    if "graph" in last and "eager" in last:
+        g, e = last["graph"], last["eager"]
+        rows = (g.input_ids == e.input_ids).all(-1)
+        res["eager_vs_graph"] = {"rows_identical": int(rows.sum()), "rows": len(rows),
+                                 "logp_max_abs_diff_on_identical_rows":
+                                     (g.sampler_logp - e.sampler_logp)[rows].abs().max().item() if rows.any() else None}
+    if all("ms_per_step" in res["modes"].get(m, {}) for m in ("eager", "graph")):
+        res["eager_over_graph"] = res["modes"]["eager"]["ms_per_step"] / res["modes"]["graph"]["ms_per_step"]
+    static_decode.release()
+    del model
+    return res
+
+
+FAMILIES = {  # decode part's check: tiny random models of the other families the fast engine serves (float32, bf16)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True, attn_implementation="eager")),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(attn_implementation="sdpa")),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, attn_implementation="sdpa")),
+}
+
+
+def decode_check(a) -> dict:
+    """graph against static, bit for bit, and eager against graph, on tiny Llama (every bias, eager attention),
+    Qwen2 (q/k/v biases) and Mistral models in float32 and bf16: 4 prompts x G=4, 48 tokens, temperature 0.7,
+    top-p 0.9, the top-2 kept (what tests/test_fast_decode.py's GPU tests check, without their dependencies)."""
+    import transformers
+
+    from gspo.rollout import static_decode
+    from gspo.rollout.generate import generate
+    from gspo.rollout.params import SamplingParams
+
+    out = {}
+    for family, (config, causal, extra) in FAMILIES.items():
+        for dtype in ("float32", "bfloat16"):
+            tok = never_ending_tokenizer(DECODE_ALPHABET, 64)
+            torch.manual_seed(a.seed)
+            cfg = getattr(transformers, config)(vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                intermediate_size=128, max_position_embeddings=512, pad_token_id=0,
+                                                eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
+                                                **extra)
+            model = getattr(transformers, causal)(cfg).to(a.device, DTYPES[dtype]).eval()
+            with torch.no_grad():
+                model.lm_head.weight.mul_(3.0)
+                for prm in model.parameters():
+                    if prm.dim() == 1:
+                        prm.add_(torch.randn_like(prm) * 0.2)
+            modes = [m for m in DECODE_MODES if static_decode.resolve(m, model) == m]
+            ro = {}
+            for mode in modes:
+                gens = [torch.Generator().manual_seed(100 + i) for i in range(4)]
+                with torch.no_grad():
+                    ro[mode] = generate(model, tok, decode_prompts(argparse.Namespace(prompts=4, seed=a.seed)), 4,
+                                        SamplingParams(48, temperature=0.7, top_p=0.9, keep_topk=2, engine="fast",
+                                                       decode=mode), generator=gens)
+            r = {"modes": modes, "failed_capture": static_decode._FAILED.get(model)}
+            if "graph" in ro:
+                g, st, e = ro["graph"], ro["static"], ro["eager"]
+                r["graph_equals_static"] = all(torch.equal(getattr(g, f), getattr(st, f)) for f in
+                                               ("input_ids", "sampler_logp", "kept_mass", "topk_ids", "topk_logp"))
+                rows = (g.input_ids == e.input_ids).all(-1)
+                r["eager_rows_identical"] = f"{int(rows.sum())}/{len(rows)}"
+                r["eager_logp_max_abs_diff_on_them"] = (g.sampler_logp - e.sampler_logp)[rows].abs().max().item() \
+                    if rows.any() else None
+            out[f"{family} {dtype}"] = r
+            print(f"  decode check {family} {dtype}: {json.dumps(r)}", flush=True)
+            static_decode.release()
+    return out
 
 
 # --------------------------------------------------------------------------- mismatch: sampler vs trainer
@@ -337,9 +512,37 @@ def tables(results: dict, a) -> str:
         blocks.append("Sampler vs trainer log-probs of the same sampled tokens:\n\n" + markdown_table(
             ["model", "dtype", "token |d| mean", "token |d| max", "seq |mean d| mean", "seq |mean d| max", "k3 KL",
              "seqs outside clip", "sampler log-probs from"], rows, right={2, 3, 4, 5, 6, 7}))
+    rows = []
+    for name, m in {**models, **{f"check: {k}": {"check": v} for k, v in results.get("decode_check", {}).items()
+                                 if isinstance(v, dict) and "modes" in v}}.items():
+        if "check" in m:
+            c = m["check"]
+            rows.append([name, ", ".join(c["modes"]), "", "", "", "",
+                         f"graph == static bitwise: {c.get('graph_equals_static', '—')}; eager's rows identical to "
+                         f"graph's: {c.get('eager_rows_identical', '—')}"
+                         + (f"; FAILED: {c['failed_capture']}" if c.get("failed_capture") else "")])
+            continue
+        for mode, r in (m.get("decode") or {}).get("modes", {}).items():
+            if "skipped" in r:
+                rows.append([name, mode, "skipped", "", "", "", r["skipped"][:80]])
+                continue
+            rows.append([name, mode, fmt(r["ms_per_step"], 2), ", ".join(fmt(x, 2) for x in r["rounds_ms_per_step"]),
+                         f"{r['tokens_per_s']:,.0f}", fmt(r["first_call_s"], 2),
+                         f"{r['captures_warmup']} warm-up, {r['captures_timed']} timed"
+                         + (f"; FAILED: {r['failed_capture']}" if r.get("failed_capture") else "")])
+        d = m.get("decode") or {}
+        if "graph_equals_static" in d or "eager_vs_graph" in d:
+            ge, eg = d.get("graph_equals_static", {}), d.get("eager_vs_graph", {})
+            rows.append([name, "**eager / graph**", ratio(d.get("eager_over_graph"), 1.0), "", "", "",
+                         f"graph == static bitwise: {ge.get('all')}; eager's rows identical to graph's: "
+                         f"{eg.get('rows_identical')}/{eg.get('rows')}"])
+    if rows:
+        blocks.append("Decode (`rollout.decode`; ms per decode step, lower is better):\n\n" + markdown_table(
+            ["model", "mode", "median ms/step", "per-round ms/step", "tokens/s", "first call s", "captures"], rows,
+            right={2, 4, 5}))
     errors = []
     for name, m in models.items():
-        failed = [(part, m[part]) for part in ("rollout", "mismatch") if "error" in m.get(part, {})]
+        failed = [(part, m[part]) for part in ("rollout", "mismatch", "decode") if "error" in m.get(part, {})]
         failed += [("step " + kind, r) for kind, runs in m.get("step", {}).items() for r in runs if "error" in r]
         errors += [f"- {name} {part}: {(r['error'].strip().splitlines() or ['?'])[-1]}" for part, r in failed]
     if errors:
@@ -376,7 +579,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny models and batch: a smoke test that runs on a CPU")
     p.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
-    p.add_argument("--parts", default="rollout,mismatch,step", help="comma-separated: rollout, mismatch, step")
+    p.add_argument("--parts", default="rollout,mismatch,step",
+                   help="comma-separated: rollout, mismatch, step, decode (decode: not by default)")
+    p.add_argument("--decode-modes", default=",".join(DECODE_MODES),
+                   help="decode part: comma-separated rollout.decode modes (eager, static, graph), in this order")
     p.add_argument("--trainers", default="trl,gspo", help="step part: comma-separated trl, gspo (run in this order)")
     for k, v in WORK.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, help=f"default {v} ({TINY_WORK[k]} with --tiny)")
@@ -400,6 +606,7 @@ def main() -> None:
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.models, a.parts, a.trainers = a.models.split(","), a.parts.split(","), a.trainers.split(",")
+    a.decode_modes = a.decode_modes.split(",")
     if a.steps < 2 or (a.prompts * a.group) % a.minibatches:
         p.error("--steps must be at least 2 (the first is a warm-up), and prompts x group must divide into minibatches")
     a.threads = 0
@@ -414,6 +621,12 @@ def main() -> None:
     with work_dir(a.keep, "bench-gpu-") as tmp:
         for name in a.models:
             m = results["models"][name] = {"about": (TINY if a.tiny else MODELS)[name][0]}
+            if "decode" in a.parts:  # first: it needs no checkpoint (nor Hydra)
+                print(f"{name}: {m['about']}: decode", flush=True)
+                attempt(m, "decode", lambda: bench_decode(name, a))
+                save()
+            if not {"rollout", "mismatch", "step"} & set(a.parts):
+                continue
             t0 = time.time()
             model_dir = build(name, a)
             print(f"{name}: {m['about']}: {model_dir} ({time.time() - t0:.0f} s)", flush=True)
@@ -426,6 +639,9 @@ def main() -> None:
             if "step" in a.parts:
                 m["step"] = bench_step(model_dir, a, tmp)
                 save()
+        if "decode" in a.parts:
+            attempt(results, "decode_check", lambda: decode_check(a))
+            save()
     results["env"]["wall_s"] = time.time() - t_start
     save()
     print("\n" + tables(results, a))

@@ -3,7 +3,9 @@
 Same uniforms in float32 -> identical tokens, log-probs within 1e-5, identical routing recorded
 while sampling, over a long rollout (80 tokens): several groups, left-padded prompts of different
 lengths, rows ending at different times (some never), top-p < 1 and temperature != 1; dense and MoE
-Qwen3, and Llama (SmolLM2's shape in miniature among them), Qwen2 and Mistral built from config.
+Qwen3, and Llama (SmolLM2's shape in miniature among them), Qwen2 and Mistral built from config. And its steps on a
+static KV cache (`rollout.decode=static`) likewise, and (on a GPU only) as a replayed CUDA graph, bit for bit the
+static decode's.
 """
 
 import math
@@ -411,3 +413,356 @@ def test_the_real_smollm2_samples_the_same_under_either_engine():
                        SamplingParams(48, greedy=True, chat_template=True, engine=e)) for e in ("hf", "fast")]
     assert greedy[1].input_ids.tolist() == greedy[0].input_ids.tolist()
     assert "12" in greedy[1].texts[0]  # the model it is: "7 + 5 = 12."
+
+
+# --------------------------------------------------------------------------- rollout.decode: static cache, CUDA graph
+# gspo/rollout/static_decode.py: the fast engine's step on a static KV cache, op by op (`static`, any device) or
+# captured once as a CUDA graph and replayed per token (`graph`, CUDA). On the CPU `static` is checked against the
+# eager engine and hf (the same draws from the same uniforms), and the graph's host-side bookkeeping against a
+# stand-in graph; on a GPU (skipped here) `graph` against `static`, bit for bit.
+
+from gspo.rollout import static_decode  # noqa: E402
+from gspo.rollout.decoding import ModelDecoder  # noqa: E402
+
+STATIC_MODELS = {  # name: (builder, seed, capture routing): the families and variants the fast engine serves
+    "qwen3": (lambda: _model("qwen3"), 1),
+    "qwen3_eager_attention": (lambda: _model("qwen3", attn_implementation="eager"), 1),
+    "qwen3_moe": (lambda: _model("qwen3_moe"), 1),
+    "qwen3_moe_batched_mm": (lambda: _model("qwen3_moe", experts_implementation="batched_mm"), 1),
+    "qwen3_moe_eager_experts": (lambda: _model("qwen3_moe", experts_implementation="eager"), 1),
+    "qwen3_moe_bf16": (lambda: _model("qwen3_moe").to(torch.bfloat16), 1),
+    "smol": (lambda: _family("llama", 1, 2.0, **SMOL), 1),
+    "smol_bf16": (lambda: _family("llama", 1, 2.0, **SMOL).to(torch.bfloat16), 1),
+    "llama_biases_llama3_rope_eager": (lambda: _family(
+        "llama", 2, 8.0, hidden_size=144, num_attention_heads=9, num_key_value_heads=3, attention_bias=True,
+        mlp_bias=True, rope_parameters=LLAMA3_ROPE, attn_implementation="eager"), 2),
+    "qwen2": (lambda: _family("qwen2", 4, 1.5), 4),
+    "mistral": (lambda: _family("mistral", 0, 6.0, sliding_window=None, num_key_value_heads=1), 0),
+}
+
+
+def _decoded(model, *modes, max_new_tokens: int = 80, seed: int = 1, group: int = 4, prompts=PROMPTS, **kw):
+    """Rollouts of the same prompts and uniforms: `hf` (the hf engine), or the fast engine under each
+    `rollout.decode` mode; the routing recorded on a MoE."""
+    kw.setdefault("capture_routing", moe.is_moe(model))
+    gens = lambda: [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(prompts))]  # noqa: E731
+    return [generate(model, TOK, prompts, group, SamplingParams(
+        max_new_tokens, engine="hf" if m == "hf" else "fast", decode="auto" if m == "hf" else m, **kw),
+        generator=None if kw.get("greedy") else gens()) for m in modes]
+
+
+def _assert_identical(a, b):
+    """The same tokens, and every record bit for bit (the same arithmetic)."""
+    for f in ("input_ids", "completion_mask", "sampler_logp", "kept_mass", "topk_ids", "topk_logp", "routing",
+              "router_logp"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None) == (y is None), f
+        assert x is None or torch.equal(x, y), f
+
+
+def _assert_same_records(ref, got):
+    """`_assert_same` (tokens, log-probs within 1e-5), the kept mass, and on a MoE the routing at every real position."""
+    _assert_same(ref, got)
+    if ref.kept_mass is not None:
+        torch.testing.assert_close(got.kept_mass, ref.kept_mass, atol=1e-5, rtol=0)
+    if ref.routing is not None:
+        real = ref.attention_mask.bool()
+        assert torch.equal(got.routing[real], ref.routing[real])
+        torch.testing.assert_close(got.router_logp[real], ref.router_logp[real], atol=1e-5, rtol=0)
+
+
+def _assert_same_to_bf16_rounding(ref, got):
+    """bf16: attention over more (masked) slots rounds otherwise, so a row may part from `ref` at a near-tie: up to
+    each row's first differing token, its log-probs agree to bf16's rounding; most rows never part."""
+    w = min(ref.completion_ids.shape[1], got.completion_ids.shape[1])
+    differ = ref.completion_ids[:, :w] != got.completion_ids[:, :w]
+    first = torch.where(differ.any(-1), differ.float().argmax(-1), torch.tensor(w))
+    before = torch.arange(w) < first[:, None]
+    assert ((ref.sampler_logp[:, :w] - got.sampler_logp[:, :w]).abs() * before).max() < 0.05
+    assert (first == w).sum() >= 0.75 * len(first)
+
+
+@pytest.mark.parametrize("name", list(STATIC_MODELS))
+def test_static_decode_samples_what_eager_and_hf_sample(name):
+    """Temperature 0.7, top-p 0.9, 16 rows of 4 prompts of 4 to 12 tokens, 80 tokens, rows ending anywhere from the
+    first token to never: in float32 the static cache (attention over every slot under its mask) draws the eager
+    engine's and hf's tokens, log-probs within 1e-5, and records the same routing (R3); in bf16 the same up to
+    bf16's rounding (`_assert_same_to_bf16_rounding`)."""
+    build, seed = STATIC_MODELS[name]
+    model = build()
+    assert static_decode.resolve("static", model) == "static"
+    hf, eager, static = _decoded(model, "hf", "eager", "static", seed=seed, temperature=0.7, top_p=0.9)
+    for ref in (hf, eager):
+        if next(model.parameters()).dtype == torch.bfloat16:
+            _assert_same_to_bf16_rounding(ref, static)
+        else:
+            _assert_same_records(ref, static)
+    assert static.completion_mask.shape[1] == 80 and static.lengths.min() < 20
+    if moe.is_moe(model):
+        assert (static.routing[:, static.prompt_len:][..., 0] >= 0).any()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "smol", "qwen2"])
+def test_static_decode_greedy_is_model_generate(name):
+    """Greedy: the static decode's tokens are transformers' own `model.generate(do_sample=False)`'s, rows padded
+    after their EOS as generate pads them."""
+    from gspo.rollout.generate import encode_prompts, left_pad, stop_ids
+
+    model = STATIC_MODELS[name][0]()
+    static, eager = _decoded(model, "static", "eager", max_new_tokens=40, group=1, greedy=True)
+    assert static.input_ids.tolist() == eager.input_ids.tolist()
+    ids, mask = left_pad(encode_prompts(TOK, PROMPTS), TOK.pad_token_id)
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40,
+                         eos_token_id=stop_ids(model, TOK).tolist(), pad_token_id=TOK.pad_token_id)
+    assert static.prompt_len == ids.shape[1]
+    assert static.input_ids.tolist() == ref.tolist()
+
+
+def test_static_decode_at_temperature_one_with_top_k_kept():
+    """Temperature 1.3, no nucleus, the top-3 kept at every position: static records what eager records."""
+    model = _model("qwen3_moe")
+    eager, static = _decoded(model, "eager", "static", seed=4, temperature=1.3, keep_topk=3)
+    _assert_same_records(eager, static)
+    assert torch.equal(static.topk_ids, eager.topk_ids)
+    torch.testing.assert_close(static.topk_logp, eager.topk_logp, atol=1e-5, rtol=0)
+
+
+def test_static_decode_continues_sequences_within_their_own_budgets():
+    """`continue_sequences` (multi-turn's primitive): each row stops at its own budget and draws only as many
+    uniforms; the static decode continues them as the eager engine does."""
+    model = _model("qwen3")
+    seqs = [TOK(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    budgets = [3, 40, 17, 40]
+    out = {}
+    for mode in ("eager", "static"):
+        gens = [torch.Generator().manual_seed(50 + i) for i in range(len(seqs))]
+        out[mode] = ModelDecoder(model).continue_sequences(
+            TOK, seqs, budgets, gens, SamplingParams(40, temperature=0.8, engine="fast", decode=mode))
+    for e, s, b in zip(out["eager"], out["static"], budgets):
+        assert s.tokens == e.tokens and s.stopped == e.stopped and len(s.tokens) <= b
+        torch.testing.assert_close(s.logp, e.logp, atol=1e-5, rtol=0)
+    assert len(out["static"][0].tokens) == 3 and any(c.stopped for c in out["static"])
+
+
+def test_a_lora_policy_decodes_static_as_hf(tmp_path):
+    """Unmerged LoRA adapters on, and off (peft's disable_adapter): static draws hf's tokens."""
+    model = _lora(_family("llama", 1, 2.0, **SMOL), tmp_path, target_modules=["q_proj", "v_proj", "lm_head"])
+    assert static_decode.resolve("static", model) == "static"
+    on = _decoded(model, "hf", "static", temperature=0.7, top_p=0.9)
+    _assert_same_records(*on)
+    with model.disable_adapter():
+        off = _decoded(model, "hf", "static", temperature=0.7, top_p=0.9)
+    _assert_same_records(*off)
+    assert on[1].input_ids.tolist() != off[1].input_ids.tolist()
+
+
+def test_decode_modes_resolve_and_fall_back_with_the_reason(recwarn):
+    """auto: eager on the CPU (its decode unchanged); static and graph asked by name fall back to eager where they
+    cannot run, saying why once: graph without CUDA, hooks on a router (a replay while sampling), dynamic RoPE."""
+    static_decode._LOGGED.clear()
+    model = _model("qwen3_moe")
+    assert [static_decode.resolve(m, model) for m in ("auto", "eager", "static")] == ["eager", "eager", "static"]
+    assert static_decode.resolve("graph", model) == static_decode.resolve("graph", model) == "eager"
+    handle = moe.find_routers(model)[1].register_forward_hook(lambda *a: None)
+    assert static_decode.resolve("auto", model) == "eager"
+    assert static_decode.resolve("static", model) == "eager"
+    handle.remove()
+    rope = _family("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    assert fast_decode.resolve("auto", rope) == "fast" and static_decode.resolve("static", rope) == "eager"
+    said = [str(w.message) for w in recwarn if "rollout.decode" in str(w.message)]
+    assert said == [
+        "rollout.decode=graph: decoding eagerly: no CUDA device (the model is on cpu): graphs are captured on CUDA only",
+        "rollout.decode=static: decoding eagerly: forward hooks on the router model.layers.1.mlp.gate (a routing "
+        "replay while sampling): the static decode calls the routers without their hooks",
+        "rollout.decode=static: decoding eagerly: dynamic RoPE (its frequencies follow the longest position, a "
+        "host-side decision every step)"]
+    with pytest.raises(ValueError, match=r"rollout.decode='jit': expected one of auto, eager, static, graph"):
+        static_decode.resolve("jit", model)
+
+
+def test_a_replay_while_sampling_falls_back_to_eager_and_still_reaches_the_router():
+    """Hooks on the routers other than the sampler's own capture: `static` decodes eagerly, through the routers as
+    modules, so the replay changes the draws as it does under hf."""
+    model = _model("qwen3_moe")
+    hooks = [r.register_forward_hook(lambda mod, args, out: (out[0], torch.ones_like(out[1]) / out[1].shape[-1],
+                                                             torch.zeros_like(out[2]) + torch.arange(out[2].shape[-1])))
+             for r in moe.find_routers(model)]  # every token through experts 0, 1 at equal weights
+    try:
+        hf, static = _decoded(model, "hf", "static", max_new_tokens=24)
+    finally:
+        for h in hooks:
+            h.remove()
+    _assert_same_records(hf, static)
+    routed = static.routing[static.attention_mask.bool()]
+    routed = routed[routed[..., 0] >= 0]  # the last sampled token was never fed: -1
+    assert (routed[..., 0] == 0).all() and (routed[..., 1] == 1).all() and len(routed) > 100
+
+
+def _stand_in_graph(monkeypatch):
+    """`graph` on the CPU with a stand-in for the CUDA graph: captured once per decoder, and at every replay its
+    static outputs (the draw's and the routers') overwritten in place, as a CUDA graph's are. What it checks is the
+    host side: inputs fed before a replay, outputs read before the next, decoders kept, the routing recorded."""
+    captures = []
+
+    class Graph:
+        def __init__(self, dec):
+            self.dec, dec.out = dec, dec._run()
+            self.routed = dict(dec.routed)
+
+        def replay(self):
+            fresh, routed = self.dec._run(), self.dec.routed
+            for old, new in zip(self.dec.out, fresh):
+                old.copy_(new)
+            for layer, (router, out) in self.routed.items():
+                for old, new in zip(out, routed[layer][1]):
+                    old.copy_(new)
+            self.dec.routed = dict(self.routed)
+
+    def capture(dec):
+        captures.append(dec)
+        dec.graph = Graph(dec)
+
+    monkeypatch.setattr(static_decode, "unsupported", lambda model, graph: None)
+    monkeypatch.setattr(static_decode.StaticDecoder, "_capture", capture)
+    return captures
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "llama_biases_llama3_rope_eager"])
+def test_graph_bookkeeping_with_a_stand_in_graph(monkeypatch, name):
+    """With outputs overwritten in place at every replay, `graph` records what `static` records, bit for bit (the
+    same arithmetic); one capture per decoder, none in a later rollout of the same shape."""
+    static_decode.release()
+    captures = _stand_in_graph(monkeypatch)
+    build, seed = STATIC_MODELS[name]
+    model = build()
+    static, graph = _decoded(model, "static", "graph", seed=seed, temperature=0.7, top_p=0.9, keep_topk=2)
+    _assert_identical(static, graph)
+    assert len(captures) == 1
+    again, static = _decoded(model, "graph", "static", seed=seed + 1, temperature=0.7, top_p=0.9, keep_topk=2)
+    _assert_identical(static, again)
+    assert len(captures) == 1 and static.input_ids.tolist() != graph.input_ids.tolist()
+    static_decode.release()
+
+
+def test_graphs_are_kept_and_see_weight_updates_with_a_stand_in_graph(monkeypatch):
+    """A graph is kept for the next rollout of its rows and slots (its cache's stale slots zeroed at the start):
+    later rollouts, of other prompts, after an update in place, replay it and draw what the eager engine draws; a
+    replaced weight captures anew in place of the stale graph; at most MAX_DECODERS are kept; `static` keeps none."""
+    static_decode.release()
+    captures = _stand_in_graph(monkeypatch)
+    model = _model("qwen3")
+    first = _decoded(model, "graph", seed=2)[0]
+    other = ["45=", "9+9+9=", "1234+5=", "6"]  # other prompt widths, the same slots
+    _assert_same_records(*_decoded(model, "eager", "graph", seed=3, prompts=other))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    eager, graph, static = _decoded(model, "eager", "graph", "static", seed=2)
+    _assert_same_records(eager, graph)
+    _assert_identical(static, graph)
+    assert len(captures) == 1 and not torch.allclose(graph.sampler_logp, first.sampler_logp)
+    model.lm_head.weight.data = model.lm_head.weight.data * 1.5  # a new tensor: the kept graph's is stale
+    _assert_same_records(*_decoded(model, "eager", "graph", seed=2))
+    assert len(captures) == 2 and list(static_decode._DECODERS.values()) == captures[1:]
+    for group in (1, 2, 3):  # three row counts: the least recently used dropped
+        _decoded(model, "graph", group=group, max_new_tokens=8)
+    assert len(captures) == 5 and len(static_decode._DECODERS) == static_decode.MAX_DECODERS
+    static_decode.release()
+
+
+def test_a_lora_graph_captures_anew_when_the_adapters_are_switched_off(monkeypatch, tmp_path):
+    """peft's disable_adapter changes what a graph computes: another capture, and hf's draws either way."""
+    static_decode.release()
+    captures = _stand_in_graph(monkeypatch)
+    model = _lora(_family("llama", 1, 2.0, **SMOL), tmp_path, target_modules=["q_proj", "v_proj", "lm_head"])
+    _assert_same_records(*_decoded(model, "hf", "graph", temperature=0.7, top_p=0.9))
+    with model.disable_adapter():
+        _assert_same_records(*_decoded(model, "hf", "graph", temperature=0.7, top_p=0.9))
+    _assert_same_records(*_decoded(model, "hf", "graph", temperature=0.7, top_p=0.9))
+    assert len(captures) == 3 and len(static_decode._DECODERS) == 1
+    static_decode.release()
+
+
+def test_a_capture_that_fails_is_said_once_and_the_rollout_goes_on(monkeypatch, recwarn):
+    """A capture that raises (a kernel that syncs with the host): said once, the rollout finished op by op (the
+    static decode's draws), later rollouts eager."""
+    static_decode.release()
+    static_decode._LOGGED.clear()
+    model = _model("qwen3")
+    monkeypatch.setattr(static_decode, "unsupported", lambda m, graph: static_decode._FAILED.get(m) if graph else None)
+
+    def fail(dec):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "_capture", fail)
+    static, graph = _decoded(model, "static", "graph")
+    _assert_identical(static, graph)
+    assert static_decode.resolve("graph", model) == "eager" and not static_decode._DECODERS
+    eager, later = _decoded(model, "eager", "graph")
+    _assert_identical(eager, later)
+    said = [str(w.message) for w in recwarn if "rollout.decode" in str(w.message)]
+    assert said == ["rollout.decode: decoding eagerly: capturing the decode step failed (RuntimeError: operation "
+                    "not permitted when stream is capturing)"]
+    static_decode._FAILED.clear()
+    static_decode.release()
+
+
+def test_a_bad_decode_is_one_line_and_exit_2():
+    res = CliRunner().invoke(app, ["train", "rollout.decode=jit"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert "rollout.decode=jit" in res.output and "auto, eager, static, graph" in res.output
+    res = CliRunner().invoke(app, ["train", "rollout.engine=hf", "rollout.decode=graph"])
+    assert res.exit_code == 2 and "would be ignored" in res.output
+
+
+# --------------------------------------------------------------------------- on a GPU (skipped elsewhere)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _count_captures(monkeypatch) -> list:
+    captures, real = [], static_decode.StaticDecoder._capture
+    monkeypatch.setattr(static_decode.StaticDecoder, "_capture", lambda dec: captures.append(dec) or real(dec))
+    return captures
+
+
+@cuda
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_eager_attention", "qwen3_moe", "qwen3_moe_eager_experts",
+                                  "qwen3_moe_bf16", "smol_bf16", "llama_biases_llama3_rope_eager", "qwen2", "mistral"])
+def test_cuda_graph_decode_is_the_static_decode_bit_for_bit(monkeypatch, name):
+    """On CUDA the replayed graph draws the op-by-op static decode's tokens, and records its log-probs, kept mass,
+    top-k and routing, bit for bit, from the same seeds; in float32 both draw the eager engine's tokens."""
+    static_decode.release()
+    captures = _count_captures(monkeypatch)
+    build, seed = STATIC_MODELS[name]
+    model = build().cuda()
+    assert static_decode.resolve("auto", model) == "graph"
+    eager, static, graph = _decoded(model, "eager", "static", "graph", seed=seed, temperature=0.7, top_p=0.9,
+                                    keep_topk=2)
+    assert len(captures) == 1 and static_decode._FAILED.get(model) is None
+    _assert_identical(static, graph)
+    if next(model.parameters()).dtype == torch.float32:
+        _assert_same_records(eager, graph)
+    greedy = _decoded(model, "static", "graph", greedy=True, max_new_tokens=32)
+    _assert_identical(*greedy)
+    static_decode.release()
+
+
+@cuda
+def test_cuda_graphs_are_kept_replayed_and_see_weight_updates(monkeypatch):
+    """One capture per shape: a later rollout replays it (other prompts, an update in place: what static draws);
+    a replaced weight captures anew."""
+    static_decode.release()
+    captures = _count_captures(monkeypatch)
+    model = _model("qwen3_moe").cuda()
+    _assert_identical(*_decoded(model, "static", "graph", seed=2))
+    _assert_identical(*_decoded(model, "static", "graph", seed=3, prompts=["45=", "9+9+9=", "1234+5=", "6"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    _assert_identical(*_decoded(model, "static", "graph", seed=2))
+    assert len(captures) == 1
+    model.lm_head.weight.data = model.lm_head.weight.data * 1.5
+    _assert_identical(*_decoded(model, "static", "graph", seed=2))
+    assert len(captures) == 2
+    static_decode.release()

@@ -272,6 +272,11 @@ class RolloutConfig:
     # weights; SmolLM2's decode steps in 0.72x the time, docs/benchmarks.md; the same draws as hf up to rounding:
     # log-probs within 1e-5; one more copy of those weights held while sampling)
     matmul: str = "aten"
+    # auto | eager | static | graph: how the fast engine runs its decode steps. eager = one kernel after another on
+    # its growing cache (the CPU's); static = on a static KV cache, op by op; graph = that step captured once as a
+    # CUDA graph and replayed per token (CUDA only; by construction static's draws bit for bit). auto (default) = graph on
+    # CUDA where the model is supported, eager elsewhere (gspo/rollout/static_decode.py)
+    decode: str = "auto"
     vllm: VllmConfig = field(default_factory=VllmConfig)
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
     # forward pass of the trainer; auto = sampler when sampler and trainer are the same float32 model, else recompute

@@ -26,6 +26,10 @@ arithmetic without them:
   * attention goes through the model's configured attention function (`sdpa` or `eager`),
     with the same RoPE module, q/k norms and GQA handling.
 
+On CUDA its steps run, by default, on a static KV cache and as one CUDA graph replayed per token
+(`rollout.decode`, gspo/rollout/static_decode.py: a `FastDecoder` that changes only where keys and values go and how
+the routers are called); elsewhere as described here.
+
 It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
 identical tokens, log-probs within 1e-5, identical captured routing). `rollout.matmul=onednn` runs the decode
 steps' Linear products through oneDNN on copies of their weights reordered for the rollout's row count, made at its
@@ -183,8 +187,19 @@ class FastDecoder:
     `matmul="onednn"`, the Linear weights reordered for oneDNN for this rollout (`reordered_weights`)."""
 
     def __init__(self, model: torch.nn.Module, prefill_cache, length: int, matmul: str = "aten"):
-        if matmul not in MATMULS:
-            raise ValueError(f"rollout.matmul={matmul!r}: expected one of {', '.join(MATMULS)}")
+        self._bind(model)
+        self.keys, self.values = [], []
+        for i in range(len(self.layers)):  # the prefill's cache, copied once into slots [0, P)
+            k, v = prefill_cache.layers[i].keys, prefill_cache.layers[i].values
+            n, h, p, d = k.shape
+            self.keys.append(k.new_empty((n, h, length, d)))
+            self.values.append(v.new_empty((n, h, length, d)))
+            self.keys[-1][:, :, :p].copy_(k)
+            self.values[-1][:, :, :p].copy_(v)
+        self._pack(matmul, self.keys[0].shape[0])
+
+    def _bind(self, model: torch.nn.Module) -> None:
+        """The model's modules this decoder calls, and the attention function its attention modules call."""
         if hasattr(model, "peft_config"):  # its LoRA layers stay in place: `_linear` adds their products
             model = model.get_base_model()
         self.model, self.body = model, model.model
@@ -196,41 +211,53 @@ class FastDecoder:
         self.eager = cfg._attn_implementation == "eager"
         self.attend = sys.modules[type(self.layers[0].self_attn).__module__].eager_attention_forward if self.eager \
             else ALL_ATTENTION_FUNCTIONS[cfg._attn_implementation]
-        self.keys, self.values = [], []
-        for i in range(len(self.layers)):  # the prefill's cache, copied once into slots [0, P)
-            k, v = prefill_cache.layers[i].keys, prefill_cache.layers[i].values
-            n, h, p, d = k.shape
-            self.keys.append(k.new_empty((n, h, length, d)))
-            self.values.append(v.new_empty((n, h, length, d)))
-            self.keys[-1][:, :, :p].copy_(k)
-            self.values[-1][:, :, :p].copy_(v)
+
+    def _pack(self, matmul: str, rows: int) -> None:
+        """Under `matmul="onednn"`, the Linear weights reordered for oneDNN for this rollout's `rows`; else none."""
+        if matmul not in MATMULS:
+            raise ValueError(f"rollout.matmul={matmul!r}: expected one of {', '.join(MATMULS)}")
         self.packed: dict[int, torch.Tensor] = {}
         if matmul == "onednn":
-            why = _onednn_unsupported(model)
+            why = _onednn_unsupported(self.model)
             if why is None:
-                self.packed = reordered_weights(model, self.keys[0].shape[0])
+                self.packed = reordered_weights(self.model, rows)
             elif why not in _LOGGED:
                 _LOGGED.add(why)
-                warnings.warn(f"rollout.matmul=onednn: decoding with F.linear: {why}", stacklevel=2)
+                warnings.warn(f"rollout.matmul=onednn: decoding with F.linear: {why}", stacklevel=3)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits (N, V) after feeding `ids` (N, 1) at positions `pos` (N, 1); `mask` (N, S) the
         keys seen (left padding 0), the new token's slot being S-1."""
+        return self._logits(ids, pos, mask.shape[1] - 1, mask.bool()[:, None, None, :])
+
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, slot, keep: torch.Tensor) -> torch.Tensor:
+        """The step's arithmetic: `slot` where the new keys and values go (an int here; a tensor in
+        gspo/rollout/static_decode.py), `keep` (N, 1, 1, S) bool: one query, every cached key but the padding."""
         h = self.body.embed_tokens(ids)
         cos, sin = self.body.rotary_emb(h, pos)
-        slot = mask.shape[1] - 1
-        keep = mask.bool()[:, None, None, :]  # (N, 1, 1, S): one query, every cached key but the padding
         if self.eager:  # eager attention adds its mask
             keep = torch.zeros(keep.shape, dtype=h.dtype, device=h.device).masked_fill_(~keep, torch.finfo(h.dtype).min)
         for i, layer in enumerate(self.layers):
-            h = self._layer(layer, h, cos, sin, self.keys[i], self.values[i], slot, keep)
+            h = self._layer(i, layer, h, cos, sin, slot, keep)
         return self.head(_rms(self.body.norm, h)[:, -1])
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits (N, V) from the final norm's output (N, H): the LM head, on its weight as read now."""
         return _linear(self.model.lm_head, h, self.packed)
 
-    def _layer(self, layer, h, cos, sin, kc, vc, slot: int, mask) -> torch.Tensor:
+    def _store(self, i: int, k: torch.Tensor, v: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's new key and value (N, KV heads, 1, D) written at `slot`; the keys and values attention reads:
+        the slots filled so far."""
+        kc, vc = self.keys[i], self.values[i]
+        kc[:, :, slot : slot + 1].copy_(k)
+        vc[:, :, slot : slot + 1].copy_(v)
+        return kc[:, :, : slot + 1], vc[:, :, : slot + 1]
+
+    def _route(self, i: int, gate: torch.nn.Module, flat: torch.Tensor) -> tuple:
+        """Layer i's router on its rows: a module call, so routing capture/replay hooks apply as under hf."""
+        return gate(flat)
+
+    def _layer(self, i: int, layer, h, cos, sin, slot, mask) -> torch.Tensor:
         a = layer.self_attn
         n = h.shape[0]
         x = _rms(layer.input_layernorm, h)
@@ -240,13 +267,12 @@ class FastDecoder:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
-        kc[:, :, slot : slot + 1].copy_(k)
-        vc[:, :, slot : slot + 1].copy_(v)
+        keys, values = self._store(i, k, v, slot)
         # no sliding window: unsupported() admits only windows that never bind
-        o, _ = self.attend(a, q, kc[:, :, : slot + 1], vc[:, :, : slot + 1], mask, dropout=0.0, scaling=a.scaling)
+        o, _ = self.attend(a, q, keys, values, mask, dropout=0.0, scaling=a.scaling)
         h = h + _linear(a.o_proj, o.reshape(n, 1, -1), self.packed)
         x = _rms(layer.post_attention_layernorm, h)
-        return h + _mlp(layer.mlp, x, self.packed)
+        return h + _mlp(layer.mlp, x, self.packed, lambda flat: self._route(i, layer.mlp.gate, flat))
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -290,15 +316,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _mlp(mlp, x: torch.Tensor, packed: dict[int, torch.Tensor]) -> torch.Tensor:
+def _mlp(mlp, x: torch.Tensor, packed: dict[int, torch.Tensor], route=None) -> torch.Tensor:
     """The dense MLP (biases where Llama's `mlp_bias` gives them), or the sparse MoE block: the model's router
-    module, then every (token, slot) at once."""
+    module (through `route(rows)` where given: the decoder's `_route`), then every (token, slot) at once."""
     if not hasattr(mlp, "experts"):
         return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x, packed)) * _linear(mlp.up_proj, x, packed),
                        packed)
     n, t, dim = x.shape
     flat = x.view(-1, dim)
-    _, weights, idx = mlp.gate(flat)  # a module call: routing capture/replay hooks apply as under hf
+    _, weights, idx = mlp.gate(flat) if route is None else route(flat)  # a module call: capture/replay hooks apply
     ex = mlp.experts
     if ex.config._experts_implementation not in (None, "eager"):  # a batched kernel already (grouped_mm, batched_mm)
         return ex(flat, idx, weights).view(n, t, dim)

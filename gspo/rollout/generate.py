@@ -12,6 +12,7 @@ at O(T^2) cost.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from gspo.config.errors import ConfigError
 from gspo.models.logprobs import head_logprobs
 from gspo.models.packing import Packing
-from gspo.rollout import fast_decode
+from gspo.rollout import fast_decode, static_decode
 from gspo.rollout.params import SamplingParams
 
 
@@ -226,7 +227,8 @@ def generate(model, tokenizer, prompts: Optional[list], group_size: int, params:
     prompt sampled by one process). `params.compile`: decode with a static KV cache through `torch.compile` (CUDA
     graphs on a GPU), as `generate(cache_implementation="static")` does; the prefill runs eager. `params.engine`:
     `hf` decodes through the model's forward; `fast` (and `auto`) through gspo/rollout/fast_decode.py where it
-    supports the model, sampling the same tokens; else `hf`.
+    supports the model, sampling the same tokens; else `hf`. `params.decode`: how the fast engine runs its steps
+    (gspo/rollout/static_decode.py: on a static cache, as one CUDA graph replayed per token under `graph`).
     `prompt_ids` (token ids, one list per prompt) stand in for `prompts`, rendered already; `limits` (one per
     row, each <= params.max_new_tokens): a row ends after that many tokens, drawing only as many uniforms (how
     `continue_sequences` gives each trajectory its own budget).
@@ -245,15 +247,17 @@ def generate(model, tokenizer, prompts: Optional[list], group_size: int, params:
     limit = None if limits is None else torch.tensor(limits, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
     check_every = 1 if device.type == "cpu" else 8  # on a GPU, asking "all done?" every token stalls the launch queue
+    forward = _Forward(model, n, p + T, params)  # before the sampler's routing hooks (static decode: no others)
     with _routing_trace(model, params.capture_routing) as trace:
-        forward = _Forward(model, n, p + T, params)
-        logits = forward.prefill(ids, mask, full_mask, group_size)
+        logits = forward.prefill(ids, mask, full_mask, group_size, trace)
+        drawn = _draw(logits, None if u is None else u[:, 0], params)
         for t in range(T):
-            nxt = draws.draw(t, logits, None if u is None else u[:, t], done)
+            nxt = draws.record(t, drawn, done)
             done |= torch.isin(nxt, eos) if limit is None else torch.isin(nxt, eos) | (limit <= t + 1)
             if t + 1 == T or (t + 1) % check_every == 0 and bool(done.all()):
                 break
-            logits = forward.step(nxt, ids, draws.out[:, : t + 1], full_mask, p + t + 1)
+            drawn = forward.draw_next(nxt, ids, draws.out[:, : t + 1], full_mask, p + t + 1,
+                                      None if u is None else u[:, t + 1])
     draws.check_finite()
     width = t + 1
     routing = None if trace is None else trace.batch(n)  # the last sampled token was never routed: -1
@@ -275,12 +279,16 @@ def _routing_trace(model, capture: bool):
 
 class _Forward:
     """The model's forward while decoding: the prefill of the prompts, then one step per sampled token, on the
-    model's KV cache (a static one under `params.compile`; gspo/rollout/fast_decode.py's under the fast engine)."""
+    model's KV cache (a static one under `params.compile`; gspo/rollout/fast_decode.py's under the fast engine, or
+    gspo/rollout/static_decode.py's, whose steps also draw, under `params.decode` static / graph)."""
 
     def __init__(self, model, rows: int, length: int, params: SamplingParams):
         self.model, self.decode, self.cache, self.params, self.length = model, model, None, params, length
         self.cache_kw = _cache_kwarg(model)
         self.fast = params.max_new_tokens > 1 and fast_decode.resolve(params.engine, model, params.compile) == "fast"
+        # eager: fast_decode's steps; static / graph: static_decode's (asked before any routing hook is registered)
+        self.mode = static_decode.resolve(params.decode, model) if self.fast else "eager"
+        self.static: Optional[static_decode.StaticDecoder] = None
         self.recurrent = False  # `_only_recurrent` of the cache
         if params.compile:
             self.cache, self.decode = _static_decoder(model, rows, length)
@@ -290,8 +298,10 @@ class _Forward:
         return {"input_ids": step_ids, "position_ids": pos, self.cache_kw: self.cache, "use_cache": True,
                 "logits_to_keep": 1}
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, full_mask: torch.Tensor, group_size: int) -> torch.Tensor:
-        """The last prompt position's float32 logits (N, V); the cache filled with the prompts."""
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, full_mask: torch.Tensor, group_size: int,
+                trace=None) -> torch.Tensor:
+        """The last prompt position's float32 logits (N, V); the cache filled with the prompts. `trace`: the
+        sampler's routing trace (None: none), which a static decode records its steps' routing into."""
         model, p = self.model, ids.shape[1]
         self.pos, kwargs = position_ids(mask), self._kwargs(ids, position_ids(mask))
         # a group's G rows share their prompt: prefill it once. Not for a stateful model (Mamba: no key/value
@@ -307,9 +317,24 @@ class _Forward:
             res = model(attention_mask=full_mask[:, :p], **kwargs)
             self.cache, logits = returned_cache(res), res.logits[:, -1].float()
         self.recurrent = _only_recurrent(self.cache)
-        if self.fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
+        if self.fast and self.mode != "eager":  # the prefill's KV cache copied into a static cache (kept, under graph)
+            settings = (self.params.greedy, self.params.temperature, self.params.top_p, self.params.topk)
+            self.static = static_decode.decoder(model, self.cache, self.length, self.mode,
+                                                functools.partial(_draw, params=self.params), settings,
+                                                self.params.matmul)
+            self.static.begin(self.cache, mask, self.pos, trace)
+            self.cache = None
+        elif self.fast:  # the prefill was the model's forward: its KV cache moves into the engine's preallocated one
             self.decode, self.cache = fast_decode.FastDecoder(model, self.cache, self.length, self.params.matmul), None
         return logits
+
+    def draw_next(self, nxt: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, full_mask: torch.Tensor, width: int,
+                  u: Optional[torch.Tensor]) -> tuple:
+        """`_draw`'s outputs for the next position after feeding `nxt` (N,) (`step`'s arguments), with that
+        position's uniforms `u` (N,) (None when greedy): a static decode's step draws itself (one graph replay)."""
+        if self.static is not None:
+            return self.static.step(nxt, u)
+        return _draw(self.step(nxt, ids, out, full_mask, width), u, self.params)
 
     def step(self, nxt: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, full_mask: torch.Tensor,
              width: int) -> torch.Tensor:
@@ -367,15 +392,12 @@ class _Draws:
                       topk_logp=torch.zeros((n, T, k), **f32) if k else None,
                       nonfinite=torch.zeros(n, dtype=torch.bool, device=device), params=params, pad=pad)
 
-    def draw(self, t: int, logits: torch.Tensor, u: Optional[torch.Tensor], done: torch.Tensor) -> torch.Tensor:
-        """Position t's tokens (N,) from `logits` (N, V) and the rows' uniforms `u` (pad where a row is done)."""
-        p = self.params
-        self.nonfinite |= ~torch.isfinite(logits).all(-1)  # checked once at the end: no sync per token on a GPU
-        if p.greedy:
-            nxt = _sample(logits, p.temperature, p.top_p, True, None)
-        else:  # and the sampled token's log-prob under the temperature-scaled policy (top-p aside)
-            nxt, self.logp[:, t], mass, *top = _sample(logits, p.temperature, p.top_p, False, u, with_logp=True,
-                                                       keep_topk=p.topk)
+    def record(self, t: int, drawn: tuple, done: torch.Tensor) -> torch.Tensor:
+        """Position t's tokens (N,) (pad where a row is done), from `_draw`'s outputs, kept with what they record."""
+        bad, nxt, *sampled = drawn
+        self.nonfinite |= bad  # checked once at the end: no sync per token on a GPU
+        if sampled:  # the sampled token's log-prob under the temperature-scaled policy (top-p aside)
+            self.logp[:, t], mass, *top = sampled
             if top:
                 self.topk_ids[:, t], self.topk_logp[:, t] = top
             if self.kept is not None:
@@ -532,6 +554,17 @@ def _static_decoder(model, rows: int, length: int):
     cache, compiled = _STATIC[key]
     cache.reset()
     return cache, compiled
+
+
+def _draw(logits: torch.Tensor, u: Optional[torch.Tensor], params: SamplingParams) -> tuple:
+    """One position's draw from float32 logits (N, V) and the rows' uniforms u (N,) (unread when greedy): (rows whose
+    logits are not finite (N,), tokens (N,)), then, when sampled, the tokens' log-probs, the nucleus's kept mass and,
+    with keep_topk, the top-k ids and log-probs. Arithmetic only, no host sync: a static decode's graph records it
+    (gspo/rollout/static_decode.py); `_Draws.record` keeps what it returns."""
+    bad = ~torch.isfinite(logits).all(-1)
+    if params.greedy:
+        return bad, _sample(logits, params.temperature, params.top_p, True, None)
+    return bad, *_sample(logits, params.temperature, params.top_p, False, u, with_logp=True, keep_topk=params.topk)
 
 
 def _fit(x: torch.Tensor, width: int, value) -> torch.Tensor:

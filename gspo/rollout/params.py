@@ -19,6 +19,7 @@ class SamplingParams:
     compile: bool = False  # hardware.compile: decode through a static KV cache and torch.compile
     engine: str = "hf"  # rollout.engine: gspo's own decoder through the model's forward (hf) or fast_decode (fast)
     matmul: str = "aten"  # rollout.matmul: the fast engine's decode products (aten: F.linear; onednn: reordered copies)
+    decode: str = "auto"  # rollout.decode: the fast engine's steps (eager; static cache; graph: replayed on CUDA)
 
     @staticmethod
     def of(cfg, **changes) -> "SamplingParams":
@@ -28,7 +29,7 @@ class SamplingParams:
                                       top_p=float(r.top_p), keep_topk=int(r.keep_topk),
                                       chat_template=bool(cfg.model.use_chat_template),
                                       compile=bool(cfg.hardware.compile), engine=str(r.engine),
-                                      matmul=str(r.matmul)), **changes)
+                                      matmul=str(r.matmul), decode=str(r.decode)), **changes)
 
     @property
     def topk(self) -> int:
