@@ -323,23 +323,24 @@ def print_report(result: "CompareResult", console: Any = None, wide: bool = Fals
         console.print(table(title, names, cells, False))
         ran = {m for r in result.rows for m in (r.get("machines") or {})}
         if len(ran) == 1:
-            console.print(f"ran on: {next(iter(ran))}", markup=False)
+            console.print(f"ran on: {next(iter(ran))}", markup=False, soft_wrap=True)
         else:
             for r in result.rows:
-                console.print(f"ran on ({r['group']}): {_machines(r)}", markup=False)
+                console.print(f"ran on ({r['group']}): {_machines(r)}", markup=False, soft_wrap=True)
         needed = [p for p in result.pairwise if p.power_delta is not None]
         for p in needed:
             console.print(f"{p.group}: seeds a difference of {100 * p.power_delta:g} points needs at 80% power "
                           f"(unpaired / paired): {_needed(p)}", markup=False)
         console.print(BRIEF_LEGEND, markup=False)
+    # each finding one line, however long (soft wrap: the terminal folds it, a pipe or a grep reads it whole)
     for g in result.groups:
         for r in g.runs:
             if r.collapse:
-                console.print(f"[red]collapsed[/] {escape(f'{g.label} {r.path}: {r.collapse}')}")
+                console.print(f"[red]collapsed[/] {escape(f'{g.label} {r.path}: {r.collapse}')}", soft_wrap=True)
     for w in result.warnings:
-        console.print(f"[yellow]warning:[/] {escape(w)}")
+        console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
     for b in result.broken:
-        console.print(f"[red]skipped[/] {escape(f'{b.path}: {b.reason}')}")
+        console.print(f"[red]skipped[/] {escape(f'{b.path}: {b.reason}')}", soft_wrap=True)
     for f in [*result.figures, result.table_path]:
         if f is not None:
             console.print(f"wrote {f}" + (" (every column: --wide)" if f == result.table_path and not wide else ""))
