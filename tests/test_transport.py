@@ -93,6 +93,56 @@ def test_a_push_arrives_whole_and_bitwise_in_buckets_no_larger_than_asked(tmp_pa
         assert [len(b) for b in buckets] == [4, 1, 3]  # the large weight between two buckets
 
 
+def _delta_receiver(port: int, secret: bytes, pushes: int, out: str) -> None:
+    """Rank 1 of a delta push (rollout.vllm.weight_transport=delta): each push into a Mirror; every status and the
+    weights it ends with saved to `out`."""
+    from gspo.rollout.delta import Mirror
+
+    torch.set_num_threads(1)
+    group = Group("gloo", 1, 2, TIMEOUT_S, torch.device("cpu"), port=port, secret=secret)
+    mirror, statuses = Mirror(), []
+    for _ in range(pushes):
+        statuses.append(mirror.receive(transport.receive_entries(group)))
+    torch.save((statuses, mirror.tensors), out)
+    group.close()
+
+
+def test_a_delta_push_crosses_the_group_in_buckets_and_counts_every_byte(tmp_path):
+    """Delta pushes over a real group in buckets of 256 bytes (entries several to a bucket, a large payload alone,
+    empty heads and trailers between): the receiver's copy is the sender's weights bitwise after each, a lost delta
+    is refused there as in one process, and `wire_bytes` counts what crossed (headers, manifests, payloads)."""
+    from gspo.rollout.delta import Tracker, whole_regions
+
+    store = host_store(TIMEOUT_S)
+    out = str(tmp_path / "got.pt")
+    proc = mp.get_context("spawn").Process(target=_delta_receiver, args=(store.port, store.secret, 4, out),
+                                           daemon=True)
+    proc.start()
+    group = Group("gloo", 0, 2, TIMEOUT_S, torch.device("cpu"), store=store, alive=proc.is_alive)
+    w = {name: t.float().contiguous() for name, t in weights() if t.is_floating_point()}
+    tracker = Tracker(torch.bfloat16)
+    regions = lambda: whole_regions((n, t, True) for n, t in w.items())  # noqa: E731
+    try:
+        sender = Sender(group, 256, alive=proc.is_alive)
+        sent = [sender.push_entries(tracker.push(regions()))]
+        w["big"][3, :4] += 1.0
+        sent.append(sender.push_entries(tracker.push(regions())))
+        w["a.weight"] += 1.0
+        list(tracker.push(regions()))  # lost
+        w["half"] *= 2
+        sent.append(sender.push_entries(tracker.push(regions())))
+        sent.append(sender.push_entries(tracker.resend()))
+        proc.join(TIMEOUT_S)
+    finally:
+        group.close()
+    assert proc.exitcode == 0
+    statuses, got = torch.load(out)
+    assert statuses[:2] == ["ok", "ok"] and statuses[2].startswith("stale") and statuses[3] == "ok"
+    assert got.keys() == w.keys()
+    assert all(torch.equal(got[n].view(torch.int16), w[n].to(torch.bfloat16).view(torch.int16)) for n in w)
+    assert 0 < sent[1] < sent[0] and sender.wire_bytes > sum(sent)
+
+
 def test_the_sender_reuses_one_bucket_and_sends_a_large_weight_from_its_own_storage(tmp_path, monkeypatch):
     """The sender's extra memory: one bucket, allocated once for every push; a weight larger than a bucket, already
     contiguous and of the pushed dtype, is broadcast from its own storage (no copy)."""

@@ -146,14 +146,123 @@ def test_a_tensor_push_serves_what_a_file_push_serves_bitwise(tmp_path):
     assert no_engine_left()
 
 
-@pytest.mark.parametrize("transport, lora", [("file", {}), ("tensors", {}),
+@torch.no_grad()
+def nudge(model, seed: int, kind: str) -> None:
+    """An update of a given shape: "few" (a few values of every weight moved: sparse deltas), "drift" (every value
+    moved by a relative 1e-6, as a small learning rate moves it: every float32 value changes in its low bits), or
+    "all" (`perturb`: every value replaced by another)."""
+    if kind == "all":
+        return perturb(model, seed)
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if kind == "few":
+            flat = p.view(-1)
+            at = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+            flat[at] += 0.1 * torch.randn(at.numel(), generator=g)
+        else:
+            p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not BF16, reason="vLLM's CPU bf16 kernels need AVX512-BF16"))])
+def test_after_every_delta_push_the_engine_serves_what_a_tensor_push_serves_bitwise(dtype, tmp_path):
+    """rollout.vllm.weight_transport=delta: a full push, then three deltas of different shapes (a few values, every
+    value's low bits, every value), each applied in place to the engine's copy, checked and loaded. After each the
+    engine draws the tokens, log-probs, top-3 and routing of an engine sent every weight as tensors, bitwise (in
+    float32 and in bf16, the values compared in the engine's dtype), and its float32 log-probs are the trainer's; a
+    delta of a few values sends a few percent of the weights' bytes."""
+    model, by_tensors, front_tensors, _ = served(tmp_path / "tensors", {}, dtype, keep_topk=3, transport="tensors",
+                                                 bucket_bytes=2**14)
+    _, by_delta, front_delta, _ = served(tmp_path / "delta", {}, dtype, keep_topk=3, transport="delta",
+                                         bucket_bytes=2**14)
+    try:
+        for update, kind in enumerate(["all", "few", "drift", "all"]):
+            nudge(model, update, kind)
+            got = []
+            for process, front in ((by_tensors, front_tensors), (by_delta, front_delta)):
+                process.load(model)
+                gens = [torch.Generator().manual_seed(10 * update + i) for i in range(len(PROMPTS))]
+                got.append(front.sample(TOK, PROMPTS, 4, SamplingParams(8, temperature=0.8, capture_routing=True,
+                                                                        keep_topk=3), gens))
+            a, b = got
+            assert a.texts == b.texts, update
+            for field in ("completion_ids", "sampler_logp", "topk_ids", "topk_logp", "routing", "router_logp"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (update, field)
+            if dtype == "float32":
+                with torch.no_grad():
+                    logp = token_logprobs(model, b, 0.8)[0]
+                assert (logp - b.sampler_logp)[b.completion_mask.bool()].abs().max() < 1e-4, update
+            pushed = by_delta.pushed
+            assert pushed["sync/full_push"] == float(update == 0) and pushed["sync/delta_refused"] == 0.0, update
+            if kind == "few":  # (in bf16 a few of those moved values round back to what they were)
+                assert 0.002 < pushed["sync/changed_frac"] < 0.02
+                assert pushed["sync/push_bytes"] < 0.1 * pushed["sync/weight_bytes"], pushed
+                assert pushed["sync/tensors_sparse"] > 0
+            if kind == "drift" and dtype == "float32":  # (a relative 1e-6 is far below a bf16 step: few change)
+                assert pushed["sync/tensors_xor"] > 0, pushed
+    finally:
+        by_tensors.close()
+        by_delta.close()
+    assert no_engine_left()
+
+
+def test_a_lost_reordered_or_damaged_delta_is_refused_and_answered_with_a_full_push(tmp_path):
+    """The engine holds a version and checks each push's checksum: a delta lost on the way (the next names a version
+    the engine does not hold), two deltas in the wrong order, and a delta damaged on the way (its result's checksum
+    is not the trainer's) are each refused, nothing of them loaded; the trainer answers with a full push, and the
+    engine's float32 log-probs are the trainer's again."""
+    from gspo.rollout import delta
+
+    model, process, front, _ = served(tmp_path, {"model": "qwen3-tiny"}, transport="delta")
+
+    def trainers(update: int) -> float:
+        gens = [torch.Generator().manual_seed(10 * update + i) for i in range(len(PROMPTS))]
+        r = front.sample(TOK, PROMPTS, 4, SamplingParams(8, temperature=0.8), gens)
+        with torch.no_grad():
+            return float((token_logprobs(model, r, 0.8)[0] - r.sampler_logp)[r.completion_mask.bool()].abs().max())
+
+    tracker = process.deltas.tracker
+    regions = lambda: delta.whole_regions(adapters.merged_parameters(model))  # noqa: E731
+    try:
+        process.load(model)
+        nudge(model, 0, "few")
+        list(tracker.push(regions()))  # lost: never sent
+        nudge(model, 1, "few")
+        process.load(model)
+        assert process.pushed["sync/delta_refused"] == 1.0 and process.pushed["sync/full_push"] == 1.0
+        assert trainers(0) < 1e-4
+        nudge(model, 2, "all")  # reordered: the second delta arrives first, the first after the full push answering it
+        first = list(tracker.push(regions()))
+        nudge(model, 3, "few")
+        second = list(tracker.push(regions()))
+        status, _ = process.push_stream(iter(second))
+        assert status.startswith("stale: a delta from version 4 to 5, and the engine holds 3"), status
+        assert process.push_stream(tracker.resend())[0] == "ok"
+        assert process.push_stream(iter(first))[0].startswith("stale")
+        assert trainers(1) < 1e-4
+        nudge(model, 4, "few")  # damaged: one bit of a payload
+        damaged = list(tracker.push(regions()))
+        next(p for e, p in damaged if e.get("enc"))[-1] ^= 1
+        assert process.push_stream(iter(damaged))[0].startswith("corrupt")
+        process.load(model)  # nothing changed since, but the engine holds no checked version: a full push
+        assert process.pushed["sync/delta_refused"] == 1.0 and process.pushed["sync/full_push"] == 1.0
+        assert trainers(2) < 1e-4
+        nudge(model, 5, "few")
+        process.load(model)  # and deltas go on from there
+        assert process.pushed["sync/full_push"] == 0.0 and trainers(3) < 1e-4
+    finally:
+        process.close()
+    assert no_engine_left()
+
+
+@pytest.mark.parametrize("transport, lora", [("file", {}), ("tensors", {}), ("delta", {}),
                                              ("file", {"model.lora.r": 4, "rollout.vllm.lora_push": "adapter"})],
-                         ids=["file", "tensors", "lora-adapter"])
+                         ids=["file", "tensors", "delta", "lora-adapter"])
 def test_a_tensor_parallel_engine_samples_from_the_trainers_weights(transport, lora, tmp_path):
     """rollout.vllm.tensor_parallel_size=2 on the CPU build (its workers unpinned): each of vLLM's two worker
     processes loads every weight pushed (from the slot file, or as a member of the weight group) and keeps its shard,
-    or serves the LoRA adapter pushed alone; after each of two updates the engine's float32 log-probs are the
-    trainer's; closed, no process is left."""
+    or serves the LoRA adapter pushed alone, or applies each delta to a copy of its own and loads it; after each of
+    two updates the engine's float32 log-probs are the trainer's; closed, no process is left."""
     model, process, front, _ = served(tmp_path, {"model": "qwen3-tiny", "rollout.vllm.tensor_parallel_size": 2,
                                                  **lora}, transport=transport)
     try:
@@ -359,10 +468,36 @@ def test_two_ranks_train_the_same_with_an_engine_each_or_one_shared_under_ddp_or
     assert no_engine_left()
 
 
+def test_fsdp_ranks_push_a_delta_of_their_own_shards_to_an_engine_each_or_one_shared(tmp_path, cache_dir):
+    """2 gloo ranks under FSDP, 3 steps, rollout.vllm.weight_transport=delta: the first push is today's gathered one;
+    after it each rank compares its own shards (the weights it last pushed, in the engine's dtype, one copy of its
+    shards) and sends one delta each, to every engine (an engine per rank) or to rank 0, which pushes both
+    (rollout.vllm.mode=shared). Both runs equal the run that pushes every weight as tensors, bitwise: every metric
+    but the push's own, every sample, every weight."""
+    fsdp = {"hardware.strategy": "fsdp"}
+    two_ranks(cache_dir, tmp_path / "tensors", **fsdp, **{"rollout.vllm.weight_transport": "tensors"})
+    for name, extra in (("each", {}), ("shared", {"rollout.vllm.mode": "shared"})):
+        rows = two_ranks(cache_dir, tmp_path / name, **fsdp, **extra, **{"rollout.vllm.weight_transport": "delta"})
+        pushes = [r for r in rows if "sync/full_push" in r]
+        assert [r["sync/full_push"] for r in pushes] == [1.0, 0.0, 0.0], name
+        assert all(r["sync/delta_refused"] == 0.0 for r in pushes)
+        assert all(0 < r["sync/changed_frac"] <= 1 for r in pushes[1:])  # (lr 0.01 in float32: most values move)
+        assert all(r["sync/push_bytes"] > 0 for r in pushes)
+        without_push = lambda run: [{k: v for k, v in r.items() if not k.startswith("sync/")}  # noqa: E731
+                                    for r in steady(tmp_path / run)]
+        assert without_push(name) == without_push("tensors"), name
+        assert (tmp_path / name / "samples.jsonl").read_text() == (tmp_path / "tensors" / "samples.jsonl").read_text()
+        wa, wb = load_file(checkpoint.latest(tmp_path / "tensors") / "model.safetensors"), \
+            load_file(checkpoint.latest(tmp_path / name) / "model.safetensors")
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert no_engine_left()
+
+
 def test_a_run_served_by_gspo_vllm_serve_is_the_run_with_an_engine_per_rank(tmp_path, cache_dir, monkeypatch):
     """`gspo vllm-serve` (here on this host, reached at 127.0.0.1 as another host would be) serves a run of 2 ranks
     (rollout.vllm.mode=server): rank 0 pushes the weights over the network, rank 1 is served as by a shared engine;
-    the run equals the run with an engine per rank, bitwise. The server then serves the next run; a run with another
+    the run equals the run with an engine per rank, bitwise, with every weight pushed or deltas (weight_transport=
+    delta, over the same group). The server then serves the next run; a run with another
     key exits 2 in one line, one that cannot reach a server ends in one line; no engine is left."""
     monkeypatch.setenv("GSPO_VLLM_KEY", "the-secret")
     env = child_env()
@@ -378,6 +513,12 @@ def test_a_run_served_by_gspo_vllm_serve_is_the_run_with_an_engine_per_rank(tmp_
                                                                "rollout.vllm.server": address})
         assert_same_run(tmp_path / "each", tmp_path / "served")
         assert (tmp_path / "each" / "samples.jsonl").read_text() == (tmp_path / "served" / "samples.jsonl").read_text()
+        # delta pushes over the same authenticated group: the same run, the first push whole, then deltas
+        rows = two_ranks(cache_dir, tmp_path / "delta", **{"rollout.vllm.weight_transport": "delta",
+                                                           "rollout.vllm.mode": "server", "rollout.vllm.server": address})
+        assert [r["sync/full_push"] for r in rows if "sync/full_push" in r] == [1.0, 0.0, 0.0]
+        assert [{k: v for k, v in r.items() if not k.startswith("sync/")} for r in rows] == steady(tmp_path / "each")
+        assert (tmp_path / "delta" / "samples.jsonl").read_text() == (tmp_path / "each" / "samples.jsonl").read_text()
         served = opts(cache_dir, **{"model": "qwen3-tiny", **tensors, "rollout.vllm.mode": "server"})
         monkeypatch.setenv("GSPO_VLLM_KEY", "another")
         res = gspo("train", *served, f"rollout.vllm.server={address}", f"hydra.run.dir={tmp_path / 'k'}", cwd=tmp_path)

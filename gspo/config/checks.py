@@ -27,7 +27,7 @@ CHOICES = {
     "rollout.matmul": ("aten", "onednn"),
     "rollout.decode": ("auto", "eager", "static", "graph"),
     "rollout.vllm.lora_push": ("merged", "adapter"),
-    "rollout.vllm.weight_transport": ("file", "tensors"),
+    "rollout.vllm.weight_transport": ("file", "tensors", "delta"),
     "rollout.vllm.mode": ("per_rank", "shared", "server"),
     "reward.device": (None, "cpu", "cuda", "auto"),
     "hardware.device": ("cpu", "cuda", "auto"),
@@ -456,9 +456,10 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.vllm.lora_push": (lambda c: c.rollout.engine == "vllm" and c.model.lora.r > 0,
                                "it chooses how LoRA weights reach the vLLM engine: needs rollout.engine=vllm and "
                                "model.lora.r > 0"),
-    "rollout.vllm.bucket_mb": (lambda c: c.rollout.engine == "vllm" and c.rollout.vllm.weight_transport == "tensors",
+    "rollout.vllm.bucket_mb": (lambda c: c.rollout.engine == "vllm"
+                               and c.rollout.vllm.weight_transport in ("tensors", "delta"),
                                "the weights go through a file: add rollout.engine=vllm "
-                               "rollout.vllm.weight_transport=tensors"),
+                               "rollout.vllm.weight_transport=tensors (or delta)"),
     "rollout.vllm.mode": (lambda c: c.rollout.engine == "vllm" and (c.hardware.strategy != "none"
                                                                     or c.rollout.vllm.mode == "server"),
                           "one trainer process has one engine: per_rank and shared say how several ranks share "

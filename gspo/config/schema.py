@@ -237,7 +237,9 @@ class VllmConfig:
     lora_push: str = "merged"
     # how each sync's weights reach the engine (rollout.workers=0): file = one copy into a shared-memory file the
     # engine maps (/dev/shm); tensors = broadcast over a process group (gloo; NCCL between distinct GPUs) in
-    # buckets of bucket_mb MiB, the trainer's extra memory one bucket (gspo/rollout/transport.py)
+    # buckets of bucket_mb MiB, the trainer's extra memory one bucket (gspo/rollout/transport.py); delta = over that
+    # group, only the values that changed in the engine's dtype after the first push (versioned, checksummed; the
+    # trainer and the engine each keep one copy of the weights in that dtype: gspo/rollout/delta.py)
     weight_transport: str = "file"
     bucket_mb: float = 64.0
     # the engine's workers, each holding 1/N of every layer (vLLM's tensor parallelism); on a CPU they split the

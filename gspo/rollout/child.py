@@ -520,7 +520,8 @@ def serve(fd: int, start: Callable[[dict], Callable[[tuple], Optional[tuple]]], 
     Other processes may be served beside the trainer (a shared engine: the trainer's other ranks): ("listen", n,
     timeout_s) opens a listener (`Clients`) and waits for `n` of them. A client's messages name the step they are
     for and wait until the trainer's last message of a kind in `syncs` (the weights' load) is for that step or a
-    later one; then ("synced", step) is answered with that load's reply, anything else by the handler."""
+    later one and loaded them (a reply whose fourth item is not "ok", a refused delta, loaded nothing: they wait for
+    the next); then ("synced", step) is answered with that load's reply, anything else by the handler."""
     from gspo.config.processes import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C or SIGTERM reaches the trainer, which stops us
@@ -544,8 +545,9 @@ def serve(fd: int, start: Callable[[dict], Callable[[tuple], Optional[tuple]]], 
                     continue
                 step = message[1] if len(message) > 1 and isinstance(message[1], int) else None
                 reply = handle(message)
-                if message[0] in syncs:
-                    synced, loaded = step, reply
+                if message[0] in syncs:  # (a load that loaded nothing, a refused delta, serves no step)
+                    refused = isinstance(reply, tuple) and len(reply) > 3 and reply[3] != "ok"
+                    synced, loaded = (None, None) if refused else (step, reply)
                 if reply is not None:
                     send(reply)
                 step = None

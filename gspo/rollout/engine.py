@@ -10,7 +10,9 @@ engine's token ids into the `Rollout` gspo's own engines return, with the same f
 
 The weights travel as rollout workers' do, one copy into a file in /dev/shm that the engine's process maps
 (gspo/rollout/slots.py), or with `rollout.vllm.weight_transport=tensors` as tensors over a process group between
-the trainer and the engine's workers, in buckets (gspo/rollout/transport.py); then the engine loads them
+the trainer and the engine's workers, in buckets (gspo/rollout/transport.py), or with `delta` over that group only
+the values that changed in the engine's dtype since the last push (`DeltaSync`, gspo/rollout/delta.py: versioned,
+checksummed, answered with a full push where the engine refuses one); then the engine loads them
 (`time/weight_sync_s` counts both). `rollout.vllm.tensor_parallel_size` spreads the engine over that many
 workers of vLLM's own, each loading every weight and keeping its shard. A LoRA run sends base + ΔW merged
 (`rollout.vllm.lora_push=merged`), or with `adapter` only the adapter, through a directory in /dev/shm: the engine,
@@ -23,15 +25,16 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
 from gspo.config import model_path
-from gspo.config.errors import ConfigError
+from gspo.config.errors import ConfigError, RunFailed
 from gspo.models import adapters
-from gspo.rollout import engine_server
+from gspo.rollout import delta, engine_server
 from gspo.rollout.child import Child, Peer, RemoteChild
 from gspo.rollout.decoding import Continuation, Decoder
 from gspo.rollout.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
@@ -51,6 +54,8 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 STARTUP_S = 600.0  # the least the engine is given to start (import vllm, load the model, allocate its cache)
 # the ranks vLLM 0.32 starts its LoRA support with (vllm/config/lora.py, MaxLoRARanks): the least that holds model.lora.r
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# the weight transports that push over the weight group (gspo/rollout/transport.py): every weight, or what changed
+GROUP_TRANSPORTS = ("tensors", "delta")
 # how a Hugging Face config counts the experts of a MoE (Qwen2/3-MoE, Mixtral, DeepSeek)
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -91,10 +96,10 @@ def check(cfg, on_cpu: bool) -> None:
             raise ConfigError("rollout.vllm.lora_push=adapter goes through a directory the engine reads, which an "
                               "engine on another host (rollout.vllm.mode=server) does not see: use "
                               "rollout.vllm.lora_push=merged")
-        if v.weight_transport != "tensors":
+        if v.weight_transport not in GROUP_TRANSPORTS:
             raise ConfigError(f"rollout.vllm.weight_transport={v.weight_transport}: an engine on another host "
                               "(rollout.vllm.mode=server) is sent the weights over the network: use "
-                              "rollout.vllm.weight_transport=tensors")
+                              "rollout.vllm.weight_transport=tensors or delta")
         engine_server.key()
     if adapter_push(cfg):
         if is_moe(cfg):
@@ -104,19 +109,24 @@ def check(cfg, on_cpu: bool) -> None:
         if cfg.model.lora.r > LORA_RANKS[-1]:
             raise ConfigError(f"model.lora.r={cfg.model.lora.r}: vLLM serves LoRA ranks up to {LORA_RANKS[-1]}; "
                               "use rollout.vllm.lora_push=merged")
-        if v.weight_transport == "tensors":
+        if v.weight_transport in GROUP_TRANSPORTS:
             raise ConfigError("rollout.vllm.lora_push=adapter sends the adapter through a directory in /dev/shm (vLLM "
-                              "loads an adapter from a path), not over rollout.vllm.weight_transport=tensors: use "
-                              "rollout.vllm.weight_transport=file for the adapter alone, or rollout.vllm.lora_push="
-                              "merged to push merged weights as tensors")
+                              f"loads an adapter from a path), not over rollout.vllm.weight_transport="
+                              f"{v.weight_transport}: use rollout.vllm.weight_transport=file for the adapter alone, or "
+                              "rollout.vllm.lora_push=merged to push merged weights as tensors")
     if v.tensor_parallel_size > 1 and is_moe(cfg):
         raise ConfigError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size}: the engine records a MoE's "
                           "routing (the trainer compares or replays it) with hooks in its own process, and above 1 the "
                           "model runs in vLLM's worker processes: use rollout.vllm.tensor_parallel_size=1 for a MoE")
-    if v.weight_transport == "tensors" and r.workers:
-        raise ConfigError(f"rollout.vllm.weight_transport=tensors pushes to the engine the trainer starts "
+    if v.weight_transport in GROUP_TRANSPORTS and r.workers:
+        raise ConfigError(f"rollout.vllm.weight_transport={v.weight_transport} pushes to the engine the trainer starts "
                           f"(rollout.workers=0); with rollout.workers={r.workers} each worker's engine reads the "
                           "weights its job names from a slot file: use rollout.vllm.weight_transport=file")
+    if v.weight_transport == "delta" and cfg.hardware.strategy == "fsdp" and cfg.model.lora.r > 0:
+        raise ConfigError("rollout.vllm.weight_transport=delta under hardware.strategy=fsdp compares each rank's own "
+                          "shards, and a LoRA layer's merged weight (W0 + B A) is no shard FSDP holds (each rank "
+                          "would need the whole A factor): use rollout.vllm.weight_transport=tensors, or "
+                          "hardware.strategy=ddp")
     if v.mode != "per_rank" and r.workers:
         raise ConfigError(f"rollout.vllm.mode={v.mode} serves the trainer's ranks from one engine (rollout.workers=0); "
                           f"with rollout.workers={r.workers} each worker hosts an engine of its own: use "
@@ -205,14 +215,18 @@ def start(cfg, model: torch.nn.Module, tokenizer, base_dir, rows: int, threads: 
     stop = stop_ids(model, tokenizer)
     v = cfg.rollout.vllm
     shared = v.mode != "per_rank" and dist is not None and dist.world > 1
+    deltas = None
+    if v.weight_transport == "delta":
+        deltas = DeltaSync(getattr(torch, sampler_dtype(cfg)), dist, getattr(torch, cfg.hardware.dtype),
+                           shared=v.mode != "per_rank")
     if shared and not dist.is_main:
         address = dist.broadcast_object(None)
-        return EngineSampler(SharedEngine(address, cfg.rollout.timeout_s, adapter_push(cfg), dist.strategy == "fsdp"),
-                             stop.tolist(), weights)
+        return EngineSampler(SharedEngine(address, cfg.rollout.timeout_s, adapter_push(cfg), dist.strategy == "fsdp",
+                                          deltas), stop.tolist(), weights)
     server = engine_server.parse_address(v.server) if v.mode == "server" else None
     process = EngineProcess(spec(cfg, base_dir, stop, rows, threads, routing, on_cpu), layout_of(model),
                             cfg.rollout.timeout_s, v.weight_transport, int(v.bucket_mb * 2**20),
-                            next(model.parameters()).device, server)
+                            next(model.parameters()).device, server, deltas)
     if shared:
         try:
             process.share(dist.world - 1, dist.broadcast_object)
@@ -311,13 +325,17 @@ class EngineProcess:
     Its failures end the run in one line (gspo/rollout/child.py): it failed to start, died or hung (silent for
     `timeout_s`) while loading weights or sampling step N; it dies with the trainer. The weights go to it through
     the slot file (`transport="file"`) or, with "tensors", over the weight group it joins once started
-    (gspo/rollout/transport.py: the trainer's tensors on `device`, in buckets of `bucket_bytes`). An engine started
-    with `max_lora_rank` (adapter pushes, `transport="file"` only) is sent the adapter alone, in a directory."""
+    (gspo/rollout/transport.py: the trainer's tensors on `device`, in buckets of `bucket_bytes`), or with "delta"
+    over that group what changed (`deltas`, a `DeltaSync`: `pushed` then holds the sync's `sync/*` metrics).
+    An engine started with `max_lora_rank` (adapter pushes, `transport="file"` only) is sent the adapter alone, in a
+    directory."""
 
     def __init__(self, engine: dict, layout: list, timeout_s: float, transport: str = "file",
                  bucket_bytes: int = 2**26, device: torch.device = torch.device("cpu"),
-                 server: Optional[tuple[str, int]] = None):
+                 server: Optional[tuple[str, int]] = None, deltas: Optional["DeltaSync"] = None):
         self.timeout_s, self.step, self.server = timeout_s, None, server
+        self.deltas = (deltas or DeltaSync(getattr(torch, engine["dtype"]))) if transport == "delta" else None
+        self.pushed: dict[str, float] = {}  # delta pushes: what the last sync sent (`DeltaSync.sync`'s metrics)
         self.hint = f"rollout.timeout_s={timeout_s:g}"
         self.dtype = getattr(torch, engine["dtype"])
         self.adapter = engine["max_lora_rank"] is not None
@@ -339,7 +357,7 @@ class EngineProcess:
                                      engine["tensor_parallel_size"], on_fail=self.kill, timeout_s=timeout_s,
                                      stopped="; the run let it go")
         self.child.expect("ready", None, max(timeout_s, STARTUP_S), f"starting; {self.hint}")
-        if transport == "tensors":
+        if transport in GROUP_TRANSPORTS:
             self.sender = Sender(self._join(device), bucket_bytes, self.dtype, alive=self.alive)
 
     def _join(self, device: torch.device) -> Group:
@@ -375,6 +393,10 @@ class EngineProcess:
     def load(self, model: torch.nn.Module, weights: Callable = adapters.merged_parameters) -> float:
         """The trainer's current weights (`weights(model)`; LoRA: merged, or the adapter alone), cast, into the
         engine; the engine's peak RSS (MiB)."""
+        if self.deltas is not None:
+            self.rss, self.pushed = None, {}
+            self.deltas.sync(model, weights, self.push_stream, self.pushed)
+            return self.rss
         with torch.no_grad():
             if self.sender is not None:
                 self.child.send(("push", self.step), self.step)
@@ -390,6 +412,20 @@ class EngineProcess:
                         self.views[name].copy_(value)
                 self.child.send(("load", self.step, self.path), self.step)
         return self.child.expect("loaded", self.step, self.timeout_s, self.hint)[2]
+
+    def push_stream(self, stream: Iterable[tuple[dict, torch.Tensor]]) -> tuple[str, int]:
+        """One push of `rollout.vllm.weight_transport=delta` (a stream of gspo/rollout/delta.py's entries) over the
+        weight group, read by the engine into its copy of the weights and loaded there if it checks: ("ok" or why
+        not, the bytes that crossed the group)."""
+        self.child.send(("delta", self.step), self.step)
+        before = self.sender.wire_bytes
+        with torch.no_grad():
+            try:
+                self.sender.push_entries(stream)
+            except PeerLost:
+                raise self.child.lost(self.step, self.timeout_s, self.hint) from None
+        _, _, self.rss, status = self.child.expect("loaded", self.step, self.timeout_s, self.hint)
+        return status, self.sender.wire_bytes - before
 
     def sample_ids(self, **kwargs) -> dict:
         self.child.send(("sample", self.step, kwargs), self.step)
@@ -421,16 +457,21 @@ class SharedEngine:
 
     name = "the vLLM engine (shared, started by rank 0)"
 
-    def __init__(self, address: tuple[str, int, bytes], timeout_s: float, adapter: bool, gathers: bool):
+    def __init__(self, address: tuple[str, int, bytes], timeout_s: float, adapter: bool, gathers: bool,
+                 deltas: Optional["DeltaSync"] = None):
         from multiprocessing.connection import Client
 
         host, port, key = address
         self.peer = Peer(self.name, Client((host, port), authkey=key), "the engine or rank 0 died")
         self.timeout_s, self.adapter, self.gathers, self.step = timeout_s, adapter, gathers, None
+        self.deltas, self.pushed = deltas, {}  # delta pushes: this rank's part (FSDP: its shards), rank 0's metrics
 
     def load(self, model: torch.nn.Module, weights: Callable = adapters.merged_parameters) -> float:
         """Wait until the engine holds the weights for this step (rank 0 pushes them); its peak RSS (MiB)."""
-        if self.gathers:  # FSDP: rank 0's push gathers every unit (or the adapter's factors) from every rank
+        if self.deltas is not None:  # delta pushes: under FSDP this rank's delta of its own shards, to rank 0
+            self.pushed = {}
+            self.deltas.sync(model, weights, None, self.pushed)
+        elif self.gathers:  # FSDP: rank 0's push gathers every unit (or the adapter's factors) from every rank
             with torch.no_grad():
                 if self.adapter:
                     adapters.adapter_state(model)
@@ -462,7 +503,8 @@ class EngineSampler(Sampler):
         t0 = time.time()
         self.process.step = step
         rss = self.process.load(model, self.weights)
-        return {"time/weight_sync_s": time.time() - t0, "memory/engine_rss_mib": rss}
+        return {"time/weight_sync_s": time.time() - t0, "memory/engine_rss_mib": rss,
+                **getattr(self.process, "pushed", {})}
 
     @contextlib.contextmanager
     def serve(self, model: torch.nn.Module, dist) -> Iterator[Engine]:
@@ -470,3 +512,144 @@ class EngineSampler(Sampler):
 
     def close(self) -> None:
         self.process.close()
+
+
+class DeltaSync:
+    """A trainer rank's side of `rollout.vllm.weight_transport=delta` (gspo/rollout/delta.py): after each update only
+    the values that changed in the engine's `dtype`, against the copy of what it last pushed that it keeps (`tracker`:
+    one copy of the weights in that dtype); the first push whole, and whole again at once wherever the engine refuses
+    a delta (one lost or reordered: another version; or a result whose checksum is not the trainer's).
+
+    Without FSDP a rank that pushes compares the whole weights (`weights(model)`); under FSDP (`dist` with
+    strategy fsdp) each rank compares its own shards (`compute_dtype`, as FSDP gathers them) and its delta goes, one
+    per rank, to whichever ranks push: rank 0 (`shared`: the shared engine or the server), or every rank (an engine
+    each); a full push is today's gathered one (every rank takes part), each rank keeping its own shards."""
+
+    def __init__(self, dtype: torch.dtype, dist=None, compute_dtype: torch.dtype = torch.float32,
+                 shared: bool = False):
+        self.tracker = delta.Tracker(dtype)
+        self.dist, self.compute_dtype, self.shared = dist, compute_dtype, shared
+        self.sharded = dist is not None and dist.strategy == "fsdp" and dist.world > 1
+
+    def sync(self, model: torch.nn.Module, weights: Callable, send: Optional[Callable], metrics: dict) -> None:
+        """Bring the engine to the trainer's weights: `send(stream) -> (status, bytes)` pushes to this rank's engine
+        (None: a rank that pushes nothing, whose shards go to rank 0). `metrics` gets what was sent (`sync/*`), rank
+        0's on every rank where one engine serves them all (every rank logs the same keys)."""
+        with torch.no_grad():
+            self._sync(model, weights, send, metrics)
+        if self.shared and self.dist is not None and self.dist.world > 1:
+            metrics.update(self.dist.broadcast_object(dict(metrics) if self.dist.is_main else None))
+
+    def _sync(self, model: torch.nn.Module, weights: Callable, send: Optional[Callable], metrics: dict) -> None:
+        t = self.tracker
+        if not self.sharded:
+            if send is None:
+                return  # (rank 0 holds every weight and compares them alone)
+            status, sent = send(t.push(delta.whole_regions(weights(model))))
+            metrics.update(self._metrics(t.stats, sent, t.stats["full"]))
+            if status != "ok":
+                self._refused(status, t.stats["full"])
+                status, more = send(t.resend())
+                metrics.update({"sync/push_bytes": sent + more, "sync/full_push": 1.0, "sync/delta_refused": 1.0})
+                self._loaded(status)
+            return
+        full, sent = not t.version, 0
+        if not full:
+            mine = list(t.push(delta.shard_regions(model, self.compute_dtype, self.dist.rank)))
+            stream = self._deltas(mine, pushes=send is not None)
+            if send is not None:
+                status, sent = send(self._counted(stream, metrics))
+            else:
+                status = "ok"
+                for _ in stream:  # (takes part in handing the shards' deltas on)
+                    pass
+            if self.shared:
+                full = self.dist.broadcast_object(status != "ok")
+            else:
+                full = not self.dist.all_true(status == "ok")
+            if full and send is not None and status != "ok":
+                print(f"gspo: {self._why(status)}: the whole weights are pushed again", file=sys.stderr,
+                      flush=True)
+        else:
+            t.version += 1
+        if full:  # today's gathered push, every rank taking part; each keeps its own shards
+            t.refresh(delta.shard_regions(model, self.compute_dtype, self.dist.rank))
+            stream = delta.full_push(delta.whole_regions(weights(model)), t.dtype, t.version)
+            if send is None:
+                for _ in stream:
+                    pass
+                return
+            counted: dict = {}
+            status, more = send(self._counted(stream, counted))
+            refused = bool(metrics)  # (a delta went first: the values it found changed stay its)
+            metrics.update({k: v for k, v in counted.items() if not (refused and k == "sync/changed_frac")})
+            metrics.update({"sync/push_bytes": sent + more, "sync/full_push": 1.0,
+                            "sync/delta_refused": float(refused)})
+            self._loaded(status)
+        else:
+            metrics.update({"sync/push_bytes": float(sent), "sync/full_push": 0.0, "sync/delta_refused": 0.0})
+
+    def _deltas(self, mine: list, pushes: bool) -> Iterator[tuple[dict, torch.Tensor]]:
+        """Every rank's delta, one after another in rank order, on the ranks that push (rank 0 with one engine, every
+        rank with an engine each); a rank holds its own and one other's at a time."""
+        import torch.distributed as tdist
+
+        rank, world = self.dist.rank, self.dist.world
+        mine = [(entry, payload.cpu().numpy().tobytes()) for entry, payload in mine]  # (as bytes: pickled plainly)
+        for r in range(world):
+            if self.shared:  # rank r's delta to rank 0 alone
+                if r == 0:
+                    got = mine if rank == 0 else None
+                elif rank == r:
+                    tdist.send_object_list([mine], dst=0)
+                    got = None
+                elif rank == 0:
+                    box = [None]
+                    tdist.recv_object_list(box, src=r)
+                    got = box[0]
+                else:
+                    got = None
+            else:  # to every rank
+                box = [mine if rank == r else None]
+                tdist.broadcast_object_list(box, src=r)
+                got = box[0]
+            if pushes and got is not None:
+                for entry, payload in got:
+                    yield entry, torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else delta.EMPTY
+
+    @staticmethod
+    def _counted(stream, metrics: dict) -> Iterator[tuple[dict, torch.Tensor]]:
+        """`stream` as it is, with what its trailers say counted into `metrics` (`_metrics`'s keys)."""
+        totals = {"values": 0, "changed": 0, "weight_bytes": 0, "tensors": {}}
+        for entry, payload in stream:
+            if entry.get("trailer"):
+                for key in ("values", "changed", "weight_bytes"):
+                    totals[key] += entry.get(key, 0)
+                for enc, n in entry.get("tensors", {}).items():
+                    totals["tensors"][enc] = totals["tensors"].get(enc, 0) + n
+            yield entry, payload
+        metrics.update(DeltaSync._metrics(totals, 0, False))
+
+    @staticmethod
+    def _metrics(stats: dict, sent: int, full: bool) -> dict:
+        out = {"sync/push_bytes": float(sent), "sync/weight_bytes": float(stats["weight_bytes"]),
+               "sync/changed_frac": stats["changed"] / max(1, stats["values"]), "sync/full_push": float(full),
+               "sync/delta_refused": 0.0}
+        for enc in ("full", "sparse", "xor", "unchanged"):
+            out[f"sync/tensors_{enc}"] = float(stats["tensors"].get(enc, 0))
+        return out
+
+    def _refused(self, status: str, full: bool) -> None:
+        if full:
+            self._loaded(status)
+        print(f"gspo: {self._why(status)}: the whole weights are pushed again", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _why(status: str) -> str:
+        return f"the vLLM engine refused a delta push ({status})"
+
+    @staticmethod
+    def _loaded(status: str) -> None:
+        if status != "ok":
+            raise RunFailed(f"the vLLM engine refused a full weight push ({status}): the weights it holds are not the "
+                            "trainer's")

@@ -23,6 +23,11 @@ needs a cast. The receiver allocates each bucket afresh (vLLM may hold a layer's
 complete, so a reused buffer would be overwritten under it): its extra memory is every bucket vLLM still holds,
 at least one (how many at once is not measured).
 
+A delta push (`rollout.vllm.weight_transport=delta`, gspo/rollout/delta.py) is the same stream of buckets with
+other manifest entries (`Sender.push_entries` / `receive_entries`): each entry's JSON (what it is and how it is
+encoded) with the offset and length of its payload, bytes, in the bucket. `Sender.wire_bytes` counts every byte a
+sender broadcast (headers, manifests, data).
+
 A dead or silent peer does not hang the sender: each broadcast is polled, with the peer's liveness checked, up to
 `timeout_s` (the group's own timeout too), and raises `PeerLost`, which the caller turns into the run's one line.
 """
@@ -49,6 +54,7 @@ from gspo.config.errors import RunFailed
 from gspo.rollout.child import AUTH_S, Gate, dial
 
 ALIGN = 64  # bytes: every weight starts at a multiple of this in a bucket (any dtype can view it)
+MAX_ENTRIES = 4096  # a delta push's entries per bucket at most (many are empty: the manifest stays small)
 HOST = "127.0.0.1"  # the engine runs on the trainer's host
 EVERY = "0.0.0.0"  # every interface: an engine on another host (rollout.vllm.mode=server)
 
@@ -449,6 +455,7 @@ class Sender:
             raise ValueError(f"bucket_bytes={bucket_bytes}: at least {ALIGN}")
         self.group, self.bucket_bytes, self.dtype, self.alive = group, bucket_bytes, dtype, alive
         self.buffer: Optional[torch.Tensor] = None  # the bucket, reused across buckets and pushes
+        self.wire_bytes = 0  # every byte broadcast so far (headers, manifests and data): what crossed the group
 
     @torch.no_grad()
     def push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -477,6 +484,33 @@ class Sender:
         self._header(0, 0)
         return sent
 
+    @torch.no_grad()
+    def push_entries(self, entries: Iterable[tuple[dict, torch.Tensor]]) -> int:
+        """Entries of a delta push (gspo/rollout/delta.py): each a manifest entry (JSON) and its payload, flat bytes
+        (uint8, possibly empty), packed into buckets as weights are; then the end of the push. The payload bytes
+        sent."""
+        manifest, used, sent = [], 0, 0
+        for entry, payload in entries:
+            nbytes = payload.numel()
+            if nbytes > self.bucket_bytes:
+                self._flush(manifest, used)
+                manifest, used = [], 0
+                self._send([{**entry, "offset": 0, "nbytes": nbytes}], self._alone(payload, torch.uint8), nbytes)
+            else:
+                if _aligned(used) + nbytes > self.bucket_bytes or len(manifest) >= MAX_ENTRIES:
+                    self._flush(manifest, used)
+                    manifest, used = [], 0
+                if self.buffer is None:
+                    self.buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
+                at = _aligned(used)
+                self.buffer[at : at + nbytes].copy_(payload)
+                manifest.append({**entry, "offset": at, "nbytes": nbytes})
+                used = at + nbytes
+            sent += nbytes
+        self._flush(manifest, used)
+        self._header(0, 0)
+        return sent
+
     def _alone(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A weight larger than a bucket, as bytes on the group's device: its own storage where it can be."""
         if tensor.dtype == dtype and tensor.device == self.group.device and tensor.is_contiguous():
@@ -489,6 +523,7 @@ class Sender:
 
     def _header(self, meta: int, data: int) -> None:
         self.group.broadcast(torch.tensor([meta, data], dtype=torch.int64, device=self.group.device), self.alive)
+        self.wire_bytes += 16
 
     def _send(self, manifest: list, data: torch.Tensor, nbytes: int) -> None:
         meta = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8).to(self.group.device)
@@ -496,11 +531,30 @@ class Sender:
         self.group.broadcast(meta, self.alive)
         if nbytes:
             self.group.broadcast(data[:nbytes], self.alive)
+        self.wire_bytes += meta.numel() + nbytes
 
 
 def receive(group: Group) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """A receiver's side of one push: each bucket's weights (views of a buffer allocated for that bucket), in the
     order they were pushed, until the sender's end of the push."""
+    for manifest, data in _buckets(group):
+        out = []
+        for e in manifest:
+            dtype = _dtype(e["dtype"])
+            n = int(torch.Size(e["shape"]).numel()) * dtype.itemsize
+            out.append((e["name"], data[e["offset"] : e["offset"] + n].view(dtype).view(e["shape"])))
+        yield out
+
+
+def receive_entries(group: Group) -> Iterator[list[tuple[dict, torch.Tensor]]]:
+    """A receiver's side of one delta push (`Sender.push_entries`): each bucket's entries, (manifest entry, its
+    payload: a view of the bucket's bytes), in order, until the sender's end of the push."""
+    for manifest, data in _buckets(group):
+        yield [(e, data[e["offset"] : e["offset"] + e["nbytes"]]) for e in manifest]
+
+
+def _buckets(group: Group) -> Iterator[tuple[list, torch.Tensor]]:
+    """(manifest, data) of each bucket of one push, until its end."""
     while True:
         header = torch.zeros(2, dtype=torch.int64, device=group.device)
         group.broadcast(header)
@@ -513,9 +567,4 @@ def receive(group: Group) -> Iterator[list[tuple[str, torch.Tensor]]]:
         data = torch.empty(data_bytes, dtype=torch.uint8, device=group.device)
         if data_bytes:
             group.broadcast(data)
-        out = []
-        for e in manifest:
-            dtype = _dtype(e["dtype"])
-            n = int(torch.Size(e["shape"]).numel()) * dtype.itemsize
-            out.append((e["name"], data[e["offset"] : e["offset"] + n].view(dtype).view(e["shape"])))
-        yield out
+        yield manifest, data

@@ -18,7 +18,8 @@ What gspo asks of the engine, and how (vLLM 0.32; docs/scaling.md, "Sampling wit
   trainer's weights in checkpoint format, then the prefix cache reset (a cached prompt would otherwise be
   served from the old policy's keys and values). On the CPU build one more step (`_first_load_processing`).
   The weights come from the slot file in /dev/shm or, streamed, from the trainer over a process group
-  (gspo/rollout/transport.py). Every weight operation runs in each of vLLM's workers (`collective_rpc`,
+  (gspo/rollout/transport.py), or as deltas over that group into a copy of the weights each worker keeps, loaded
+  once checked (gspo/rollout/delta.py). Every weight operation runs in each of vLLM's workers (`collective_rpc`,
   `_Loader`): in this process at `tensor_parallel_size=1`, in vLLM's worker processes above it, each loading
   every weight and keeping its shard. Or, for a LoRA run with `rollout.vllm.lora_push=adapter`, the adapter alone
   on the base loaded at the start: vLLM's LoRA support (`enable_lora`), a directory as peft saves it, under a new
@@ -42,8 +43,9 @@ import torch
 
 from gspo.config.errors import ConfigError, tidy_warnings
 from gspo.rollout.child import serve
+from gspo.rollout.delta import Mirror
 from gspo.rollout.slots import map_slot
-from gspo.rollout.transport import HOST, Group, device_identity, receive
+from gspo.rollout.transport import HOST, Group, device_identity, receive, receive_entries
 
 # log-prob modes: which vLLM mode gives gspo's convention at (top_p < 1, temperature == 1)
 PROCESSED, RAW = "processed_logprobs", "raw_logprobs"
@@ -135,6 +137,18 @@ class VllmEngine:
         """Serve the weights the trainer is pushing over the group (`join`), as `load_slot`."""
         return self._load(("group",))
 
+    def load_delta(self, names: list[str]) -> tuple[float, str]:
+        """Read the push the trainer is sending over the group (a delta, or a full push: gspo/rollout/delta.py) into
+        each worker's copy of the weights, and serve them, as `load_slot`, where every worker holds the version the
+        push names, checked; else load nothing. (The engine's peak RSS in MiB, "ok" or why not: "stale: ...",
+        "corrupt: ...": the trainer then sends a full push.) `names`: the weights a full push must cover."""
+        got = self.llm.collective_rpc(_load_delta, args=(self.cpu, names))
+        peaks = {pid: peak for pid, peak, _ in got}
+        status = next((s for _, _, s in got if s != "ok"), "ok")
+        if status != "ok":
+            return sum(peaks.values()) + _peak_rss_mib() * (os.getpid() not in peaks), status
+        return self._after_load(peaks), status
+
     def _load(self, source: tuple) -> float:
         peaks = dict(self.llm.collective_rpc(_load, args=(source, self.cpu)))
         return self._after_load(peaks)
@@ -211,6 +225,7 @@ class _Loader:
             self.meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
         self.slots: dict[str, dict] = {}
         self.group = None
+        self.mirror: Optional[Mirror] = None  # delta pushes: the weights it serves, in checkpoint form (host memory)
 
     def parts(self, source: tuple):
         """The weights, in parts of (trainer name, tensor): the slot file's, or each bucket the trainer pushes."""
@@ -245,6 +260,23 @@ def _load(worker, source: tuple, cpu: bool) -> tuple[int, float]:
     state = (item for part in loader.parts(source) for item in checkpoint_format(loader.meta, dict(part)).items())
     worker.reload_weights(weights_iterator=state, is_checkpoint_format=True)
     return _peak(worker)
+
+
+@torch.no_grad()
+def _load_delta(worker, cpu: bool, names: list[str]) -> tuple[int, float, str]:
+    """One push of `rollout.vllm.weight_transport=delta` into this worker's mirror (gspo/rollout/delta.py `Mirror`):
+    read to its end; where the result is the version it names, checked, loaded into the model from the mirror (every
+    weight, in checkpoint format, each a copy: vLLM keeps nothing of the mirror). (pid, peak RSS MiB, status)."""
+    loader = worker.gspo_loader
+    if loader.mirror is None:
+        loader.mirror = Mirror(names)
+    status = loader.mirror.receive(receive_entries(loader.group))
+    if status == "ok":
+        if cpu:
+            _first_load_processing(worker.model_runner.model)
+        state = checkpoint_format(loader.meta, loader.mirror.tensors)
+        worker.reload_weights(weights_iterator=((k, v.clone()) for k, v in state.items()), is_checkpoint_format=True)
+    return (*_peak(worker), status)
 
 
 def _peak(worker) -> tuple[int, float]:
@@ -403,7 +435,8 @@ def _row(request_id: str, parents: dict[str, int], n: int) -> int:
 def start(spec: dict, trainer_host: str = HOST):
     """The engine process's start: the engine, and the handler of the trainer's messages (gspo/rollout/child.py):
     ("load", step, path) the slot's weights (a file, or an adapter directory), ("push", step) the weights the
-    trainer is pushing over the group, which ("devices",) and ("join", None, backend, port, secret, world,
+    trainer is pushing over the group, ("delta", step) a delta push over it (answered ("loaded", s, rss, status):
+    a status other than "ok" loaded nothing), which ("devices",) and ("join", None, backend, port, secret, world,
     timeout_s) set up (the group's store on `trainer_host`, admitting those holding `secret`); ("sample", step,
     kwargs)."""
     engine = VllmEngine(**spec["engine"])
@@ -411,6 +444,10 @@ def start(spec: dict, trainer_host: str = HOST):
 
     def handle(message: tuple) -> tuple:
         kind = message[0]
+        if kind == "delta":
+            t0 = time.time()
+            rss, status = engine.load_delta([name for name, _ in spec["layout"]])
+            return ("loaded", time.time() - t0, rss, status)
         if kind in ("load", "push"):
             t0 = time.time()
             rss = engine.load_slot(message[2], spec["layout"], dtype) if kind == "load" else engine.load_pushed()
@@ -438,7 +475,7 @@ def trainer_host(fd: int) -> str:
 
 def main(fd: int) -> int:
     host = trainer_host(fd)
-    return serve(fd, lambda spec: start(spec, host), syncs=("load", "push"))
+    return serve(fd, lambda spec: start(spec, host), syncs=("load", "push", "delta"))
 
 
 if __name__ == "__main__":
