@@ -789,3 +789,20 @@ def test_the_console_table_fits_the_terminal_with_every_number_whole(tmp_path, w
     wide = Console(width=width, file=io.StringIO(), force_terminal=False)
     print_report(result, wide, wide=True)
     assert "clip low / high" in wide.file.getvalue() or "clip low" in wide.file.getvalue()
+
+
+def test_the_table_counts_kl_old_spikes_and_the_routing_mismatch(tmp_path):
+    """`kl/old > 0.1`: the runs with a training step past 0.1 (of those that logged kl/old) and their steps in all;
+    `routing mismatch`: the mean share of (token, layer) expert sets the sampler and the trainer disagree on."""
+    from gspo.results.report import COLUMNS
+
+    make_run(tmp_path / "a", seed=0, steps=6, extra={"kl/old": 0.5, "rollout/routing_mismatch": 0.04})
+    make_run(tmp_path / "b", seed=1, steps=6, extra={"rollout/routing_mismatch": 0.06})  # kl/old 1e-3: no spike
+    make_run(tmp_path / "c", algo="gspo", seed=0, steps=6)  # no routing mismatch logged: "—"
+    rows = {r["group"]: r for r in compare([tmp_path], plot=False).rows}
+    cells = dict(COLUMNS)
+    grpo = next(r for g, r in rows.items() if "grpo" in g)
+    gspo = next(r for g, r in rows.items() if "gspo" in g)
+    assert cells["kl/old > 0.1"](grpo) == "1/2 (6 steps)"
+    assert cells["routing mismatch"](grpo) == "5%±1.41%" and cells["routing mismatch"](gspo) == "—"  # mean ± std
+    assert cells["kl/old > 0.1"](gspo) == "0/1 (0 steps)"

@@ -33,9 +33,8 @@ import numpy as np
 from gspo.results.groups import CompareResult, Group, Pairwise, Stat
 from gspo.results.report import print_report, write_markdown  # noqa: F401  (print_report: part of this module's API)
 from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of this module's API)
-    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, GROUPS_DRAWN, KL_OLD, LOSS, MISMATCH_KL, RATIO_MAX,
-    REWARD,
-    REWARD_STD, ROUTING, STEP_S, VALUE_CLIP, VALUE_LOSS, VALUE_MEAN, BrokenRun,
+    _MISSING, ACC, CLIP, CLIP_HIGH, CLIP_LOW, EXPLAINED_VAR, EVAL_N, GROUPS_DRAWN, KL_OLD, KL_SPIKE, LOSS, MISMATCH_KL,
+    RATIO_MAX, REWARD, REWARD_STD, ROUTING, ROUTING_MISMATCH, STEP_S, VALUE_CLIP, VALUE_LOSS, VALUE_MEAN, BrokenRun,
     CompareError,
     Run, _flatten, _looks_like_run, load_runs, lookup,
 )
@@ -300,6 +299,13 @@ def final_outcomes(run: Run) -> tuple[str, list[bool]] | None:
     return last["problems"], [c == "1" for c in last["correct"]]
 
 
+def spikes(run: Run) -> float | None:
+    """The training steps whose kl/old passed KL_SPIKE; None where the run logged no kl/old."""
+    s, v = run.series(KL_OLD)
+    v = v[(s >= 1) & np.isfinite(v)]
+    return float((v > KL_SPIKE).sum()) if len(v) else None
+
+
 def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
     """One run's statistics, as the table shows them: base / final / best held-out accuracy (final and best
     after step 0), the first step at `target` accuracy, the reward over its last 10% of steps, and the means
@@ -346,7 +352,9 @@ def run_stats(run: Run, target: float | None) -> dict[str, float | None]:
         "kl_old": train_mean(KL_OLD),
         "ratio_max": train_max(RATIO_MAX),
         "mismatch_kl": train_mean(MISMATCH_KL),
+        "routing_mismatch": train_mean(ROUTING_MISMATCH),
         "routing_volatility": train_mean(ROUTING),
+        "kl_spikes": spikes(run),
         "step_s": train_mean(STEP_S),
         "completions": completions_sampled(run),
         "value_loss": train_mean(VALUE_LOSS),
@@ -396,6 +404,9 @@ def summarize_group(group: Group, target: float | None) -> dict[str, Any]:
         "partial": sum(r.partial for r in group.runs),
         "collapsed": sum(r.collapse is not None for r in group.runs),
     }
+    counted = [s["kl_spikes"] for s in stats if s["kl_spikes"] is not None]
+    # runs with at least one spike, of those that logged kl/old (a count Fisher's exact test takes), and their steps
+    row["spiked"] = (sum(c > 0 for c in counted), len(counted), int(sum(counted))) if counted else None
     for key in stats[0]:
         row[key] = Stat.of(s[key] for s in stats)
     row["final_by_seed"] = sorted(((r.seed, s["final_acc"]) for r, s in zip(group.runs, stats)

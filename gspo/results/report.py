@@ -58,7 +58,10 @@ COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("clip low / high", _low_high),
     ("kl/old", lambda r: _fmt(r["kl_old"], "{:.3g}".format)),
     ("max ratio", lambda r: _fmt(r["ratio_max"], "{:.3g}".format)),
+    ("kl/old > 0.1", lambda r: "—" if not r.get("spiked") else
+     f"{r['spiked'][0]}/{r['spiked'][1]} ({r['spiked'][2]} steps)"),
     ("mismatch KL", lambda r: _fmt(r["mismatch_kl"], "{:.3g}".format)),
+    ("routing mismatch", lambda r: _fmt(r["routing_mismatch"], _pct)),
     ("routing vol.", lambda r: _fmt(r["routing_volatility"], _pct)),
     ("s/step", lambda r: _fmt(r["step_s"], "{:.3g}".format)),
     ("completions", lambda r: _fmt(r["completions"], "{:,.0f}".format)),
@@ -82,7 +85,10 @@ LEGEND = ("a±b: mean ± sample std over seeds; [lo, hi]: 95% confidence interva
           "best acc: its highest after step 0 (the step-0 base is not counted); final reward: mean "
           "reward/mean over a run's last 10% of steps; clip/frac, clip low / high, kl/old, routing vol., "
           "s/step: mean over training steps; mismatch KL: mean rollout/mismatch_kl, k3 KL(sampler ‖ trainer) per "
-          "token, over the steps that computed it; max ratio: the largest policy/ratio_max of the run; "
+          "token, over the steps that computed it; kl/old > 0.1: the runs with a training step whose kl/old passed "
+          "0.1 (of the runs that logged it) and how many such steps they had in all; routing mismatch: mean "
+          "rollout/routing_mismatch, the share of (token, layer) expert sets on which the sampler's routing and "
+          "the trainer's disagree, over the steps that logged it; max ratio: the largest policy/ratio_max of the run; "
           "completions: the completions a run sampled over its training steps (groups drawn x group size: more "
           "than the batch where dynamic sampling redraws), mean over runs; machines: where the runs ran (CPU "
           "model, vendor family/model/stepping, its widest float unit; the GPU where there was one; summary.json's "

@@ -25,6 +25,10 @@ KL_REF, KL_OLD, ENTROPY = "kl/ref", "kl/old", "policy/entropy"
 LENGTH, ROUTING, STEP_S = "response/len_mean", "moe/routing_volatility", "time/step_s"
 RATIO_MAX = "policy/ratio_max"
 MISMATCH_KL = "rollout/mismatch_kl"  # k3 KL(sampler ‖ trainer) per token, on the steps that computed both
+ROUTING_MISMATCH = "rollout/routing_mismatch"  # share of (token, layer) expert sets the sampler and trainer disagree on
+# a step whose kl/old passes this is a spike: the old policy and the updated one disagree on some tokens by far more
+# than a minibatch's step (the MoE study's measure of GRPO's token-level swings, docs/results/smollm2-moe.md)
+KL_SPIKE = 0.1
 GROUPS_DRAWN = "sampling/groups_drawn"  # groups a step sampled, where it sampled more than one batch (dynamic sampling)
 # PPO's critic (algo=ppo): tabulated by `gspo compare` when a run logs them
 VALUE_LOSS, EXPLAINED_VAR, VALUE_MEAN, VALUE_CLIP = ("critic/value_loss", "critic/explained_variance",
