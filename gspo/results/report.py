@@ -59,7 +59,7 @@ COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("kl/old", lambda r: _fmt(r["kl_old"], "{:.3g}".format)),
     ("max ratio", lambda r: _fmt(r["ratio_max"], "{:.3g}".format)),
     ("kl/old > 0.1", lambda r: "—" if not r.get("spiked") else
-     f"{r['spiked'][0]}/{r['spiked'][1]} ({r['spiked'][2]} steps)"),
+     f"{r['spiked'][0]}/{r['spiked'][1]} ({r['spiked'][2]} step{'' if r['spiked'][2] == 1 else 's'})"),
     ("mismatch KL", lambda r: _fmt(r["mismatch_kl"], "{:.3g}".format)),
     ("routing mismatch", lambda r: _fmt(r["routing_mismatch"], _pct)),
     ("routing vol.", lambda r: _fmt(r["routing_volatility"], _pct)),
