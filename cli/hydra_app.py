@@ -20,9 +20,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gspo.config.errors import ConfigError, RunFailed
 from gspo.config.loading import _register_resolvers, load_run_config, resume_overrides
 from gspo.config.schema import CONF_DIR, register_configs
+from gspo.core.errors import ConfigError, RunFailed
 
 register_configs()
 _register_resolvers()
@@ -48,7 +48,9 @@ def hydra_train(cfg: DictConfig) -> float:
 
 
 def _train_job(cfg: DictConfig, hc) -> float:
-    from gspo.train import checkpointer, distributed, launcher, preemption, resume, rundir, sweep
+    from gspo.train.loop import checkpointer
+    from gspo.train.ranks import distributed, launcher
+    from gspo.train.run import preemption, resume, rundir, sweep
 
     run_dir, before, requeued = Path(hc.runtime.output_dir), None, False
     if cfg.resume:  # continue the stopped run in its own directory, with its own config
@@ -85,10 +87,10 @@ def _train_job(cfg: DictConfig, hc) -> float:
             warning = resume.numbers_warning(entry)
             if warning:
                 print(warning, file=sys.stderr, flush=True)
-        if launch:  # a worker's failure comes back as one line (gspo/train/failures.py)
+        if launch:  # a worker's failure comes back as one line (gspo/train/run/failures.py)
             summary = launcher.launch(cfg, run_dir)
         else:
-            from gspo.train.trainer import train  # (not in a launcher: its workers import it, ~2 CPU-s each)
+            from gspo.train.loop.trainer import train  # (not in a launcher: its workers import it, ~2 CPU-s each)
 
             summary = train(cfg, run_dir)
     if not launch:

@@ -17,12 +17,12 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from gspo.config.checks import check_machine, ignored_override, run_config_file
-from gspo.config.errors import ConfigError, RunFailed, tidy_warnings
+from gspo.core.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.loading import (_explain, compose, load_run_config, quote_tool_lists, resume_overrides, resume_target,
                                  sweep_combinations)
 from gspo.config.schema import GROUPS, group_options
-from gspo.train import rundir, sweep
-from gspo.train.resume import check as check_resume
+from gspo.train.run import rundir, sweep
+from gspo.train.run.resume import check as check_resume
 
 
 def _groups_help() -> str:
@@ -117,8 +117,8 @@ def _runs_here(overrides: list[str]) -> bool:
 
 def _check_before_work(overrides: list[str], hydra_flags: list[str], multirun: bool) -> list:
     """Every check that needs no work, for each job; raises ConfigError. Returns the jobs' configs."""
-    from gspo.train.checks import check, used_only_when  # imports torch and the registries: not for `gspo --help`
-    from gspo.train.distributed import check as check_distributed
+    from gspo.train.preflight import check, used_only_when  # imports torch and the registries: not for `gspo --help`
+    from gspo.train.ranks.distributed import check as check_distributed
 
     resume = resume_target(overrides)
     if resume and multirun:
@@ -158,7 +158,7 @@ def _sweep_jobs(overrides: list[str], cfgs: list) -> tuple[list[str], list[str]]
 
 def distributed_main() -> bool:
     """This process speaks for the run (not a rank > 0 of a torchrun started by hand)."""
-    from gspo.train.launcher import is_main_process
+    from gspo.train.ranks.launcher import is_main_process
 
     return is_main_process()
 
@@ -166,7 +166,7 @@ def distributed_main() -> bool:
 def _say_what_the_preset_does(overrides: list[str], cfg) -> None:
     """`+experiment=NAME`: one or two lines on what it switched on beyond the defaults."""
     from gspo.config.loading import preset_summary
-    from gspo.rollout.sampler import old_logprobs_mode
+    from gspo.rollout.decoding.sampler import old_logprobs_mode
 
     summary = preset_summary(overrides, cfg)
     if summary:
@@ -286,8 +286,8 @@ def vllm_serve(
     port: int = typer.Option(8765, help="The port to listen on (0: one the system picks, printed)."),
     threads: Optional[int] = typer.Option(None, help="The engine's threads on a CPU (default: this host's cores)."),
 ) -> None:
-    from gspo.rollout import engine
-    from gspo.rollout.engine_server import serve_runs
+    from gspo.rollout.engine import client as engine
+    from gspo.rollout.engine.server import serve_runs
 
     if not engine.installed():
         _fail(f"vLLM is not installed in this environment; on a CPU: {engine.INSTALL_CPU}; on a GPU: "

@@ -16,9 +16,9 @@ import torch
 from gspo.config.loading import compose
 from gspo.models.build import load_pretrained
 from gspo.tasks import build_task
-from gspo.rollout.params import SamplingParams
-from gspo.train.heldout import evaluate, heldout_problems
-from gspo.train.warm_start import base_model
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.train.evaluation.heldout import evaluate, heldout_problems
+from gspo.train.start.warm_start import base_model
 
 
 def main(threads: int, overrides: list[str]) -> dict:

@@ -216,7 +216,7 @@ def qwen3_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int
 def prepare_model(a) -> Path:
     """The checkpoint directory of the variant's model (built once, cached), loaded by both trainers by path.
 
-    toy:   gspo's own warm-started tiny Qwen3-MoE (`gspo.train.warm_start.base_model`, default model preset).
+    toy:   gspo's own warm-started tiny Qwen3-MoE (`gspo.train.start.warm_start.base_model`, default model preset).
     long:  the same architecture (gspo's `qwen3-moe` preset), random weights, `never_ending_tokenizer`.
     vocab: Qwen3 dense, `--vocab-size` rows, `--layers` x `--hidden`, random weights, tied embeddings
            (as Qwen3-0.6B), `never_ending_tokenizer` filled to the vocabulary.
@@ -230,7 +230,7 @@ def prepare_model(a) -> Path:
     base_cfg = compose([f"cache_dir={CACHE}", f"rollout.max_new_tokens={a.max_new_tokens}", *a.model_override])
     task = build_task(base_cfg.task)
     if kind == "toy":
-        from gspo.train.warm_start import base_model
+        from gspo.train.start.warm_start import base_model
 
         return base_model(base_cfg, task).resolve()
     if kind == "long":

@@ -8,8 +8,8 @@ x G=8 = 32 rows, 32 new tokens, float32), in one process, the sides alternating 
             (q, k, v, o, gate, up, down, the shapes read off the model's own weights, so any dense Llama, Qwen2,
             Qwen3 or Mistral) and the LM head, x a (rows, in_features) float32 input, W the model's own weight
             tensor: nothing else (no norms, RoPE, attention, KV cache, biases, draws);
-  fast      gspo's decode step as `rollout.engine=fast` runs it (gspo/rollout/fast_decode.py): the sampler
-            itself, `gspo.rollout.generate.generate()`, samples the prompts and every call of its
+  fast      gspo's decode step as `rollout.engine=fast` runs it (gspo/rollout/decoding/fast_decode.py): the sampler
+            itself, `gspo.rollout.decoding.generate.generate()`, samples the prompts and every call of its
             `_Forward.step` is timed, by a wrapper this script installs on that method (no product code
             changes). One call per token after the first: the engine's `FastDecoder.step` (embedding, 30
             layers, final norm, LM head) and the float cast of its logits. The prefill (`_Forward.prefill`,
@@ -62,9 +62,9 @@ import torch
 import torch.nn.functional as F
 
 import bench_common as bc
-from gspo.rollout import fast_decode
-from gspo.rollout import generate as gen_mod
-from gspo.rollout.params import SamplingParams
+from gspo.rollout.decoding import fast_decode
+from gspo.rollout.decoding import generate as gen_mod
+from gspo.rollout.decoding.params import SamplingParams
 
 TINY = {  # dense presets for a quick check, random weights, built in memory (the qwen3-tiny preset's shape)
     "tiny-llama": dict(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=192),

@@ -47,7 +47,7 @@ from bench_common import (
 )
 from bench_workers import gspo_side, trl_side
 
-from gspo.rollout.fast_decode import FastDecoder, resolve
+from gspo.rollout.decoding.fast_decode import FastDecoder, resolve
 
 HERE = Path(__file__).resolve()
 
@@ -71,7 +71,7 @@ def sample(model, ids: torch.Tensor, mask: torch.Tensor, max_new: int, eos: int,
            temperature: float, gen: torch.Generator, engine: str = "hf") -> tuple[torch.Tensor, torch.Tensor]:
     """(completion ids (N, T'), completion mask (N, T'): 1 up to and including each row's first EOS).
 
-    `engine` `fast`: the decode steps through gspo's fast engine (gspo/rollout/fast_decode.py), as gspo's
+    `engine` `fast`: the decode steps through gspo's fast engine (gspo/rollout/decoding/fast_decode.py), as gspo's
     sampler runs them under `rollout.engine=fast`, so the floor stays the plainest code on the same engine.
     """
     n, p = ids.shape

@@ -8,7 +8,7 @@ filled to the vocabulary, with an EOS one past it, so every completion runs to f
          32 heads / 4 kv heads, head_dim 128, vocab 151,936
 Measurements (`--parts`), one table each, all of them also in a JSON file (`--out`), written
 after every measurement so a run cut short still returns what it finished:
-  rollout   tokens/s of gspo's sampler (`gspo.rollout.generate.generate`) and of `model.generate()`:
+  rollout   tokens/s of gspo's sampler (`gspo.rollout.decoding.generate.generate`) and of `model.generate()`:
             same model, same left-padded batch, same lengths, sampling at temperature 1
   step      time per RL step: `gspo train hardware=gpu model=hf model.path=DIR ...` vs TRL's
             GRPOTrainer with the same GSPO settings, bf16 weights on both, alternating subprocesses
@@ -128,8 +128,8 @@ def completion_tokens(comp: torch.Tensor, eos: int) -> int:
 
 def bench_rollout(model, tok, a) -> dict:
     """gspo's sampler vs `model.generate()` on the same batch: median seconds per call, tokens/s, peak memory."""
-    from gspo.rollout.generate import encode_prompts, generate, left_pad
-    from gspo.rollout.params import SamplingParams
+    from gspo.rollout.decoding.generate import encode_prompts, generate, left_pad
+    from gspo.rollout.decoding.params import SamplingParams
 
     prompts = [p.prompt for p in problems_for(a)]
     encoded = encode_prompts(tok, prompts)
@@ -151,7 +151,7 @@ def bench_rollout(model, tok, a) -> dict:
         return int(generate(model, tok, prompts, a.group, SamplingParams(a.max_new_tokens, compile=True))
                    .completion_mask.sum())
 
-    def gspo_fast() -> int:  # gspo/rollout/fast_decode.py: `rollout.engine=fast`
+    def gspo_fast() -> int:  # gspo/rollout/decoding/fast_decode.py: `rollout.engine=fast`
         return int(generate(model, tok, prompts, a.group, SamplingParams(a.max_new_tokens, engine="fast"))
                    .completion_mask.sum())
 
@@ -204,9 +204,9 @@ def bench_decode(name: str, a) -> dict:
     routing), eager against graph row by row. A mode this machine cannot run (graph without CUDA) is skipped, said.
     """
     from gspo.models import moe
-    from gspo.rollout import static_decode
-    from gspo.rollout.generate import generate
-    from gspo.rollout.params import SamplingParams
+    from gspo.rollout.decoding import static_decode
+    from gspo.rollout.decoding.generate import generate
+    from gspo.rollout.decoding.params import SamplingParams
 
     about, shape, moe_cfg = (TINY if a.tiny else MODELS)[name]
     model, tok = random_model(shape, DECODE_ALPHABET, a.seed, DTYPES[a.dtype], a.device, moe_cfg)
@@ -304,9 +304,9 @@ def decode_check(a) -> dict:
     top-p 0.9, the top-2 kept (what tests/test_fast_decode.py's GPU tests check, without their dependencies)."""
     import transformers
 
-    from gspo.rollout import static_decode
-    from gspo.rollout.generate import generate
-    from gspo.rollout.params import SamplingParams
+    from gspo.rollout.decoding import static_decode
+    from gspo.rollout.decoding.generate import generate
+    from gspo.rollout.decoding.params import SamplingParams
 
     out = {}
     for family, (config, causal, extra) in FAMILIES.items():
@@ -355,7 +355,7 @@ def replay_logprobs(model, rollout) -> torch.Tensor:
     """Log-probs (N, T) of the rollout's completion tokens computed the way the sampler computes them:
     a prefill of the prompt, then one token at a time over the KV cache (float32 log-softmax of each
     step's last logits). Used when the Rollout carries no sampler log-probs of its own."""
-    from gspo.rollout.generate import position_ids
+    from gspo.rollout.decoding.generate import position_ids
 
     p, comp = rollout.prompt_len, rollout.completion_ids
     n, t = comp.shape
@@ -394,9 +394,9 @@ def mismatch_stats(sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Ten
 
 
 def bench_mismatch(model_dir: Path, a) -> dict:
-    """Sample a batch with gspo's sampler, then compare its log-probs with `gspo.rollout.generate.token_logprobs`."""
-    from gspo.rollout.generate import generate, token_logprobs
-    from gspo.rollout.params import SamplingParams
+    """Sample a batch with gspo's sampler, then compare its log-probs with `gspo.rollout.decoding.generate.token_logprobs`."""
+    from gspo.rollout.decoding.generate import generate, token_logprobs
+    from gspo.rollout.decoding.params import SamplingParams
 
     prompts = [p.prompt for p in problems_for(a)]
     out = {}

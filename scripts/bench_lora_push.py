@@ -3,7 +3,7 @@
 Each round runs each mode in a fresh process (`python scripts/bench_lora_push.py push SPEC.json`), the order
 reversed every other round: the model's base saved once (a tiny preset: random weights; model=hf / smollm2: the
 checkpoint, a GGUF dequantized into --cache-dir), adapters on it (model.lora.*, rank --rank), and the engine process
-gspo starts for a run (gspo/rollout/engine.py `EngineProcess`) with that mode's settings. Then --pushes updates,
+gspo starts for a run (gspo/rollout/engine/client.py `EngineProcess`) with that mode's settings. Then --pushes updates,
 each: the adapters' factors moved, the push timed (the trainer's write into /dev/shm and the engine's load: what
 time/weight_sync_s measures), then one rollout of --prompts x --group completions of --max-new-tokens tokens timed
 (an adapter is applied at every token the engine computes: that cost belongs beside the push's). The first push
@@ -55,11 +55,11 @@ def push_worker(spec: dict) -> dict:
     from gspo.config.loading import compose
     from gspo.models import adapters
     from gspo.models.build import build_model, char_tokenizer, load_pretrained
-    from gspo.rollout import engine
-    from gspo.rollout.generate import stop_ids, token_logprobs
-    from gspo.rollout.params import SamplingParams
-    from gspo.rollout.slots import layout_of
-    from gspo.train.warm_start import base_model
+    from gspo.rollout.decoding.generate import stop_ids, token_logprobs
+    from gspo.rollout.decoding.params import SamplingParams
+    from gspo.rollout.engine import client as engine
+    from gspo.rollout.engine.slots import layout_of
+    from gspo.train.start.warm_start import base_model
 
     torch.set_num_threads(spec["threads"])
     cfg = compose(overrides(spec))

@@ -33,8 +33,8 @@ def check(model_type: str) -> tuple[str, str]:
 
     from gspo.models.build import char_tokenizer, choose_attention, normalise_config
     from gspo.models.logprobs import check_head
-    from gspo.rollout.generate import encode_prompts, generate, left_pad, position_ids, token_logprobs
-    from gspo.rollout.params import SamplingParams
+    from gspo.rollout.decoding.generate import encode_prompts, generate, left_pad, position_ids, token_logprobs
+    from gspo.rollout.decoding.params import SamplingParams
 
     tok = char_tokenizer(tf.ALPHABET)
     try:

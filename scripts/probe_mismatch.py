@@ -33,15 +33,15 @@ from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
 from gspo.config.loading import compose
 from gspo.models import moe
 from gspo.models.build import load_pretrained
-from gspo.rollout import engine
-from gspo.rollout.generate import token_logprobs
-from gspo.rollout.params import SamplingParams
-from gspo.rollout.rollouts import rollout
-from gspo.rollout.sampler import Sampler
+from gspo.rollout.decoding.generate import token_logprobs
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.rollout.decoding.rollouts import rollout
+from gspo.rollout.decoding.sampler import Sampler
+from gspo.rollout.engine import client as engine
 from gspo.tasks import build_task
 from gspo.tasks.rewards import score
-from gspo.train import distributed
-from gspo.train.warm_start import base_model
+from gspo.train.ranks import distributed
+from gspo.train.start.warm_start import base_model
 
 CLIP_RANGES = {"gspo_paper": (3e-4, 4e-4), "gspo_wide": (3e-3, 4e-3), "grpo": (0.2, 0.2)}
 

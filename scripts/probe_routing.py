@@ -28,10 +28,10 @@ import torch
 from gspo.config.loading import compose
 from gspo.models import moe
 from gspo.models.build import load_pretrained
-from gspo.rollout.generate import generate, token_logprobs
-from gspo.rollout.params import SamplingParams
+from gspo.rollout.decoding.generate import generate, token_logprobs
+from gspo.rollout.decoding.params import SamplingParams
 from gspo.tasks import build_task
-from gspo.train.warm_start import base_model
+from gspo.train.start.warm_start import base_model
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ Usage (repository root, in the venv; nothing else running, as for every benchmar
   python scripts/profile_step.py --steps 10 --gspo "+experiment=moe_long algo=grpo rollout.old_logprobs=recompute \\
       algo.beta=0 hardware.threads=1 eval.every=0"
 
-The timers wrap functions of the loop by name (gspo/train/trainer.py, gspo/rollout/batch.py, the MoE component); a
+The timers wrap functions of the loop by name (gspo/train/loop/trainer.py, gspo/rollout/batch.py, the MoE component); a
 renamed function fails this script at start, and its smoke test (tests/test_bench.py) with it.
 """
 
@@ -36,28 +36,28 @@ import torch
 # True / False counts a call only with autograd on / off (one function serves the old-policy pass and the update's
 # forwards), None every call. A label with two parents is two rows.
 PARTS = [
-    ("rollout", None, "gspo.train.setup", "collect", None),
-    ("generate", "rollout", "gspo.rollout.decoding", "generate", None),
-    ("prefill (one per prompt group)", "generate", "gspo.rollout.generate", "_prefill_once_per_group", None),
-    ("decode steps (fast engine)", "generate", "gspo.rollout.fast_decode", "FastDecoder.step", None),
-    ("LM head (decode)", "decode steps (fast engine)", "gspo.rollout.fast_decode", "FastDecoder.head", None),
-    ("draws: softmax over V, inverse CDF", "generate", "gspo.rollout.generate", "_sample", None),
+    ("rollout", None, "gspo.train.loop.setup", "collect", None),
+    ("generate", "rollout", "gspo.rollout.decoding.decoder", "generate", None),
+    ("prefill (one per prompt group)", "generate", "gspo.rollout.decoding.generate", "_prefill_once_per_group", None),
+    ("decode steps (fast engine)", "generate", "gspo.rollout.decoding.fast_decode", "FastDecoder.step", None),
+    ("LM head (decode)", "decode steps (fast engine)", "gspo.rollout.decoding.fast_decode", "FastDecoder.head", None),
+    ("draws: softmax over V, inverse CDF", "generate", "gspo.rollout.decoding.generate", "_sample", None),
     ("scoring (task verifier, reward)", "rollout", "gspo.rollout.batch", "timeouts.call", None),
-    ("update", None, "gspo.train.trainer", "_update", None),
-    ("no-grad passes (old policy, reference, mismatch check)", "update", "gspo.train.trainer", "token_logprobs", False),
+    ("update", None, "gspo.train.loop.trainer", "_update", None),
+    ("no-grad passes (old policy, reference, mismatch check)", "update", "gspo.train.loop.trainer", "token_logprobs", False),
     ("LM head log-probs (no grad)", "no-grad passes (old policy, reference, mismatch check)", "gspo.models.logprobs",
      "selected_logprobs", False),
-    ("minibatch forwards (with grad)", "update", "gspo.train.trainer", "token_logprobs", True),
+    ("minibatch forwards (with grad)", "update", "gspo.train.loop.trainer", "token_logprobs", True),
     ("LM head log-probs + entropy (forward)", "minibatch forwards (with grad)", "gspo.models.logprobs",
      "selected_logprobs", True),
     ("backward", "update", "torch", "Tensor.backward", None),
     ("LM head log-probs (backward)", "backward", "gspo.models.logprobs", "_LinearLogProbs.backward", None),
     ("optimizer step", "update", "torch.optim", "AdamW.step", None),
     ("gradient clipping", "update", "torch.nn.utils", "clip_grad_norm_", None),
-    ("policy loss and its statistics", "update", "gspo.train.trainer", "policy_loss", None),
-    ("MoE: minibatch routing statistics", "update", "gspo.train.moe_step", "_Minibatch.stats", None),
-    ("MoE: load-balancing loss", "update", "gspo.train.moe_step", "_Minibatch.aux_loss", None),
-    ("MoE: routing statistics of the updated policy", "update", "gspo.train.moe_step", "_MoE.end_step", None),
+    ("policy loss and its statistics", "update", "gspo.train.loop.trainer", "policy_loss", None),
+    ("MoE: minibatch routing statistics", "update", "gspo.train.loop.moe_step", "_Minibatch.stats", None),
+    ("MoE: load-balancing loss", "update", "gspo.train.loop.moe_step", "_Minibatch.aux_loss", None),
+    ("MoE: routing statistics of the updated policy", "update", "gspo.train.loop.moe_step", "_MoE.end_step", None),
 ]
 TOP = {"collect", "_update"}  # the two halves of the timed step: the other timers count only inside them
 
@@ -105,13 +105,13 @@ def _owner(module: str, attr: str):
 
 # (label, where the function lives, its attribute): the phases whose peak RSS --memory reports, in run order
 MEMORY_PARTS = [
-    ("loading the model", "gspo.train.setup", "load_pretrained"),
-    ("held-out evaluation", "gspo.train.evaluator", "Evaluator.run"),
-    ("rollout", "gspo.train.setup", "collect"),
-    ("update", "gspo.train.trainer", "_update"),
+    ("loading the model", "gspo.train.loop.setup", "load_pretrained"),
+    ("held-out evaluation", "gspo.train.evaluation.evaluator", "Evaluator.run"),
+    ("rollout", "gspo.train.loop.setup", "collect"),
+    ("update", "gspo.train.loop.trainer", "_update"),
     ("update: backward", "torch", "Tensor.backward"),
     ("update: optimizer step", "torch.optim", "AdamW.step"),
-    ("checkpoint save", "gspo.train.checkpointer", "Checkpointer.save"),
+    ("checkpoint save", "gspo.train.loop.checkpointer", "Checkpointer.save"),
 ]
 
 
@@ -169,8 +169,8 @@ class Memory:
         for label, module, attr in MEMORY_PARTS:
             owner, name = _owner(module, attr)
             setattr(owner, name, self.wrap(label, getattr(owner, name)))
-        import gspo.train.setup as setup_module
-        import gspo.train.trainer as trainer_module
+        import gspo.train.loop.setup as setup_module
+        import gspo.train.loop.trainer as trainer_module
 
         build = setup_module.setup
 

@@ -34,7 +34,7 @@ import torch
 
 from gspo.config.loading import compose
 from gspo.tasks import build_task
-from gspo.train.warm_start import base_model
+from gspo.train.start.warm_start import base_model
 
 ALGOS = ["dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "gpg", "topr", "reinforce_plus_plus",
          "reinforce_plus_plus_baseline", "passk", "grpo_passk", "ppo", "rloo"]

@@ -11,17 +11,17 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.config.schema import LoraConfig
+from gspo.core.errors import ConfigError
 from gspo.models import adapters, moe
 from gspo.models.build import build_model, char_tokenizer
-from gspo.rollout.generate import generate, token_logprobs
-from gspo.rollout.params import SamplingParams
+from gspo.rollout.decoding.generate import generate, token_logprobs
+from gspo.rollout.decoding.params import SamplingParams
 from gspo.tasks import build_task
-from gspo.train import checkpoint
-from gspo.train.checks import check
-from gspo.train.trainer import train
+from gspo.train.loop.trainer import train
+from gspo.train.preflight import check
+from gspo.train.run import checkpoint
 
 # the tiny shapes of conftest.tiny: hidden 32, 2 heads x 16 (q: 32 wide), 1 kv head x 16, 2 layers
 H, Q, KV, LAYERS, E, I_MOE, I_DENSE = 32, 32, 16, 2, 8, 32, 64
@@ -169,7 +169,7 @@ def test_the_adapter_pushed_to_an_engine_is_the_trainers_as_peft_saves_it(tmp_pa
 
 def test_lora_and_full_runs_share_the_warm_started_base(cache_dir):
     """The warm-start cache key leaves model.lora out: a LoRA run and a full run start from the same weights."""
-    from gspo.train.warm_start import _base_key
+    from gspo.train.start.warm_start import _base_key
 
     full = compose(tiny(cache_dir))
     assert _base_key(full) == _base_key(compose(tiny(cache_dir, **{"model.lora.r": 8, "model.lora.alpha": 4})))
@@ -202,8 +202,8 @@ def rollout_for(model, tokenizer, cfg):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, cache_dir):
     """A 2-step LoRA run on the tiny MoE with the KL term on, no copy of the model allowed, merged export at the end."""
-    import gspo.train.setup as setup
-    import gspo.train.trainer as trainer
+    import gspo.train.loop.setup as setup
+    import gspo.train.loop.trainer as trainer
 
     run_dir = tmp_path_factory.mktemp("lora")
     seen = []
@@ -278,7 +278,7 @@ def test_eval_and_compare_work_on_a_lora_run(lora_run):
 
 def test_resume_of_a_lora_run_continues_exactly(tmp_path, cache_dir):
     """2 steps, stop, resume to 3 == 3 steps straight: same adapter, same metrics."""
-    from gspo.train.trainer import train
+    from gspo.train.loop.trainer import train
 
     over = {"model.lora.r": 4, "model": "qwen3-tiny", "train.lr": 0.05}
     train(compose(tiny(cache_dir, **over, **{"train.steps": 3})), tmp_path / "straight")
@@ -293,7 +293,7 @@ def test_resume_of_a_lora_run_continues_exactly(tmp_path, cache_dir):
 
 
 def test_gradient_checkpointing_still_reaches_the_adapters(tmp_path, cache_dir, captured):
-    from gspo.train.trainer import train
+    from gspo.train.loop.trainer import train
 
     over = {"model.lora.r": 4, "model.gradient_checkpointing": True, "train.steps": 1, "train.lr": 0.05}
     assert train(compose(tiny(cache_dir, **over)), tmp_path)["status"] == "finished"
@@ -306,7 +306,7 @@ def test_lora_on_two_ranks_computes_what_one_process_computes(strategy, tmp_path
     """GRPO with the KL term (reference = adapters off) and LoRA: 2 gloo ranks == 1 process, adapter for adapter."""
     from test_distributed import assert_adam_close, cli, jsonl, small
 
-    from gspo.train.trainer import train
+    from gspo.train.loop.trainer import train
 
     over = small(cache_dir, **{"model.lora.r": 4, "train.lr": 0.05})
     train(compose(over), tmp_path / "one")
@@ -329,7 +329,7 @@ def test_a_run_saved_before_these_keys_existed_still_loads(tmp_path, cache_dir):
 
     from gspo.config.loading import load_run_config
     from gspo.results.evaluate import run_eval
-    from gspo.train.trainer import train
+    from gspo.train.loop.trainer import train
 
     train(compose(tiny(cache_dir, model="qwen3-tiny", **{"train.steps": 1})), tmp_path)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())

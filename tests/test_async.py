@@ -21,11 +21,11 @@ import torch
 from conftest import alive_of_this_test, child_env, tiny
 from safetensors.torch import load_file
 
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
-from gspo.train import checkpoint
-from gspo.train.checks import check
-from gspo.train.trainer import train
+from gspo.core.errors import ConfigError
+from gspo.train.loop.trainer import train
+from gspo.train.preflight import check
+from gspo.train.run import checkpoint
 
 pytestmark = pytest.mark.usefixtures("tag")
 
@@ -98,7 +98,7 @@ def test_the_staleness_is_exact(tmp_path, cache_dir):
     rewards and lengths exactly."""
     from gspo.models.build import load_pretrained
     from gspo.rollout.batch import Share, collect
-    from gspo.rollout.params import SamplingParams
+    from gspo.rollout.decoding.params import SamplingParams
     from gspo.rollout.source import version_of
     from gspo.tasks import build_task
 
@@ -128,14 +128,14 @@ def test_staleness_and_workers_are_checked_up_front(cache_dir):
     with pytest.raises(ConfigError, match="rollout.workers needs the full weights"):
         check(compose(["hardware=gpu-fsdp", "hardware.device=cpu", "hardware.backend=gloo", "rollout.workers=1"]))
     cfg = compose(["rollout.staleness=1"])
-    from gspo.rollout.sampler import old_logprobs_mode
+    from gspo.rollout.decoding.sampler import old_logprobs_mode
 
     assert old_logprobs_mode(cfg) == "recompute"  # a stale batch: the ratio against the current weights
 
 
 def stop_after(monkeypatch, step: int) -> None:
     """The stop request a SIGTERM makes, at the boundary after `step` (as preemption.StopSignals sees it)."""
-    from gspo.train import preemption
+    from gspo.train.run import preemption
 
     calls = []
     monkeypatch.setattr(preemption.StopSignals, "requested",

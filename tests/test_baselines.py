@@ -15,13 +15,14 @@ from conftest import tiny, tiny_reward_model
 from safetensors.torch import load_file
 
 from gspo.algos.advantages import compute_advantages
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 from gspo.config.loading import compose
-from gspo.train import checkpoint, distributed
-from gspo.train.checks import check
-from gspo.train.critic import CRITIC_FILE, Critic
-from gspo.train.reference import REFERENCE_FILE
-from gspo.train.trainer import train
+from gspo.train.run import checkpoint
+from gspo.train.ranks import distributed
+from gspo.train.preflight import check
+from gspo.train.loop.critic import CRITIC_FILE, Critic
+from gspo.train.loop.reference import REFERENCE_FILE
+from gspo.train.loop.trainer import train
 
 NOISY = ("time/", "throughput/", "eval/")  # eval/: a run cut at step 2 evaluates there (its last step)
 
@@ -70,7 +71,7 @@ def test_ppo_logs_the_critic_and_its_checkpoint_resumes_exactly(tmp_path, cache_
 def test_a_critic_warmup_trains_the_critic_alone_first(tmp_path, cache_dir):
     """verl's critic_warmup: during the first algo.critic.warmup steps the policy does not move, the critic does."""
     from gspo.tasks import build_task
-    from gspo.train.warm_start import base_model
+    from gspo.train.start.warm_start import base_model
 
     opts = tiny(cache_dir, algo="ppo", **{"algo.critic.warmup": 2, "train.steps": 3, "hardware.threads": 1,
                                           "train.checkpoint_every": 1, "train.keep_checkpoints": 3})
@@ -154,7 +155,7 @@ def test_reference_resets_move_the_reference_and_resume_exactly(tmp_path, cache_
                                            "train.checkpoint_every": 1, "hardware.threads": 1})
     assert_resume_is_exact(tmp_path, opts, (REFERENCE_FILE,))
     from gspo.tasks import build_task
-    from gspo.train.warm_start import base_model
+    from gspo.train.start.warm_start import base_model
 
     from gspo.models.build import load_pretrained
 
@@ -168,7 +169,7 @@ def test_reference_resets_count_the_policys_updates_not_a_critics_warm_up(tmp_pa
     """PPO with a critic warm-up of 1 step, 2 minibatches a step, steps 2 and 3 update the policy: those are its
     optimizer updates 1 to 4 (TRL's global_step), which algo.ref_model_sync_steps counts; the warm-up step moved
     no policy weight and counts none."""
-    from gspo.train.reference import RefSync
+    from gspo.train.loop.reference import RefSync
 
     seen = []
     monkeypatch.setattr(RefSync, "after_update", lambda self, policy, update: seen.append(update))

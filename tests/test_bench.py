@@ -28,8 +28,8 @@ import bench_gpu as bg  # noqa: E402
 import bench_workers as bw  # noqa: E402
 
 from gspo.config.loading import compose  # noqa: E402
-from gspo.rollout.generate import Rollout, generate, token_logprobs  # noqa: E402
-from gspo.rollout.params import SamplingParams
+from gspo.rollout.decoding.generate import Rollout, generate, token_logprobs  # noqa: E402
+from gspo.rollout.decoding.params import SamplingParams
 
 ALPHABET = "0123456789+="
 SHAPE = dict(vocab=64, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, tie=True)

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import bench_decode as bd  # noqa: E402
 
-from gspo.rollout import generate as gen  # noqa: E402
-from gspo.rollout.params import SamplingParams  # noqa: E402
+from gspo.rollout.decoding import generate as gen  # noqa: E402
+from gspo.rollout.decoding.params import SamplingParams  # noqa: E402
 
 ALPHABET = "0123456789+="
 

@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import save_file
 
 from gspo.config.loading import compose
-from gspo.train import checkpoint
-from gspo.train.checkpointer import Checkpointer, next_step
-from gspo.train.distributed import Dist
-from gspo.train.evaluator import Evaluator
+from gspo.train.evaluation.evaluator import Evaluator
+from gspo.train.loop.checkpointer import Checkpointer, next_step
+from gspo.train.ranks.distributed import Dist
+from gspo.train.run import checkpoint
 
 
 def test_checkpoints_every_checkpoint_every_steps_and_the_last(tmp_path, monkeypatch):

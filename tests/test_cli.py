@@ -14,9 +14,9 @@ from conftest import child_env, tiny
 from typer.testing import CliRunner
 
 from cli.main import TRAIN_EXAMPLES, app
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
-from gspo.train.trainer import train
+from gspo.core.errors import ConfigError
+from gspo.train.loop.trainer import train
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def test_config_error_inside_the_hydra_job_is_one_line_and_exit_2(in_tmp, monkey
     def refuses(cfg, run_dir):
         raise ConfigError("reward.fn=mine.py:score: raised KeyError on sample 3")
 
-    monkeypatch.setattr("gspo.train.trainer.train", refuses)
+    monkeypatch.setattr("gspo.train.loop.trainer.train", refuses)
     res = runner.invoke(app, ["train", *tiny(cache_dir)])
     one_line_exit_2(res, "reward.fn=mine.py:score")
 
@@ -69,7 +69,7 @@ def test_config_error_in_one_job_of_a_sweep_names_the_job(in_tmp, monkeypatch, c
             raise ConfigError("bad data for this seed")
         return {}
 
-    monkeypatch.setattr("gspo.train.trainer.train", refuses_seed_1)
+    monkeypatch.setattr("gspo.train.loop.trainer.train", refuses_seed_1)
     res = runner.invoke(app, ["train", "-m", "seed=0,1,2", *tiny(cache_dir)])
     line = one_line_exit_2(res, "bad data for this seed", "seed=1")
     assert "job 1" in line
@@ -79,13 +79,13 @@ def test_config_error_in_one_job_of_a_sweep_names_the_job(in_tmp, monkeypatch, c
 @pytest.mark.parametrize("error, code", [("config", 2), ("run", 1)])
 def test_a_workers_failure_is_one_line(error, code, in_tmp, monkeypatch, cache_dir):
     """The launcher turns a worker's failure into one ConfigError (your code or data: exit 2) or RunFailed
-    (exit 1) line (gspo/train/failures.py); the job must not turn it into Hydra's traceback."""
-    from gspo.config.errors import ConfigError, RunFailed
+    (exit 1) line (gspo/train/run/failures.py); the job must not turn it into Hydra's traceback."""
+    from gspo.core.errors import ConfigError, RunFailed
 
     def launch(cfg, run_dir):
         raise (ConfigError if error == "config" else RunFailed)("rank 1, step 2: boom")
 
-    monkeypatch.setattr("gspo.train.launcher.launch", launch)
+    monkeypatch.setattr("gspo.train.ranks.launcher.launch", launch)
     res = runner.invoke(app, ["train", "hardware=cpu-ddp", *tiny(cache_dir)])
     assert res.exit_code == code and "Traceback" not in res.output
     assert [x for x in res.output.splitlines() if x.strip()] == ["gspo: error: rank 1, step 2: boom"]
@@ -96,7 +96,7 @@ def test_failure_records_are_explained_in_one_line(tmp_path):
     a rank that left no record and died of a signal is named, a time-out names the rank that never came."""
     import json
 
-    from gspo.train import failures
+    from gspo.train.run import failures
 
     def write(**recs):
         d = failures.clear(tmp_path)

@@ -5,10 +5,10 @@ from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose, sweep_combinations
 from gspo.config.schema import GROUPS, group_options
-from gspo.train.checks import check
+from gspo.core.errors import ConfigError
+from gspo.train.preflight import check
 
 runner = CliRunner()
 
@@ -328,7 +328,7 @@ def test_every_rule_names_a_key_of_the_schema():
     renamed in the schema cannot leave a rule behind that checks nothing."""
     from gspo.config.checks import CHOICES, RULES
     from gspo.config.schema import leaf_keys
-    from gspo.train.checks import used_only_when
+    from gspo.train.preflight import used_only_when
 
     keys = leaf_keys()
     for rule in (*CHOICES, *RULES, *used_only_when()):
@@ -365,7 +365,7 @@ def test_what_a_loss_reads_is_asked_of_its_registry_entry(monkeypatch):
     ask its LossSpec for the top-k, and `gspo train` says a setting of it is ignored under another loss."""
     from gspo.algos import losses
     from gspo.config.checks import ignored_override
-    from gspo.train.checks import used_only_when
+    from gspo.train.preflight import used_only_when
 
     monkeypatch.setitem(losses.LOSSES, "topk_too", losses.LossSpec(losses.LOSSES["dppo_topk"].fn, "token_mean",
                                                                    False, False, ("topk_divergence", "tau_pos"),

@@ -10,12 +10,12 @@ from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.config.schema import TaskConfig
+from gspo.core.errors import ConfigError
 from gspo.tasks import Problem, Verdict, build_task
 from gspo.tasks.data import SMALL_HELDOUT, check_answer, final_answer, normalise
-from gspo.train.checks import check
+from gspo.train.preflight import check
 
 # small files are the point of several tests here; the warning itself is tested where it matters
 pytestmark = pytest.mark.filterwarnings("ignore:task.path=.*held-out problems:UserWarning")
@@ -273,7 +273,7 @@ def test_chat_prompts_need_a_chat_template(tmp_path, cache_dir):
 def test_eval_reports_the_true_number_of_problems(tmp_path, cache_dir):
     """20 rows hold out 2-3 problems: summary.json and eval.json say so, not task.eval_size=200."""
     from gspo.results.evaluate import run_eval
-    from gspo.train.trainer import train
+    from gspo.train.loop.trainer import train
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(20)])
     with pytest.warns(UserWarning, match="held-out problems"):

@@ -1,4 +1,4 @@
-"""Delta pushes (rollout.vllm.weight_transport=delta, gspo/rollout/delta.py), without the engine: the trainer's
+"""Delta pushes (rollout.vllm.weight_transport=delta, gspo/rollout/engine/delta.py), without the engine: the trainer's
 `Tracker` against the engine's `Mirror`. What holds: after every push the mirror is the trainer's weights in the
 engine's dtype, bitwise; a lost, reordered or damaged delta is refused (never applied silently) and a full push
 restores the trainer's weights; each encoding round-trips, and the smallest is sent."""
@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from gspo.rollout import delta
-from gspo.rollout.delta import Mirror, Tracker, full_push, whole_regions
+from gspo.rollout.engine import delta
+from gspo.rollout.engine.delta import Mirror, Tracker, full_push, whole_regions
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -16,11 +16,11 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from gspo.algos.distill import distill_metrics, reverse_kl_term
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
-from gspo.train import checkpoint
-from gspo.train.teacher import tokenizer_difference
-from gspo.train.trainer import train
+from gspo.core.errors import ConfigError
+from gspo.train.loop.teacher import tokenizer_difference
+from gspo.train.loop.trainer import train
+from gspo.train.run import checkpoint
 
 F64 = torch.float64
 
@@ -75,7 +75,7 @@ def test_a_tokenizer_that_is_not_the_students_is_named():
 def _base_dir(cfg) -> Path:
     """The warm-started base the run of `cfg` starts from (the cache may hold other tests' bases beside it)."""
     from gspo.tasks import build_task
-    from gspo.train.warm_start import base_model
+    from gspo.train.start.warm_start import base_model
 
     return base_model(cfg, build_task(cfg.task))
 

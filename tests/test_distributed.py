@@ -18,12 +18,13 @@ from conftest import child_env, tiny
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
+from gspo.core.errors import ConfigError
 from gspo.tasks import build_task
-from gspo.train import checkpoint, distributed, launcher
-from gspo.train.trainer import train
-from gspo.train.warm_start import base_model
+from gspo.train.loop.trainer import train
+from gspo.train.ranks import distributed, launcher
+from gspo.train.run import checkpoint
+from gspo.train.start.warm_start import base_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,8 +67,8 @@ def test_a_group_samples_the_same_completions_in_any_batch():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from gspo.models.build import char_tokenizer
-    from gspo.rollout.generate import generate
-    from gspo.rollout.params import SamplingParams
+    from gspo.rollout.decoding.generate import generate
+    from gspo.rollout.decoding.params import SamplingParams
 
     tok = char_tokenizer("0123456789+=")
     torch.manual_seed(0)
@@ -128,12 +129,12 @@ def one_update(rank: int, world: int, cfg, truncated_prompts: int) -> dict:
     import random
 
     from gspo.models.build import build_model, char_tokenizer
-    from gspo.rollout.generate import generate
-    from gspo.rollout.params import SamplingParams
-    from gspo.train.critic import Critic
-    from gspo.train.moe_step import MoEStep
-    from gspo.train.setup import Setup
-    from gspo.train.trainer import Batch, _update
+    from gspo.rollout.decoding.generate import generate
+    from gspo.rollout.decoding.params import SamplingParams
+    from gspo.train.loop.critic import Critic
+    from gspo.train.loop.moe_step import MoEStep
+    from gspo.train.loop.setup import Setup
+    from gspo.train.loop.trainer import Batch, _update
 
     task = build_task(cfg.task)
     tok = char_tokenizer(task.alphabet)
@@ -239,7 +240,7 @@ def evaluated(dist: distributed.Dist, cfg) -> dict:
     """The Evaluator's step-0 metrics on `dist`, scoring EVAL_PROBLEMS problems with a stand-in for the model's
     evaluation whose verdicts are known (answer divisible by 3 or 5): the recombination and the gather alone."""
     from gspo.tasks import Problem
-    from gspo.train import evaluator
+    from gspo.train.evaluation import evaluator
 
     def scored(model, tokenizer, task, problems, *args, **kwargs) -> dict:
         correct = [int(p.answer) % 3 == 0 or int(p.answer) % 5 == 0 for p in problems]
@@ -402,8 +403,8 @@ def test_an_evaluation_over_two_ranks_is_the_whole_splits_in_its_order(reduced, 
     """The Evaluator under 2 ranks of unequal shares: eval/n is the problems scored by both (before: 25/7, the
     share-weighted mean of the shares); rank 0 hands the logger the whole split's outcomes in the split's order,
     the record one process makes ("1001011": the strided shares put back in place); the means as one process's."""
-    from gspo.train import evaluator
-    from gspo.train.heldout import HELDOUT
+    from gspo.train.evaluation import evaluator
+    from gspo.train.evaluation.heldout import HELDOUT
 
     monkeypatch.setattr(evaluator, "evaluate", evaluator.evaluate)  # restored after `evaluated` replaces it
     one = evaluated(distributed.Dist(), compose([]))
@@ -427,7 +428,7 @@ def test_an_evaluation_under_two_ranks_counts_and_records_the_whole_split(one_pr
     """eval/n is the problems every rank scored together, as summary.json says and one process logs (before: one
     rank's share, 8 of 16, so `gspo compare`'s eval SE was sqrt(2) too large); heldout.jsonl holds, per evaluation,
     the whole split's outcomes in its order, the same string as one process writes, with eval/accuracy x n ones."""
-    from gspo.train.heldout import HELDOUT, read_outcomes, read_records
+    from gspo.train.evaluation.heldout import HELDOUT, read_outcomes, read_records
 
     records = {}
     for run in (one_process, two_processes[0]):
@@ -606,7 +607,7 @@ def test_a_failing_rank_ends_every_rank_in_one_line(mode, exit_code, line, tmp_p
     assert "Traceback" not in res.stdout + res.stderr
     assert checkpoint.load_state(checkpoint.latest(tmp_path / "run"))["step"] == 1
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
-    left = subprocess.run(["pgrep", "-f", f"gspo.train.trainer {tmp_path / 'run'}"], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-f", f"gspo.train.loop.trainer {tmp_path / 'run'}"], capture_output=True, text=True)
     assert left.stdout == "", "a worker outlived its run"
 
 
@@ -629,10 +630,10 @@ def test_killing_the_launcher_stops_its_workers_as_a_preemption(tmp_path, cache_
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 60
-    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"gspo.train.trainer {run}"],
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"gspo.train.loop.trainer {run}"],
                                                     capture_output=True).returncode == 0:
         time.sleep(0.2)
-    assert subprocess.run(["pgrep", "-f", f"gspo.train.trainer {run}"], capture_output=True).returncode == 1
+    assert subprocess.run(["pgrep", "-f", f"gspo.train.loop.trainer {run}"], capture_output=True).returncode == 1
     assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
     done = checkpoint.load_state(checkpoint.latest(run))["step"]
     assert done == jsonl(run / "metrics.jsonl")[-1]["step"]  # the last finished step was checkpointed
@@ -662,7 +663,7 @@ def test_a_checkpoint_resumes_under_another_world_size(one_process, tmp_path):
     what was written after the checkpoint (here a line of step 2 planted as a run killed after it would leave)."""
     import shutil
 
-    from gspo.train.heldout import read_records
+    from gspo.train.evaluation.heldout import read_records
 
     run = shutil.copytree(one_process, tmp_path / "run")
     with (run / "heldout.jsonl").open("a") as fh:
@@ -683,7 +684,7 @@ def test_hf_checkpoint_with_chat_template_and_gradient_checkpointing(tmp_path, c
     """`model=hf model.path=DIR` on a Qwen3 checkpoint saved here, with a chat template (what a real
     Qwen3 tokenizer has) and gradient checkpointing on."""
     from gspo.models.build import load_pretrained
-    from gspo.rollout.generate import encode_prompts
+    from gspo.rollout.decoding.generate import encode_prompts
 
     cfg = compose(small(cache_dir))
     model, tok = load_pretrained(base_model(cfg, build_task(cfg.task)))
@@ -799,7 +800,7 @@ def test_ppo_and_trls_knobs_on_two_ranks_compute_what_one_process_computes(strat
     """PPO's critic (its own DDP / FSDP2 module and optimizer; GAE whitened over every rank's tokens) with TRL's
     high-entropy mask (the quantile over every rank's tokens) and entropy bonus (a token mean over every rank's):
     2 ranks compute the one-process loss, gradient norms, explained variance and updated policy and critic."""
-    from gspo.train.critic import CRITIC_FILE
+    from gspo.train.loop.critic import CRITIC_FILE
 
     opts = small(cache_dir, algo="ppo", **{"algo.top_entropy_quantile": 0.5, "algo.entropy_coef": 0.05,
                                            "algo.critic.lr": 1e-3})

@@ -12,15 +12,15 @@ import torch
 from conftest import tiny
 from safetensors.torch import load_file
 
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
+from gspo.core.errors import ConfigError
 from gspo.models.build import build_model, char_tokenizer
-from gspo.rollout import engine
-from gspo.rollout.engine import Engine
-from gspo.rollout.generate import generate, stop_ids
-from gspo.rollout.params import SamplingParams
-from gspo.rollout.vllm_engine import PROCESSED, RAW, _row, _topk, behaviour_logprobs, checkpoint_format
-from gspo.train.checks import check
+from gspo.rollout.decoding.generate import generate, stop_ids
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.rollout.engine import client as engine
+from gspo.rollout.engine.client import Engine
+from gspo.rollout.engine.vllm_engine import PROCESSED, RAW, _row, _topk, behaviour_logprobs, checkpoint_format
+from gspo.train.preflight import check
 
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55="]
@@ -121,7 +121,7 @@ def test_a_row_the_engine_cut_at_its_cap_is_truncated_with_the_tokens_it_sampled
 
 def test_an_engine_that_gives_no_log_probs_gives_a_rollout_without_them():
     """None, never zeros; and a batch joined from parts (DAPO's refills) has them only where every part has."""
-    from gspo.rollout.generate import cat_rollouts
+    from gspo.rollout.decoding.generate import cat_rollouts
 
     sample = lambda logprobs: Engine(Capped(TOK.eos_token_id, logprobs), [TOK.eos_token_id]).sample(  # noqa: E731
         TOK, ["1+2="], 2, SamplingParams(4, temperature=0.7, top_p=0.9), None)
@@ -136,8 +136,8 @@ def test_a_weight_update_whose_prefix_cache_cannot_be_reset_is_an_error(tmp_path
     serve cached prompts from the old policy's keys and values. That is the engine's failure, not a warning."""
     from types import SimpleNamespace
 
-    from gspo.rollout.slots import layout_of, map_slot
-    from gspo.rollout.vllm_engine import VllmEngine, _Loader
+    from gspo.rollout.engine.slots import layout_of, map_slot
+    from gspo.rollout.engine.vllm_engine import VllmEngine, _Loader
 
     model = moe()
     engine = VllmEngine.__new__(VllmEngine)  # its weight path alone, on stand-ins for vLLM's objects
@@ -168,12 +168,12 @@ def test_a_child_that_breaks_a_side_channel_ends_the_run_with_its_error_its_deat
     before exiting, else its death, else its silence for the timeout; each time after `on_fail` ran."""
     import time
 
-    from gspo.config.errors import RunFailed
-    from gspo.rollout.child import Child, root
+    from gspo.core.errors import RunFailed
+    from gspo.rollout.processes.child import Child, root
 
     (tmp_path / "standin.py").write_text(
         "import os, signal, sys\n"
-        "from gspo.rollout.child import serve\n"
+        "from gspo.rollout.processes.serve import serve\n"
         "def start(spec):\n"
         "    def handle(message):\n"
         "        if message[0] == 'fail':\n"
@@ -204,12 +204,13 @@ def test_a_killed_child_leaves_no_shared_memory_and_others_keep_theirs(tmp_path)
     leaves alone a segment that a living process still maps, though it was created after the child."""
     from multiprocessing import shared_memory
 
-    from gspo.rollout.child import Child, root, shm_segments
+    from gspo.rollout.processes.child import Child, root
+    from gspo.rollout.processes.shm import shm_segments
 
     (tmp_path / "standin.py").write_text(
         "import subprocess, sys\n"
         "from multiprocessing import shared_memory\n"
-        "from gspo.rollout.child import serve\n"
+        "from gspo.rollout.processes.serve import serve\n"
         "def start(spec):\n"
         "    def handle(message):\n"
         "        mine = shared_memory.SharedMemory(create=True, size=1 << 20)\n"  # this process's own
@@ -245,7 +246,7 @@ def test_kill_waits_for_the_processes_the_child_started_not_only_for_the_child()
     import subprocess
     import sys
 
-    from gspo.rollout.child import group_members, wait_group_gone
+    from gspo.rollout.processes.shm import group_members, wait_group_gone
 
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); " \
            "print('up', flush=True); time.sleep(600)"
@@ -268,7 +269,7 @@ def test_another_rank_on_a_shared_engine_ends_the_run_with_its_error_its_death_o
     import threading
     from multiprocessing.connection import Listener
 
-    from gspo.config.errors import RunFailed
+    from gspo.core.errors import RunFailed
 
     replies = [("loaded", 3, 412.0), ("samples", {"ids": [[1, 2]]}),
                ("error", 4, "ValueError", "reward_fn returned 3 scores for 4 completions", True),
@@ -317,9 +318,9 @@ def _stopped(pid: int) -> bool:
 def test_setup_stops_the_engine_it_started_when_it_fails_after(tmp_path, cache_dir, monkeypatch):
     """train() called in-process: a failure in setup after the engine's process started (here the metrics logger)
     stops that process (nothing else would: the caller's process goes on)."""
-    from gspo.rollout.sampler import Sampler
-    from gspo.train import setup
-    from gspo.train.trainer import train
+    from gspo.rollout.decoding.sampler import Sampler
+    from gspo.train.loop import setup
+    from gspo.train.loop.trainer import train
 
     class Started(Sampler):
         closed = False
@@ -553,7 +554,7 @@ def test_an_adapter_push_over_the_weight_group_is_refused_naming_what_to_use_ins
 def test_a_tensor_parallel_engine_splits_its_threads_and_unpins_its_workers_on_a_cpu(tmp_path, monkeypatch):
     """The engine's threads are split between its workers; above one worker the CPU build's pinning (one NUMA node
     per worker, refused where there are fewer) is off unless VLLM_CPU_OMP_THREADS_BIND says otherwise."""
-    from gspo.rollout.vllm_engine import environment
+    from gspo.rollout.engine.vllm_engine import environment
 
     model = moe()
     model.save_pretrained(tmp_path)

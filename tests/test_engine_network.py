@@ -1,5 +1,5 @@
-"""The engine's network side, without vLLM: `gspo vllm-serve` (gspo/rollout/engine_server.py) with its engine
-process replaced by a stand-in, and the listener of a shared engine (gspo/rollout/child.py `Clients`). A peer
+"""The engine's network side, without vLLM: `gspo vllm-serve` (gspo/rollout/engine/server.py) with its engine
+process replaced by a stand-in, and the listener of a shared engine (gspo/rollout/processes/serve.py `Clients`). A peer
 that says nothing or holds another key is dropped without keeping real trainers or ranks out; a trainer that
 connects during a run is told the server is busy; the connection an engine is handed has TCP keepalive, so an
 engine whose trainer vanished without closing it ends and the server serves the next run. The listener (`Gate`)
@@ -23,16 +23,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from gspo.config.errors import ConfigError, RunFailed
-from gspo.rollout import engine_server
-from gspo.rollout.child import Clients, Gate, RemoteChild, dial, root
+from gspo.core.channel import Gate, dial
+from gspo.core.errors import ConfigError, RunFailed
+from gspo.rollout.engine import server as engine_server
+from gspo.rollout.processes.child import root
+from gspo.rollout.processes.peer import RemoteChild
+from gspo.rollout.processes.serve import Clients
 
 KEY = "the-secret"
 DEADLINE_S = 60.0  # the most any of these waits: a test that reaches it has failed
 
 
 class Engine:
-    """Stands in for the engine process `gspo vllm-serve` starts (`python -m gspo.rollout.vllm_engine FD`): takes
+    """Stands in for the engine process `gspo vllm-serve` starts (`python -m gspo.rollout.engine.vllm_engine FD`): takes
     the connection it is handed, notes its socket's TCP keepalive settings, reads the run's first message (its
     spec) and "runs" (a sleeping process) until the test ends it (`end`)."""
 
@@ -176,6 +179,23 @@ def test_a_trainer_that_connects_during_a_run_is_told_the_server_is_busy(monkeyp
     serve(monkeypatch, 1, trainers)
 
 
+def test_a_trainer_with_no_server_to_reach_or_a_wrong_key_is_told_so_in_one_line():
+    """`RemoteChild` reaches the server by `dial` (gspo/core/channel.py): nothing listening is "cannot connect", with
+    the command that would listen there; a server holding another key refuses the run's key (a ConfigError)."""
+    with socket.socket() as probe:  # a port that was free a moment ago, and on which nothing listens now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(RunFailed, match=rf"^rollout.vllm.server=127.0.0.1:{port}: cannot connect \(.+\): is `gspo "
+                                        rf"vllm-serve --port {port}` running on 127.0.0.1\?$"):
+        trainer(port, timeout_s=5.0)
+    gate = Gate(("127.0.0.1", 0), b"the server's key", refused=lambda line: None)
+    try:
+        with pytest.raises(ConfigError, match=r"the server refused this run's GSPO_VLLM_KEY"):
+            trainer(gate.address[1], key="another key", timeout_s=5.0)
+    finally:
+        gate.close()
+
+
 def test_the_engine_a_server_starts_drops_a_vanished_trainer_by_tcp_keepalive(monkeypatch):
     """A trainer that vanishes without closing its connection (power loss, a partition) would leave the engine
     reading it for ever: the connection the engine is handed has TCP keepalive on, with a bound on unacknowledged
@@ -200,11 +220,11 @@ def own_network() -> bool:
 
 VANISH = """
 import subprocess, time
-from gspo.rollout import child
-child.KEEPALIVE = (1, 1, 2)  # (the test's: 1 s idle, then 2 probes 1 s apart)
+from gspo.core import channel
+channel.KEEPALIVE = (1, 1, 2)  # (the test's: 1 s idle, then 2 probes 1 s apart)
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-gate = child.Gate(("127.0.0.1", 0), b"key", refused=print)
-trainer = child.dial(gate.address, b"key", 10)
+gate = channel.Gate(("127.0.0.1", 0), b"key", refused=print)
+trainer = channel.dial(gate.address, b"key", 10)
 engine = gate.accept(10)
 subprocess.run(["ip", "link", "set", "lo", "down"], check=True)  # no packet passes from now on; nothing is closed
 t0 = time.monotonic()
@@ -338,12 +358,13 @@ def test_a_killed_child_leaves_another_programs_segment_made_meanwhile_alone(tmp
     since the child started and no process maps it. The clean-up used to remove every such segment."""
     from multiprocessing import shared_memory
 
-    from gspo.rollout.child import Child, shm_segments
+    from gspo.rollout.processes.child import Child
+    from gspo.rollout.processes.shm import shm_segments
 
     (tmp_path / "standin.py").write_text(
         "import subprocess, sys\n"
         "from multiprocessing import shared_memory\n"
-        "from gspo.rollout.child import serve\n"
+        "from gspo.rollout.processes.serve import serve\n"
         "def start(spec):\n"
         "    early = shared_memory.SharedMemory(create=True, size=4096)\n"  # made at start-up, kept for its life
         "    def handle(message):\n"

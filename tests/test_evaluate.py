@@ -8,8 +8,8 @@ from conftest import tiny
 
 from gspo.config.loading import compose
 from gspo.results.evaluate import run_eval
-from gspo.train.heldout import pass_at_k
-from gspo.train.trainer import train
+from gspo.train.evaluation.heldout import pass_at_k
+from gspo.train.loop.trainer import train
 
 
 def test_pass_at_k_by_hand():
@@ -46,7 +46,7 @@ def test_eval_of_a_run_records_which_problems_it_answered(one_step_run, cache_di
     """eval.json's "heldout" is the record heldout.jsonl keeps for the run's own evaluations: `gspo eval` of the
     last checkpoint on the run's problems gives its final evaluation's line (the same weights, greedy); on another
     problem list, another digest, so the two are never paired."""
-    from gspo.train.heldout import read_records
+    from gspo.train.evaluation.heldout import read_records
 
     run_dir = one_step_run
     final = read_records(run_dir)[-1]
@@ -85,7 +85,7 @@ def test_eval_reports_the_number_of_problems_it_scored_and_warns_when_short(cach
 
 
 def test_eval_of_an_empty_held_out_split_is_refused(cache_dir):
-    from gspo.config.errors import ConfigError
+    from gspo.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="task.eval_fraction"):
         run_eval(None, tiny(cache_dir, **{"task.digits": 1, "task.eval_fraction": 0.0001}), examples=0, pass_k=1)
@@ -94,8 +94,8 @@ def test_eval_of_an_empty_held_out_split_is_refused(cache_dir):
 def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, cache_dir, monkeypatch):
     """Both sample pass@k at rollout.temperature, the temperature the policy is trained at."""
     import gspo.results.evaluate
-    import gspo.train.evaluator
-    import gspo.train.heldout
+    import gspo.train.evaluation.evaluator
+    import gspo.train.evaluation.heldout
 
     seen = []
 
@@ -103,8 +103,8 @@ def test_one_temperature_for_pass_at_k_in_training_and_in_gspo_eval(tmp_path, ca
         seen.append(args[4].temperature)  # evaluate(sampler, tokenizer, task, problems, params, ...)
         return real(*args, **kwargs)
 
-    real = gspo.train.heldout.evaluate
-    monkeypatch.setattr(gspo.train.evaluator, "evaluate", spy)
+    real = gspo.train.evaluation.heldout.evaluate
+    monkeypatch.setattr(gspo.train.evaluation.evaluator, "evaluate", spy)
     monkeypatch.setattr(gspo.results.evaluate, "evaluate", spy)
     over = {"train.steps": 1, "eval.pass_k": 1, "rollout.temperature": 0.7, "task.eval_size": 4}
     train(compose(tiny(cache_dir, **over)), tmp_path)

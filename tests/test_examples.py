@@ -48,7 +48,7 @@ def user_checkpoint(path: Path) -> Path:
 
 def teach_the_answer_format(model, tok, rows, steps: int = 25) -> None:
     """A few supervised steps towards `#### N`, so that sampled rewards differ and RL has a gradient."""
-    from gspo.rollout.generate import encode_prompts
+    from gspo.rollout.decoding.generate import encode_prompts
 
     prompts = encode_prompts(tok, [r["messages"] for r in rows])
     targets = [tok(r["answer"].rsplit("\n", 1)[-1], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

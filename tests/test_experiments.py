@@ -50,7 +50,7 @@ def test_the_matched_real_model_study_differs_from_smollm2_math_only_in_what_the
 def test_the_bf16_cells_are_the_matched_grpo_cell_with_a_bf16_sampler(cell, tis):
     """The real model's lower-precision arms: the matched study's GRPO cell (their float32 control) with only the
     sampler's precision changed, and the sequence-level correction in one; the old policy recomputed in float32."""
-    from gspo.rollout.sampler import old_logprobs_mode
+    from gspo.rollout.decoding.sampler import old_logprobs_mode
 
     bf16 = compose(["+experiment=smollm2_matched", f"+cell={cell}"])
     f32 = compose(["+experiment=smollm2_matched", "+cell=grpo"])
@@ -61,7 +61,7 @@ def test_the_bf16_cells_are_the_matched_grpo_cell_with_a_bf16_sampler(cell, tis)
 
 
 def test_moe_mismatch_is_the_wide_moe_sampled_in_bf16_and_trained_in_float32():
-    from gspo.rollout.sampler import old_logprobs_mode
+    from gspo.rollout.decoding.sampler import old_logprobs_mode
 
     cfg, long = compose(["+experiment=moe_mismatch"]), compose(["+experiment=moe_long"])
     m = cfg.model
@@ -135,7 +135,7 @@ def test_the_moe_mismatch_study_is_the_moe_study_with_a_bf16_sampler(arm):
     """+experiment=smollm2_moe_mismatch: the MoE study's arm with only the sampler's precision changed (bf16, the
     old policy recomputed in float32), so R2 and R3 replay different routing; the arms differ only in the objective,
     the correction or the replay."""
-    from gspo.rollout.sampler import old_logprobs_mode
+    from gspo.rollout.decoding.sampler import old_logprobs_mode
 
     bf16, f32 = compose(["+experiment=smollm2_moe_mismatch", arm]), compose(["+experiment=smollm2_moe_matched", arm])
     for group in ("model", "task", "reward", "train", "eval", "algo", "moe", "hardware"):
@@ -147,7 +147,7 @@ def test_the_moe_mismatch_study_is_the_moe_study_with_a_bf16_sampler(arm):
 @needs_real_model
 def test_the_moe_mismatch_arms_differ_only_in_what_they_compare():
     """Each arm against GRPO: the loss and clip (GSPO), the correction (TIS) or the replay (R2, R3), nothing else."""
-    from gspo.train.resume import changes
+    from gspo.train.run.resume import changes
 
     grpo = compose(["+experiment=smollm2_moe_mismatch", "+cell=grpo"])
     differs = {arm: {k for k in changes(grpo, compose(["+experiment=smollm2_moe_mismatch", f"+cell={arm}"]))

@@ -22,14 +22,14 @@ import transformers
 from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
+from gspo.core.errors import ConfigError
 from gspo.models import moe
 from gspo.models.build import char_tokenizer, choose_attention, load_pretrained, normalise_config
 from gspo.models.logprobs import check_head
-from gspo.rollout.generate import generate, left_pad, position_ids, token_logprobs
-from gspo.rollout.params import SamplingParams
-from gspo.train.trainer import train
+from gspo.rollout.decoding.generate import generate, left_pad, position_ids, token_logprobs
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.train.loop.trainer import train
 
 ALPHABET = "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz:,.?\n#<>"
 # Set where a config class has the key: 2 layers, width 32, 4 experts top-2 in 2 groups (one picked).

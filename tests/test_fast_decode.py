@@ -22,10 +22,10 @@ from gspo.config.loading import compose
 from gspo.config.schema import ModelConfig
 from gspo.models import moe
 from gspo.models.build import build_model, char_tokenizer
-from gspo.rollout import fast_decode
-from gspo.rollout.generate import generate
-from gspo.rollout.params import SamplingParams
-from gspo.train.trainer import train
+from gspo.rollout.decoding import fast_decode
+from gspo.rollout.decoding.generate import generate
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.train.loop.trainer import train
 
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["1+2=", "33+44+5=", "7=", "12+345+6789="]  # lengths 4..12: left padding up to 8 columns
@@ -307,11 +307,11 @@ def test_a_lora_policy_samples_what_hf_samples(tmp_path, family, targets):
 
 def test_adapters_the_engine_does_not_compute_fall_back_with_the_reason(tmp_path):
     """The MoE experts' fused weights (peft's ParamWrapper) and DoRA: hf samples, and `fast` says why; the separate
-    sampler's merged copy (rollout.dtype, gspo/rollout/sampler.py) is a plain model the engine runs."""
+    sampler's merged copy (rollout.dtype, gspo/rollout/decoding/sampler.py) is a plain model the engine runs."""
     from peft import get_peft_model
     from peft import LoraConfig as PeftLora
 
-    from gspo.rollout.sampler import _Copy
+    from gspo.rollout.decoding.sampler import _Copy
 
     model = _lora(_model("qwen3_moe"), tmp_path)  # the default targets reach the experts' fused weights
     fast_decode._LOGGED.clear()
@@ -416,13 +416,13 @@ def test_the_real_smollm2_samples_the_same_under_either_engine():
 
 
 # --------------------------------------------------------------------------- rollout.decode: static cache, CUDA graph
-# gspo/rollout/static_decode.py: the fast engine's step on a static KV cache, op by op (`static`, any device) or
-# captured once as a CUDA graph and replayed per token (`graph`, CUDA). On the CPU `static` is checked against the
+# gspo/rollout/decoding/static_decode.py: the fast engine's step on a static KV cache, op by op (`static`, any device)
+# or captured once as a CUDA graph and replayed per token (`graph`, CUDA). On the CPU `static` is checked against the
 # eager engine and hf (the same draws from the same uniforms), and the graph's host-side bookkeeping against a
 # stand-in graph; on a GPU (skipped here) `graph` against `static`, bit for bit.
 
-from gspo.rollout import static_decode  # noqa: E402
-from gspo.rollout.decoding import ModelDecoder  # noqa: E402
+from gspo.rollout.decoding import static_decode  # noqa: E402
+from gspo.rollout.decoding.decoder import ModelDecoder  # noqa: E402
 
 STATIC_MODELS = {  # name: (builder, seed, capture routing): the families and variants the fast engine serves
     "qwen3": (lambda: _model("qwen3"), 1),
@@ -506,7 +506,7 @@ def test_static_decode_samples_what_eager_and_hf_sample(name):
 def test_static_decode_greedy_is_model_generate(name):
     """Greedy: the static decode's tokens are transformers' own `model.generate(do_sample=False)`'s, rows padded
     after their EOS as generate pads them."""
-    from gspo.rollout.generate import encode_prompts, left_pad, stop_ids
+    from gspo.rollout.decoding.generate import encode_prompts, left_pad, stop_ids
 
     model = STATIC_MODELS[name][0]()
     static, eager = _decoded(model, "static", "eager", max_new_tokens=40, group=1, greedy=True)

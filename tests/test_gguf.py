@@ -17,12 +17,12 @@ from conftest import tiny
 from gguf_files import write_tiny_gguf
 from gspo.config import model_path
 from gspo.config.checks import model_dir_problem
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.models.build import load_pretrained
 from gspo.models.gguf import checkpoint_dir
 from gspo.results.evaluate import run_eval
-from gspo.train.checks import check
+from gspo.train.preflight import check
 
 
 def _logits(model, ids):
@@ -133,7 +133,7 @@ def test_a_run_on_a_gguf_file(tmp_path, cache_dir):
     """`gspo train model=hf model.path=FILE.gguf` trains, evaluates and writes an ordinary checkpoint, which
     `gspo eval RUN` evaluates (not the GGUF it started from)."""
     write_tiny_gguf(tmp_path / "tiny.gguf")
-    from gspo.train.trainer import train
+    from gspo.train.loop.trainer import train
 
     cfg = compose(tiny(cache_dir, model="hf", **{"model.path": str(tmp_path / "tiny.gguf"), "task": "word_problems",
                                                  "task.system_prompt": "null", "task.max_steps": 1,

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny
 
 from gspo.config.loading import compose
-from gspo.train.trainer import train
+from gspo.train.loop.trainer import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -77,7 +77,7 @@ def test_a_gpu_run_samples_the_same_with_its_decode_replayed(tmp_path, cache_dir
     to float32 rounding."""
     from test_train import read_metrics
 
-    from gspo.rollout import static_decode
+    from gspo.rollout.decoding import static_decode
 
     overrides = {"moe.routing_replay": "R3", "rollout.max_new_tokens": 12, "train.lr": 0.05, "hardware": "gpu",
                  "hardware.dtype": "float32"}

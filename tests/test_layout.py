@@ -2,7 +2,8 @@
 
 Ranks, bottom to top (gspo/__init__.py says what each package is). A module may import from its
 own package or from a package of a lower rank; modules of one rank never import each other's
-package. Every import counts: at module level, inside functions, and under TYPE_CHECKING.
+package. Inside a package with folders the same holds between its folders (FLOORS; the package's __init__ says what
+each folder holds). Every import counts: at module level, inside functions, and under TYPE_CHECKING.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "gspo"
 RANK = {"core": 0, "config": 1, "tasks": 2, "algos": 2, "models": 2, "rollout": 3, "train": 4, "results": 5}
+# the folders of a package, bottom to top ("": its modules outside any folder): a module imports its own folder or a
+# folder of a lower floor; folders of one floor never import each other
+FLOORS = {
+    # child processes and decoding know nothing of each other; the engine uses both; the batch, its sources and the
+    # rollout workers (batch.py, source.py, workers.py, worker.py) use any of them
+    "rollout": {"processes": 0, "decoding": 0, "engine": 1, "": 2},
+    # a run's files (checkpoints, resume, stop signals, failure records) < ranks < held-out evaluation < the starting
+    # model and preflight < the loop, which uses them all
+    "train": {"run": 0, "ranks": 1, "evaluation": 2, "start": 3, "": 3, "loop": 4},
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -49,6 +60,12 @@ def _package(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else None
 
 
+def _folder(module: str) -> str:
+    """The folder of its package a module lives in ("" for one outside any folder, or for the package itself)."""
+    rel = MODULES[module].relative_to(ROOT / _package(module)) if _package(module) else Path()
+    return rel.parts[0] if len(rel.parts) > 1 else ""
+
+
 def test_every_package_has_a_rank():
     packages = {_package(m) for m in MODULES if _package(m) and (ROOT / _package(m)).is_dir()}
     assert packages == set(RANK), "a package was added or removed: give it a rank here and in gspo/__init__.py"
@@ -66,6 +83,52 @@ def test_imports_point_down(module):
     up = _upward(module, GRAPH[module])
     here = _package(module)
     assert not up, f"{module} ({here}, rank {RANK[here]}) imports {up}: a part may import only parts below it"
+
+
+def test_every_folder_has_a_floor():
+    for package in RANK:
+        folders = {p.name for p in (ROOT / package).iterdir() if (p / "__init__.py").is_file()}
+        if folders:
+            assert package in FLOORS, f"gspo/{package}/ has folders {sorted(folders)}: give them floors in FLOORS"
+    for package, floors in FLOORS.items():
+        folders = {p.name for p in (ROOT / package).iterdir() if (p / "__init__.py").is_file()}
+        assert folders | {""} == set(floors), f"a folder of gspo/{package}/ was added or removed: give it a floor here"
+
+
+def _downstairs(module: str, imports: set[str]) -> list[str]:
+    """The imports of `module` that point to its package's folders on its own floor or above, other than its own."""
+    floors = FLOORS.get(_package(module))
+    if floors is None:
+        return []
+    here = _folder(module)
+    return sorted(t for t in imports if t in MODULES and _package(t) == _package(module) and _folder(t) != here
+                  and floors[_folder(t)] >= floors[here])
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _package(m) in FLOORS))
+def test_imports_inside_a_package_point_down_its_floors(module):
+    up = _downstairs(module, GRAPH[module])
+    here = _folder(module) or "(no folder)"
+    assert not up, (f"{module} ({here}, floor {FLOORS[_package(module)][_folder(module)]}) imports {up}: a folder may "
+                    "import only its own folder and folders below it")
+
+
+def test_the_floor_check_sees_upward_and_sideways_imports():
+    """The checker itself: from decoding/, an import of the engine (above) and of processes/ (beside) are flagged,
+    one of its own folder and one of another package are not; from run/, the loop (above) is."""
+    imports = {"gspo.rollout.engine.client", "gspo.rollout.processes.child", "gspo.rollout.decoding.params",
+               "gspo.models.moe"}
+    assert _downstairs("gspo.rollout.decoding.generate", imports) == ["gspo.rollout.engine.client",
+                                                                      "gspo.rollout.processes.child"]
+    assert _downstairs("gspo.train.run.checkpoint", {"gspo.train.loop.trainer", "gspo.core.files"}) == [
+        "gspo.train.loop.trainer"]
+    assert _downstairs("gspo.train.loop.trainer", {"gspo.train.run.checkpoint", "gspo.train.preflight"}) == []
+
+
+@pytest.mark.parametrize("package", sorted(m for m in MODULES if MODULES[m].name == "__init__.py"))
+def test_every_package_says_what_it_holds(package):
+    """Every package and folder opens with a docstring saying what it holds (where a newcomer looks first)."""
+    assert ast.get_docstring(ast.parse(MODULES[package].read_text())), f"{package}: its __init__.py has no docstring"
 
 
 def test_no_module_imports_one_that_imports_it():
@@ -90,17 +153,17 @@ def test_no_module_imports_one_that_imports_it():
 
 def test_the_check_sees_upward_and_sideways_imports(tmp_path):
     """The checker itself: a lazy import up (algos -> train), a type-only one sideways (algos -> models)
-    and one down (algos -> config) in a planted file: the first two are flagged, the third is not."""
+    and one down (algos -> core) in a planted file: the first two are flagged, the third is not."""
     planted = tmp_path / "x.py"
     planted.write_text(
         "from typing import TYPE_CHECKING\n"
-        "from gspo.config.errors import ConfigError\n"
+        "from gspo.core.errors import ConfigError\n"
         "if TYPE_CHECKING:\n    from gspo.models.moe import is_moe\n"
-        "def f():\n    from gspo.train import trainer\n"
+        "def f():\n    from gspo.train.loop import trainer\n"
     )
     imports = _imports(planted)
-    assert imports == {"gspo.config.errors", "gspo.models.moe", "gspo.train.trainer"}
-    assert _upward("gspo.algos.x", imports) == ["gspo.models.moe", "gspo.train.trainer"]
+    assert imports == {"gspo.core.errors", "gspo.models.moe", "gspo.train.loop.trainer"}
+    assert _upward("gspo.algos.x", imports) == ["gspo.models.moe", "gspo.train.loop.trainer"]
 
 
 # --------------------------------------------------------------------------- sampling: one interface
@@ -135,7 +198,7 @@ def _builds_a_rollout(call: ast.Call) -> bool:
 
 
 def test_a_decoder_is_found_by_its_type_never_by_its_attributes():
-    """gspo/rollout/decoding.py: an engine is a `Decoder` subclass; nothing asks an object whether it has a
+    """gspo/rollout/decoding/decoder.py: an engine is a `Decoder` subclass; nothing asks an object whether it has a
     decoder's method to decide how it samples."""
     found = {f"{name}:{where}:{line}" for name, path in MODULES.items()
              for where, line in _calls(ast.parse(path.read_text()), _hasattr_on_a_decoder_method)}
@@ -147,7 +210,7 @@ def test_every_sampled_rollout_is_built_in_one_place():
     besides it only re-shapings of finished rollouts construct one (concatenation, a checkpoint's batch)."""
     found = {f"{name}:{where}" for name, path in MODULES.items()
              for where, _ in _calls(ast.parse(path.read_text()), _builds_a_rollout)}
-    assert found == {"gspo.rollout.generate:assemble", "gspo.rollout.generate:cat_rollouts",
+    assert found == {"gspo.rollout.decoding.generate:assemble", "gspo.rollout.decoding.generate:cat_rollouts",
                      "gspo.rollout.batch:Batch.from_state"}
 
 
@@ -203,13 +266,13 @@ def test_the_loss_name_scan_sees_a_name_test():
 
 
 def test_every_batch_source_has_the_protocols_methods():
-    """`Inline` and `WorkerPool` are what gspo.train.components.BatchSource says a batch source is: the same
+    """`Inline` and `WorkerPool` are what gspo.train.loop.components.BatchSource says a batch source is: the same
     methods with the same parameters (a Protocol is not checked at run time; this is the check)."""
     import inspect
 
     from gspo.rollout.source import Inline
     from gspo.rollout.workers import WorkerPool
-    from gspo.train.components import BatchSource
+    from gspo.train.loop.components import BatchSource
 
     methods = [n for n, f in vars(BatchSource).items() if inspect.isfunction(f) and not n.startswith("_")]
     assert sorted(methods) == ["batch", "close", "pending", "start", "updated"]

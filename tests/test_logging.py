@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gspo.train.logging import MetricsLogger, truncate_jsonl
+from gspo.train.loop.logging import MetricsLogger, truncate_jsonl
 
 
 def cfg(wandb: bool = False, samples_every: int = 2, **wandb_cfg) -> dict:
@@ -68,7 +68,7 @@ def test_heldout_outcomes_go_to_their_own_file_and_a_resume_drops_later_lines(tm
     not part of metrics.jsonl; read back as {step: [bool]}; a resume drops the lines after its checkpoint's step,
     as it drops metrics.jsonl's."""
     from gspo.tasks import Problem
-    from gspo.train.heldout import HELDOUT, outcome_record, problems_digest, read_outcomes
+    from gspo.train.evaluation.heldout import HELDOUT, outcome_record, problems_digest, read_outcomes
 
     problems = [Problem("1+1=", "2"), Problem("2+2=", "4"), Problem("3+3=", "6")]
     with MetricsLogger(tmp_path, cfg()) as log:

@@ -8,8 +8,8 @@ from gspo.config.schema import ModelConfig
 from gspo.models import logprobs
 from gspo.models.build import build_model, char_tokenizer
 from gspo.models.logprobs import selected_logprobs
-from gspo.rollout.generate import generate, position_ids, token_logprobs
-from gspo.rollout.params import SamplingParams
+from gspo.rollout.decoding.generate import generate, position_ids, token_logprobs
+from gspo.rollout.decoding.params import SamplingParams
 
 TOK = char_tokenizer("0123456789+=")
 

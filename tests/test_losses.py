@@ -854,8 +854,8 @@ def test_the_sampler_keeps_its_topk_and_the_trainer_reads_the_same_tokens():
     are the sampler's (float32: to 1e-5)."""
     from gspo.models.build import build_model, char_tokenizer
     from gspo.config.loading import compose
-    from gspo.rollout.generate import generate, token_logprobs
-    from gspo.rollout.params import SamplingParams
+    from gspo.rollout.decoding.generate import generate, token_logprobs
+    from gspo.rollout.decoding.params import SamplingParams
 
     tok = char_tokenizer("0123456789+=")
     cfg = compose(["model=qwen3-tiny"])

@@ -16,7 +16,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 from gspo.models.build import enable_checkpointing
 from gspo.models.moe import (
     capture_routing,
@@ -393,9 +393,9 @@ def test_the_loops_moe_component_is_a_no_op_on_a_dense_model():
     from gspo.config.loading import compose
     from gspo.config.schema import ModelConfig
     from gspo.models.build import build_model, char_tokenizer
-    from gspo.rollout.generate import generate, token_logprobs
-    from gspo.rollout.params import SamplingParams
-    from gspo.train.moe_step import MoEStep
+    from gspo.rollout.decoding.generate import generate, token_logprobs
+    from gspo.rollout.decoding.params import SamplingParams
+    from gspo.train.loop.moe_step import MoEStep
 
     TOK = char_tokenizer("0123456789+=")
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "d", "arch": "qwen3"}),

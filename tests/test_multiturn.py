@@ -15,14 +15,14 @@ from gspo.algos.losses import LOSSES, policy_loss
 from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
 from gspo.config.loading import compose
 from gspo.models.build import load_pretrained
-from gspo.rollout.decoding import ModelDecoder
-from gspo.rollout.generate import token_logprobs
-from gspo.rollout.multiturn import ToolUse
-from gspo.rollout.params import SamplingParams
-from gspo.rollout.rollouts import rollout
+from gspo.rollout.decoding.decoder import ModelDecoder
+from gspo.rollout.decoding.generate import token_logprobs
+from gspo.rollout.decoding.multiturn import ToolUse
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.rollout.decoding.rollouts import rollout
 from gspo.tasks import build_task
-from gspo.train.trainer import train
-from gspo.train.warm_start import base_model
+from gspo.train.loop.trainer import train
+from gspo.train.start.warm_start import base_model
 
 F64 = torch.float64
 
@@ -200,8 +200,8 @@ def test_trajectories_from_an_engine_without_log_probs_have_none(base, keep_topk
     """Every turn sampled by an engine that recorded no log-probs: the rollout has no behaviour log-probs, kept
     mass or top-k (None, as a single-turn rollout's), not zeros and ones that the mismatch metrics, OPSM and
     rollout/top_p_kept_mass would read as real."""
-    from gspo.rollout.engine import Engine
-    from gspo.rollout.generate import stop_ids
+    from gspo.rollout.decoding.generate import stop_ids
+    from gspo.rollout.engine.client import Engine
 
     model, tok = base[2], base[3]
     engine = Engine(EngineWithoutLogprobs(model, tok), stop_ids(model, tok).tolist())
@@ -285,8 +285,8 @@ def test_a_reward_function_sees_the_whole_conversation(tmp_path, cache_dir):
 
 def test_tool_keys_are_checked_before_any_work(cache_dir):
     from gspo.config.checks import ignored_override
-    from gspo.config.errors import ConfigError
-    from gspo.train.checks import check
+    from gspo.core.errors import ConfigError
+    from gspo.train.preflight import check
 
     assert "there are no tools" in ignored_override([compose(["rollout.max_turns=2"])], "rollout.max_turns=2")
     # with tools every prompt is rendered with the chat template: a user's `false` is refused, not dropped in silence
@@ -318,7 +318,7 @@ def test_the_tool_experiments_references_fit_its_budget():
 
     from gspo.config.schema import TINY_MAX_POSITIONS
     from gspo.models.build import char_tokenizer
-    from gspo.train.warm_start import _reference
+    from gspo.train.start.warm_start import _reference
 
     cfg = compose(["+experiment=tools"])
     task, tools = build_task(cfg.task), ToolUse.of(cfg)

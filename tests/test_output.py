@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import gspo
-from gspo.config.errors import tidy_warnings
+from gspo.core.errors import tidy_warnings
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from test_rollout import TOK, _qwen3, _sampled
 
 from gspo.models import moe as moe_lib
 from gspo.models.packing import for_forward, pack, shared_prefix_len
-from gspo.rollout.generate import token_logprobs
+from gspo.rollout.decoding.generate import token_logprobs
 
 # the end-to-end test's data file is small on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:task.path=.*held-out problems:UserWarning")
@@ -60,9 +60,9 @@ def _split_mixtral(prefix: str):
     rollout of prompts opening with `prefix`."""
     from test_split_experts import SETTINGS, _dense
 
-    from gspo.train import split_experts
+    from gspo.train.start import split_moe
 
-    model, _ = split_experts.build(_dense(), TOK, SETTINGS, log=lambda m: None)
+    model, _ = split_moe.build(_dense(), TOK, SETTINGS, log=lambda m: None)
     model = model.double().eval()
     model.config._experts_implementation = "eager"  # (grouped_mm has no float64)
     return model, _sampled(model, True, prefix)
@@ -116,13 +116,13 @@ def test_a_run_with_a_shared_prefix_is_the_plain_run(model, tmp_path, cache_dir,
     update moves the weights), 2 steps of 2 minibatches each packed; every logged number (the MoE's routing
     statistics, R2 replaying the old policy's routing, its load-balancing loss) and the final weights are the plain
     run's to float32 rounding."""
-    import gspo.train.trainer as trainer_mod
+    import gspo.train.loop.trainer as trainer_mod
     from conftest import tiny
     from transformers import AutoModelForCausalLM
 
     from gspo.config.loading import compose
-    from gspo.train import checkpoint
-    from gspo.train.trainer import train
+    from gspo.train.run import checkpoint
+    from gspo.train.loop.trainer import train
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{SHARED}{i}+{i}=", "answer": str(2 * i)}) + "\n"
@@ -182,8 +182,8 @@ def family_rows():
     shared characters, 2 sampled completions each (uneven lengths), by a tiny Llama."""
     from test_families import tiny_model
 
-    from gspo.rollout.generate import generate
-    from gspo.rollout.params import SamplingParams
+    from gspo.rollout.decoding.generate import generate
+    from gspo.rollout.decoding.params import SamplingParams
 
     model, tok = tiny_model("llama")
     prompts = [f"# sum these:\n{p}" for p in ("1+2=", "3+4=", "5*6=", "7-8=")]

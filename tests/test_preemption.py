@@ -21,10 +21,10 @@ from typer.testing import CliRunner
 
 import gspo.rollout.batch as trainer  # where the loop scores its rollouts
 from cli.main import app
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
-from gspo.train import checkpoint, preemption
-from gspo.train.trainer import train
+from gspo.core.errors import ConfigError
+from gspo.train.loop.trainer import train
+from gspo.train.run import checkpoint, preemption
 
 REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/")
@@ -182,7 +182,7 @@ def test_submitit_handler_runs_after_the_checkpoint(tmp_path, cache_dir, monkeyp
 def test_a_refused_setup_puts_the_callers_signal_handlers_back(tmp_path, cache_dir, monkeypatch):
     """train() called in-process (a notebook, a test) and refused before its first step leaves SIGINT / SIGTERM
     as it found them: a stale handler would take the caller's next Ctrl-C for a training run's."""
-    import gspo.train.trainer as loop
+    import gspo.train.loop.trainer as loop
 
     def refused(*a, **k):
         raise ConfigError("refused")

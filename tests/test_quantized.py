@@ -1,4 +1,4 @@
-"""The int8 sampling copy (`rollout.dtype=int8`, gspo/rollout/quantized.py): its products, which modules it
+"""The int8 sampling copy (`rollout.dtype=int8`, gspo/rollout/decoding/quantized.py): its products, which modules it
 quantizes, its weight sync, both engines on it, and a run sampled by it."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import torch
 from conftest import tiny
 from test_fast_decode import SMOL, _assert_same, _both, _family, _model
 
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
+from gspo.core.errors import ConfigError
 from gspo.models import moe
 from gspo.models.build import build_model, char_tokenizer
-from gspo.rollout import fast_decode
-from gspo.rollout.quantized import Int8Linear, available, quantize
-from gspo.rollout.sampler import Sampler, _plain, old_logprobs_mode, separate
-from gspo.train.checks import check
-from gspo.train.trainer import train
+from gspo.rollout.decoding import fast_decode
+from gspo.rollout.decoding.quantized import Int8Linear, available, quantize
+from gspo.rollout.decoding.sampler import Sampler, _plain, old_logprobs_mode, separate
+from gspo.train.loop.trainer import train
+from gspo.train.preflight import check
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from gspo.config.loading import compose
-from gspo.train import checkpoint
-from gspo.train.trainer import train
+from gspo.train.loop.trainer import train
+from gspo.train.run import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/")  # wall-clock metrics differ between any two runs
@@ -182,9 +182,9 @@ def test_r3_old_policy_pass_routes_as_the_sampler_did(cache_dir):
     from gspo.config.schema import ModelConfig
     from gspo.models import moe
     from gspo.models.build import build_model, char_tokenizer
-    from gspo.rollout.generate import generate, token_logprobs
-    from gspo.rollout.params import SamplingParams
-    from gspo.train.moe_step import MoEStep
+    from gspo.rollout.decoding.generate import generate, token_logprobs
+    from gspo.rollout.decoding.params import SamplingParams
+    from gspo.train.loop.moe_step import MoEStep
 
     tok = char_tokenizer("0123456789+=")
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), {"name": "m"}), len(tok), tok, 0).eval()
@@ -334,7 +334,7 @@ def test_a_resume_that_changes_the_numbers_is_refused_unless_forced_then_said_an
     here = json.loads((run / "summary.json").read_text())["machine"]
     assert here["cpu"] and here["torch"] == torch.__version__ and here["threads"] == 1
     assert {"cpu_id", "cpu_flags", "transformers", "peft", "python", "gspo", "commit", "dirty"} <= here.keys()
-    from gspo.train import provenance
+    from gspo.core import provenance
 
     monkeypatch.setattr(provenance, "machine", lambda threads=None: {**here, "cpu": "Another CPU"})
     record, config = (run / "resumes.jsonl").read_text(), (run / "config.yaml").read_text()
@@ -381,7 +381,7 @@ def test_a_resumed_finished_run_says_running_while_it_works(tmp_path, cache_dir,
     """A finished run resumed for more steps is `running` from its first new step on, without the old final
     accuracy: if it dies there (kill -9), it is not taken for finished. (Before: still `finished`, with the
     final accuracy of step 3, after dying at step 9.)"""
-    import gspo.train.trainer as trainer
+    import gspo.train.loop.trainer as trainer
 
     train(compose(tiny(cache_dir, **{"train.steps": 3})), tmp_path)
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "finished"
@@ -408,7 +408,7 @@ def _same_end(run: Path, whole: Path) -> None:
     assert a.pop("wall_s") > 0 and b.pop("wall_s") > 0
     assert a == b and a["status"] == "finished"
     assert steady(metrics(run)) == steady(metrics(whole))
-    from gspo.train.heldout import read_records
+    from gspo.train.evaluation.heldout import read_records
 
     assert read_records(run) == read_records(whole) != []  # which problems each evaluation answered, the last too
     files = sorted(p.name for p in checkpoint.latest(whole).glob("*.safetensors"))  # LoRA: the adapter's
@@ -421,8 +421,8 @@ def _same_end(run: Path, whole: Path) -> None:
 def _counted(monkeypatch) -> dict[str, list]:
     """Spies: the held-out evaluations run (their steps) and the metrics loggers closed (their exit codes; a W&B
     run is finished there)."""
-    from gspo.train.evaluator import Evaluator
-    from gspo.train.logging import MetricsLogger
+    from gspo.train.evaluation.evaluator import Evaluator
+    from gspo.train.loop.logging import MetricsLogger
 
     seen: dict[str, list] = {"evaluated": [], "closed": []}
     run, close = Evaluator.run, MetricsLogger.close
@@ -443,8 +443,8 @@ def _counted(monkeypatch) -> dict[str, list]:
 KILL_AFTER_LAST_CHECKPOINT = """
 import os, signal, sys
 from omegaconf import OmegaConf
-from gspo.train.checkpointer import Checkpointer
-from gspo.train.trainer import train
+from gspo.train.loop.checkpointer import Checkpointer
+from gspo.train.loop.trainer import train
 
 save = Checkpointer.save
 def save_then_die(self, step):
@@ -462,7 +462,7 @@ def test_a_run_killed_between_its_last_checkpoint_and_its_end_is_finished_by_its
     uninterrupted run ends: summary.json finished with its steps and final accuracy (the final evaluation read from
     metrics.jsonl, not run again), the merged LoRA export, the logger (W&B) closed as finished, and a sweep rerun
     skips it. (Before: `running` for good, no merged export, and every sweep rerun resumed it again.)"""
-    from gspo.train import sweep
+    from gspo.train.run import sweep
 
     overrides = opts(cache_dir, **{"train.steps": 3, "model.lora.r": 4, "model.lora.save_merged": True})
     whole = tmp_path / "whole"
@@ -527,7 +527,7 @@ def test_a_run_that_failed_at_its_last_step_stays_failed(tmp_path, finished_run)
     nothing left to train ends it as the loop did, failed, not finished."""
     import shutil
 
-    from gspo.config.errors import RunFailed
+    from gspo.core.errors import RunFailed
 
     whole, cache = finished_run
     run = tmp_path / "run"

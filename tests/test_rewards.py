@@ -10,12 +10,12 @@ from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.config.schema import RewardConfig, TaskConfig
+from gspo.core.errors import ConfigError
 from gspo.tasks import Problem, Verdict, build_task
 from gspo.tasks.rewards import RewardError, score
-from gspo.train.checks import check
+from gspo.train.preflight import check
 
 FNS = '''
 import math
@@ -213,7 +213,7 @@ def test_cli_refuses_a_missing_function_in_one_line(fns, cache_dir):
 
 def test_each_function_is_logged_and_a_failure_keeps_the_finished_steps(tmp_path, cache_dir):
     """The probe and step 1 score fine, step 2's call raises: the error names the function, steps 0-1 stay on disk."""
-    from gspo.train.trainer import train
+    from gspo.train.loop.trainer import train
 
     counter = tmp_path / "calls"
     (tmp_path / "fns.py").write_text(f'''
@@ -259,7 +259,7 @@ def test_a_hanging_function_ends_the_run_in_one_line_and_keeps_the_finished_step
     exit 2; steps 0-1 and step 1's checkpoint are on disk. (Call 0 is the up-front probe, call 1 step 1's.)"""
     from test_cli import one_line_exit_2
 
-    from gspo.train import checkpoint
+    from gspo.train.run import checkpoint
 
     counter = tmp_path / "calls"
     (tmp_path / "slow.py").write_text(f'''
@@ -305,13 +305,13 @@ def test_a_verifier_that_hangs_in_the_base_evaluation_ends_the_run(tmp_path, cac
     """The held-out evaluation (step 0, before any RL step) verifies under the same limit."""
     import time
 
-    import gspo.train.heldout
+    import gspo.train.evaluation.heldout
     from gspo.tasks.timeouts import ScoringTimeout
-    from gspo.train.trainer import train
+    from gspo.train.loop.trainer import train
 
     def verifier_that_hangs(task, texts, problems, bad):
         time.sleep(30)
 
-    monkeypatch.setattr(gspo.train.heldout, "judge_all", verifier_that_hangs)
+    monkeypatch.setattr(gspo.train.evaluation.heldout, "judge_all", verifier_that_hangs)
     with pytest.raises(ScoringTimeout, match=r"reward.timeout_s=0.5: the task's verifier on \d+ held-out completions"):
         train(compose(tiny(cache_dir, **{"reward.timeout_s": 0.5})), tmp_path)

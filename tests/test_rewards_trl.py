@@ -23,7 +23,7 @@ from gspo.config.loading import compose
 from gspo.config.schema import RewardConfig
 from gspo.tasks import Problem, Verdict, build_task
 from gspo.tasks.rewards import RewardError, probe, score, trainer_state
-from gspo.train.trainer import train
+from gspo.train.loop.trainer import train
 
 # In the spirit of TRL's documentation ("Using a custom reward function"): each takes what it needs by keyword.
 FNS = '''
@@ -256,8 +256,8 @@ def test_several_functions_normalised_apart_as_trls_normalize_then_sum():
     float noise in a flat group, gspo exactly 0)."""
     from types import SimpleNamespace
 
-    from gspo.train import distributed
-    from gspo.train.critic import Critic
+    from gspo.train.loop.critic import Critic
+    from gspo.train.ranks import distributed
 
     cfg = compose(["algo=gdpo", "reward=python", "reward.fn=[a.py:length,a.py:exact]", "reward.weights=[0.5,2.0]",
                    "rollout.group_size=4"])

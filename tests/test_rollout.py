@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 
 from gspo.config.schema import ModelConfig
 from gspo.models.build import build_model, char_tokenizer
-from gspo.rollout.generate import Rollout, cat_rollouts, generate, token_logprobs
-from gspo.rollout.params import SamplingParams
+from gspo.rollout.decoding.generate import Rollout, cat_rollouts, generate, token_logprobs
+from gspo.rollout.decoding.params import SamplingParams
 
 TOK = char_tokenizer("0123456789+=")
 EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
@@ -93,7 +93,7 @@ def test_a_group_prefills_its_prompt_once_and_samples_what_every_row_prefilled_w
     """The G rows of a prompt share it: one prefill row per prompt, its KV cache repeated G times. The
     completions, their sampler log-probs and the log-probs recomputed from them are those of prefilling
     every row (the fallback, used where the cache is not a plain key/value cache)."""
-    import gspo.rollout.generate as gen
+    import gspo.rollout.decoding.generate as gen
 
     prompts, g = ["1+1=", "12+345=", "7="], 4
     rows_seen = []
@@ -145,7 +145,7 @@ def test_special_token_inside_a_completion_is_ill_formed():
 
 def test_inverse_cdf_sampling_draws_the_softmax_distribution():
     """`_sample` with uniforms draws token v with probability softmax(logits / temp)_v, never a token top-p removed."""
-    from gspo.rollout.generate import _sample
+    from gspo.rollout.decoding.generate import _sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]]))  # the last token has probability 0
     u = torch.rand(200_000, generator=torch.Generator().manual_seed(0))
@@ -175,7 +175,7 @@ def test_the_sampler_stops_at_every_end_token_the_generation_config_lists():
 
 def test_non_finite_logits_stop_the_rollout_in_one_line():
     """HF's sampler raises on NaN logits; gspo's did sample them (the last vocabulary id, log-prob NaN)."""
-    from gspo.rollout.generate import NonFiniteLogits
+    from gspo.rollout.decoding.generate import NonFiniteLogits
 
     class NaNLM(ScriptedLM):
         def forward(self, *a, **k):
@@ -190,7 +190,7 @@ def test_non_finite_logits_stop_the_rollout_in_one_line():
 
 def test_compile_keeps_a_bounded_number_of_static_caches(tiny_model):
     """Every batch shape compiled once would keep its own KV cache for ever (task=data: prompt widths vary)."""
-    from gspo.rollout import generate as g
+    from gspo.rollout.decoding import generate as g
 
     g._STATIC.clear()
     for width in (10, 11, 12, 13):
@@ -209,7 +209,7 @@ def _scripted_rollout() -> "Rollout":
 def test_trimmed_drops_the_columns_that_are_padding_in_every_row():
     from dataclasses import fields
 
-    from gspo.rollout.generate import COMPLETION_COLUMNS, SEQUENCE_COLUMNS
+    from gspo.rollout.decoding.generate import COMPLETION_COLUMNS, SEQUENCE_COLUMNS
 
     r = _scripted_rollout()
     assert r.prompt_len == 7 and r.completion_mask.shape == (4, 4)

@@ -19,12 +19,12 @@ from test_cli import one_line_exit_2
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.core import files
+from gspo.core.errors import ConfigError
 from gspo.results.runs import load_runs
-from gspo.train import rundir
-from gspo.train.trainer import train
+from gspo.train.loop.trainer import train
+from gspo.train.run import rundir
 
 runner = CliRunner()
 

@@ -1,5 +1,5 @@
-"""A sampler that is not the trainer (`rollout.dtype`, gspo/rollout/sampler.py): the copy, its sync, LoRA merging,
-where the old log-probs come from, top-p, and on a MoE which routing R2 and R3 replay."""
+"""A sampler that is not the trainer (`rollout.dtype`, gspo/rollout/decoding/sampler.py): the copy, its sync, LoRA
+merging, where the old log-probs come from, top-p, and on a MoE which routing R2 and R3 replay."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from conftest import tiny
 from omegaconf import OmegaConf
 
 from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
+from gspo.core.errors import ConfigError
 from gspo.models import adapters
 from gspo.models.build import build_model, char_tokenizer
-from gspo.rollout.generate import generate, token_logprobs
-from gspo.rollout.params import SamplingParams
-from gspo.rollout.sampler import Sampler, _Copy, old_logprobs_mode, separate
-from gspo.train.checks import check
-from gspo.train.moe_step import MoEStep
-from gspo.train.trainer import train
+from gspo.rollout.decoding.generate import generate, token_logprobs
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.rollout.decoding.sampler import Sampler, _Copy, old_logprobs_mode, separate
+from gspo.train.loop.moe_step import MoEStep
+from gspo.train.loop.trainer import train
+from gspo.train.preflight import check
 
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55="]
@@ -122,7 +122,7 @@ def test_a_lora_copy_carries_the_merged_adapters(model):
 def test_a_lora_copy_under_gradient_checkpointing_can_use_the_fast_engine():
     """peft's input-grad hook on the embeddings (gradient checkpointing) is training-only: the merged sampler
     copy does not carry it, so the fast engine takes it (before: it refused the hook and fell back quietly)."""
-    from gspo.rollout import fast_decode
+    from gspo.rollout.decoding import fast_decode
 
     cfg = compose(["model=qwen3-tiny", "model.lora.r=4"])
     base = model_of(cfg)

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from gspo.config.loading import compose
 from gspo.config.schema import group_options
-from gspo.train import checkpoint
-from gspo.train.trainer import train
+from gspo.train.loop.trainer import train
+from gspo.train.run import checkpoint
 
 NOISY = ("time/", "throughput/")  # wall-clock metrics differ between any two runs
 

@@ -1,4 +1,5 @@
-"""A mixture of experts split from a dense Llama (model.split_experts, gspo/train/split_experts.py; model=smollm2_moe).
+"""A mixture of experts split from a dense Llama (model.split_experts, gspo/models/split_experts.py and
+gspo/train/start/split_moe.py; model=smollm2_moe).
 
 On tiny Llamas built here from LlamaConfig (nothing downloaded): with every expert active and a router that does
 not rescale, the split model computes the dense model's outputs; at top-k < E its outputs depend on the routing
@@ -25,15 +26,17 @@ from transformers import AutoModelForCausalLM, MixtralForCausalLM
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config.errors import ConfigError
+from gspo.config.schema import SplitExpertsConfig
+from gspo.core.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.models import moe
-from gspo.train import split_experts
-from gspo.rollout import fast_decode
-from gspo.train.trainer import train
+from gspo.models import split_experts
+from gspo.rollout.decoding import fast_decode
+from gspo.train.loop.trainer import train
+from gspo.train.start import split_moe
 
 E, K = 4, 2
-SETTINGS = split_experts.SplitSettings(experts=E, top_k=K, calibration_sequences=8, calibration_tokens=32)
+SETTINGS = SplitExpertsConfig(experts=E, top_k=K, calibration_sequences=8, calibration_tokens=32)
 
 
 def _dense(seed: int = 1):
@@ -58,7 +61,7 @@ def _logp(model, ids: torch.Tensor) -> torch.Tensor:
 def test_every_expert_active_under_a_router_that_does_not_rescale_is_the_dense_model():
     """top-k = E and equal logits (weights exactly 1/E, the factor E in the down projections): the dense outputs."""
     dense = _dense()
-    built, record = split_experts.build(dense, TOK, split_experts.SplitSettings(E, E, 8, 32), log=lambda m: None)
+    built, record = split_moe.build(dense, TOK, SplitExpertsConfig(E, E, 8, 32), log=lambda m: None)
     assert isinstance(built, MixtralForCausalLM) and record["kl_to_dense"] < 1e-5
     with torch.no_grad():
         for r in moe.find_routers(built):
@@ -75,7 +78,7 @@ def test_routing_matters_at_top_k_below_the_experts():
     """At top-k < E the fitted router's choice changes the outputs: another top-k, a perturbed router, or the
     dense model's all-active sum each move the log-probs."""
     dense = _dense()
-    built, record = split_experts.build(dense, TOK, SETTINGS, log=lambda m: None)
+    built, record = split_moe.build(dense, TOK, SETTINGS, log=lambda m: None)
     assert record["router_logit_spread"] in split_experts.SCALES and record["kl_to_dense"] > 0
     ids = _ids()
     base = _logp(built, ids)
@@ -97,7 +100,7 @@ def test_the_checkpoint_is_built_once_keyed_and_loads_as_mixtral(tmp_path):
     dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
     scfg = OmegaConf.create(SETTINGS.__dict__)
     said: list[str] = []
-    path = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=said.append)
+    path = split_moe.checkpoint(dense_dir, scfg, tmp_path / "cache", log=said.append)
     assert path.parent == tmp_path / "cache" and path.name.startswith("moe-dense-")
     assert "built from" in said[-1] and (path / "tokenizer.json").is_file()
     record = json.loads((path / "split_experts.json").read_text())
@@ -105,9 +108,9 @@ def test_the_checkpoint_is_built_once_keyed_and_loads_as_mixtral(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(path)
     assert type(loaded) is MixtralForCausalLM and loaded.config.num_local_experts == E
     assert loaded.config.num_experts_per_tok == K
-    assert split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=said.append) == path  # reused
+    assert split_moe.checkpoint(dense_dir, scfg, tmp_path / "cache", log=said.append) == path  # reused
     assert "reusing" in said[-1]
-    other = split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "top_k": 1}),
+    other = split_moe.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "top_k": 1}),
                                      tmp_path / "cache", log=said.append)
     assert other != path  # another setting, another copy
 
@@ -120,12 +123,12 @@ def test_a_recipe_makes_the_same_split_on_any_machine(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
-    built = split_experts.checkpoint(dense_dir, OmegaConf.create(SETTINGS.__dict__), tmp_path / "cache", log=None)
+    built = split_moe.checkpoint(dense_dir, OmegaConf.create(SETTINGS.__dict__), tmp_path / "cache", log=None)
     recipe = built / split_experts.RECIPE
     assert recipe.is_file()
-    monkeypatch.setattr(split_experts, "build", lambda *a, **k: pytest.fail("a recipe build ran the construction"))
+    monkeypatch.setattr(split_moe, "build", lambda *a, **k: pytest.fail("a recipe build ran the construction"))
     said: list[str] = []
-    again = split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "recipe": str(recipe)}),
+    again = split_moe.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "recipe": str(recipe)}),
                                      tmp_path / "other", log=said.append)
     assert f"by the recipe {recipe}" in said[-1]
     a, b = load_file(built / "model.safetensors"), load_file(again / "model.safetensors")
@@ -145,11 +148,11 @@ def test_a_recipe_makes_the_same_split_on_any_machine(tmp_path, monkeypatch):
     save_file({k: v + 1e-3 if "gate_proj" in k else v for k, v in weights.items()}, str(other / "model.safetensors"),
               metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="made from other dense weights than model.path's"):
-        split_experts.checkpoint(other, OmegaConf.create({**SETTINGS.__dict__, "recipe": str(recipe)}),
+        split_moe.checkpoint(other, OmegaConf.create({**SETTINGS.__dict__, "recipe": str(recipe)}),
                                  tmp_path / "other", log=None)
     with pytest.raises(ConfigError, match=r"a split of 2 layers into 4 experts, not of this model's 2 layers into "
                                           r"model.split_experts.experts=2"):
-        split_experts.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "experts": 2, "top_k": 1,
+        split_moe.checkpoint(dense_dir, OmegaConf.create({**SETTINGS.__dict__, "experts": 2, "top_k": 1,
                                                               "recipe": str(recipe)}), tmp_path / "other", log=None)
     for bad, said in ((["model.split_experts.recipe=nowhere.safetensors"],
                        ("model.split_experts.recipe=nowhere.safetensors: no such file, here or among the recipes gspo "
@@ -186,7 +189,7 @@ def test_what_the_split_cannot_do_is_refused_before_the_dense_model_loads(tmp_pa
     from gspo.models import gguf
 
     monkeypatch.setattr(gguf, "dequantize", lambda *a, **k: pytest.fail("the GGUF file was dequantized"))
-    monkeypatch.setattr(split_experts, "checkpoint", lambda *a, **k: pytest.fail("the split was built"))
+    monkeypatch.setattr(split_moe, "checkpoint", lambda *a, **k: pytest.fail("the split was built"))
     dense_dir = tiny_checkpoint("llama", tmp_path / "dense")  # an MLP of 64 neurons
     write_tiny_gguf(tmp_path / "tiny.gguf")  # ... of 96
     split = {"model.split_experts.experts": E, "model.split_experts.top_k": K}
@@ -204,7 +207,7 @@ def test_what_the_split_cannot_do_is_refused_before_the_dense_model_loads(tmp_pa
         one_line_exit_2(res, said)
     assert not (tmp_path / "cache").exists()
     compose(run_config(tmp_path / "tiny.gguf", tmp_path / "cache", **{**split, "model.split_experts.experts": 3}))
-    built, record = split_experts.build(_dense(), TOK, split_experts.SplitSettings(E, K, 2, 32), log=lambda m: None)
+    built, record = split_moe.build(_dense(), TOK, SplitExpertsConfig(E, K, 2, 32), log=lambda m: None)
     assert isinstance(built, MixtralForCausalLM) and record["kl_to_dense"] > 0
 
 
@@ -246,16 +249,16 @@ def test_the_key_covers_the_tokenizer_chat_template_and_generation_config(tmp_pa
         tok.save_pretrained(dense_dir)
 
     template("old:")
-    first = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
+    first = split_moe.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
     (dense_dir / "gguf.json").write_text(json.dumps({"seconds": 12.3}))  # a record of timings: not keyed
-    assert split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None) == first
+    assert split_moe.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None) == first
     template("new:")
-    second = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
+    second = split_moe.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
     assert second != first and "new:" in AutoTokenizer.from_pretrained(second).chat_template
     assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
     generation = json.loads((dense_dir / "generation_config.json").read_text())
     (dense_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [0, 1]}))
-    third = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
+    third = split_moe.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
     assert third not in (first, second)
     assert json.loads((third / "generation_config.json").read_text())["eos_token_id"] == [0, 1]
 
@@ -270,7 +273,7 @@ def test_the_cached_split_is_readable_by_those_sharing_the_cache(tmp_path):
     scfg = OmegaConf.create({**SETTINGS.__dict__, "recipe": str(_hand_recipe(dense_dir, tmp_path / "r.safetensors"))})
     old = os.umask(0o022)
     try:
-        path = split_experts.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
+        path = split_moe.checkpoint(dense_dir, scfg, tmp_path / "cache", log=None)
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o755
@@ -293,7 +296,7 @@ def test_it_trains_under_routing_replay_with_the_routing_metrics(replay, tmp_pat
 
 
 def test_the_fast_engine_samples_what_hf_samples_on_the_split_model():
-    built, _ = split_experts.build(_dense(), TOK, SETTINGS, log=lambda m: None)
+    built, _ = split_moe.build(_dense(), TOK, SETTINGS, log=lambda m: None)
     built = built.float().eval()
     assert fast_decode.resolve("fast", built) == "fast"
     hf, fast = _both(built, temperature=0.7, top_p=0.9, capture_routing=True)
@@ -351,7 +354,7 @@ def test_recovery_distils_the_dense_model_into_the_experts_and_leaves_the_rest_a
     began, and only the MoE blocks (experts, routers) moved; a build without recovery keeps its key."""
     dense = _dense().eval()
     tok = TOK
-    ids, mask = split_experts.calibration_ids(dense, tok, 12, 24, seed=0)
+    ids, mask = split_moe.calibration_ids(dense, tok, 12, 24, seed=0)
     groups = split_experts.group_all_layers(dense, ids, mask, E, 0)
     routers, spreads = split_experts.fit_routers(dense, ids, mask, groups)
     moe = split_experts.to_mixtral(dense, groups, routers, K)
@@ -365,7 +368,7 @@ def test_recovery_distils_the_dense_model_into_the_experts_and_leaves_the_rest_a
     assert losses[-1] < losses[0] and after < before, (losses, before, after)
     assert all(torch.equal(moe.state_dict()[k], v) for k, v in frozen.items())
     assert not any(p.requires_grad for p in moe.parameters()) and not moe.training
-    plain = split_experts.SplitSettings(experts=E, top_k=K)
-    assert plain.keyed() == {"experts": E, "top_k": K, "calibration_sequences": 64, "calibration_tokens": 160,
+    plain = SplitExpertsConfig(experts=E, top_k=K)
+    assert split_moe.keyed(plain) == {"experts": E, "top_k": K, "calibration_sequences": 64, "calibration_tokens": 160,
                              "seed": 0}  # the key of a split built before recovery and recipes existed
-    assert split_experts.SplitSettings(experts=E, top_k=K, recovery_epochs=1).keyed()["recovery_epochs"] == 1
+    assert split_moe.keyed(SplitExpertsConfig(experts=E, top_k=K, recovery_epochs=1))["recovery_epochs"] == 1

@@ -20,10 +20,10 @@ from typer.testing import CliRunner
 
 import gspo.rollout.batch as trainer  # where the loop scores its rollouts
 from cli.main import app
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose, job_name, sweep_combinations
+from gspo.core.errors import ConfigError
 from gspo.results.runs import load_runs
-from gspo.train import preemption, sweep
+from gspo.train.run import preemption, sweep
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
-"""Tools (gspo/tasks/tools.py), the chat template's side of a tool conversation (gspo/rollout/chat.py) and the
-multi-turn driver (gspo/rollout/multiturn.py) on a scripted engine: what a trajectory holds, token by token."""
+"""Tools (gspo/tasks/tools.py), the chat template's side of a tool conversation (gspo/rollout/decoding/chat.py) and the
+multi-turn driver (gspo/rollout/decoding/multiturn.py) on a scripted engine: what a trajectory holds, token by token."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 from gspo.models.build import char_tokenizer
-from gspo.rollout import chat
-from gspo.rollout.decoding import Continuation, Decoder
-from gspo.rollout.multiturn import ToolUse
-from gspo.rollout.params import SamplingParams
-from gspo.rollout.rollouts import rollout
+from gspo.rollout.decoding import chat
+from gspo.rollout.decoding.decoder import Continuation, Decoder
+from gspo.rollout.decoding.multiturn import ToolUse
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.rollout.decoding.rollouts import rollout
 from gspo.tasks.tools import Toolbox
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,7 +254,7 @@ def test_a_template_that_cannot_close_a_tool_turn_is_refused_before_any_work(tmp
     one line, before any work (it failed at the first tool call a run answered)."""
     from gspo.config.loading import compose
     from gspo.models.build import CHAT_TEMPLATE, EOS, build_model
-    from gspo.train.checks import check
+    from gspo.train.preflight import check
 
     t = char_tokenizer("0123456789*+-= abcdefghijklmnopqrstuvwxyz{}[]\":,'._;", chat=True)
     t.chat_template = CHAT_TEMPLATE.replace("{%- endfor -%}" + EOS, "{%- endfor -%};")

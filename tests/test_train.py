@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from gspo.config.loading import compose
 from gspo.config.schema import group_options
-from gspo.train import checkpoint
-from gspo.train.trainer import train
+from gspo.train.loop.trainer import train
+from gspo.train.run import checkpoint
 
 STEP_KEYS = {
     "reward/mean", "reward/std", "reward/frac_zero_std", "reward/tinyzero/mean", "clip/frac_low", "clip/frac_high",
@@ -152,7 +152,7 @@ def test_trimming_each_minibatch_to_its_own_width_changes_no_number(algo, replay
     the widths differ, and the spy checks that columns were dropped."""
     import torch
 
-    from gspo.rollout.generate import Rollout
+    from gspo.rollout.decoding.generate import Rollout
 
     dropped = []
     trimmed = Rollout.trimmed

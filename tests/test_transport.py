@@ -1,5 +1,5 @@
-"""Weights as tensors (gspo/rollout/transport.py, `rollout.vllm.weight_transport=tensors`) over a gloo group of two
-local processes, the trainer's side here and a receiver spawned: what arrives is what was pushed, bitwise (cast as
+"""Weights as tensors (gspo/rollout/engine/transport.py, `rollout.vllm.weight_transport=tensors`) over a gloo group of
+two local processes, the trainer's side here and a receiver spawned: what arrives is what was pushed, bitwise (cast as
 the file push casts), in buckets no larger than asked; a receiver that dies or goes silent ends the push with
 `PeerLost`, never a hang; the group listens on loopback only on one host, and admits no peer without its
 store's secret; across hosts gloo listens only where the members reach each other, and a member in the group
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gspo.config.errors import RunFailed
-from gspo.rollout import transport
-from gspo.rollout.transport import ALIGN, Group, PeerLost, Sender, backend_for, host_store, receive
+from gspo.core.errors import RunFailed
+from gspo.rollout.engine import transport
+from gspo.rollout.engine.transport import ALIGN, Group, PeerLost, Sender, backend_for, host_store, receive
 
 TIMEOUT_S = 300.0  # (a spawned receiver imports torch: slow on a busy machine)
 
@@ -96,7 +96,7 @@ def test_a_push_arrives_whole_and_bitwise_in_buckets_no_larger_than_asked(tmp_pa
 def _delta_receiver(port: int, secret: bytes, pushes: int, out: str) -> None:
     """Rank 1 of a delta push (rollout.vllm.weight_transport=delta): each push into a Mirror; every status and the
     weights it ends with saved to `out`."""
-    from gspo.rollout.delta import Mirror
+    from gspo.rollout.engine.delta import Mirror
 
     torch.set_num_threads(1)
     group = Group("gloo", 1, 2, TIMEOUT_S, torch.device("cpu"), port=port, secret=secret)
@@ -111,7 +111,7 @@ def test_a_delta_push_crosses_the_group_in_buckets_and_counts_every_byte(tmp_pat
     """Delta pushes over a real group in buckets of 256 bytes (entries several to a bucket, a large payload alone,
     empty heads and trailers between): the receiver's copy is the sender's weights bitwise after each, a lost delta
     is refused there as in one process, and `wire_bytes` counts what crossed (headers, manifests, payloads)."""
-    from gspo.rollout.delta import Tracker, whole_regions
+    from gspo.rollout.engine.delta import Tracker, whole_regions
 
     store = host_store(TIMEOUT_S)
     out = str(tmp_path / "got.pt")

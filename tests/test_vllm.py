@@ -31,13 +31,13 @@ from gspo.algos.mismatch import routing_mismatch  # noqa: E402
 from gspo.config.loading import compose  # noqa: E402
 from gspo.models import adapters, moe  # noqa: E402
 from gspo.models.build import build_model, char_tokenizer  # noqa: E402
-from gspo.rollout.child import shm_segments, unlink_orphans  # noqa: E402
-from gspo.rollout.engine import Engine, EngineProcess, spec  # noqa: E402
-from gspo.rollout.generate import stop_ids, token_logprobs  # noqa: E402
-from gspo.rollout.params import SamplingParams  # noqa: E402
-from gspo.rollout.slots import PREFIX, layout_of, shm_dir  # noqa: E402
-from gspo.train import checkpoint  # noqa: E402
-from gspo.train.trainer import train  # noqa: E402
+from gspo.rollout.processes.shm import shm_segments, unlink_orphans  # noqa: E402
+from gspo.rollout.engine.client import Engine, EngineProcess, spec  # noqa: E402
+from gspo.rollout.decoding.generate import stop_ids, token_logprobs  # noqa: E402
+from gspo.rollout.decoding.params import SamplingParams  # noqa: E402
+from gspo.rollout.engine.slots import PREFIX, layout_of, shm_dir  # noqa: E402
+from gspo.train.run import checkpoint  # noqa: E402
+from gspo.train.loop.trainer import train  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TOK = char_tokenizer("0123456789+=")
@@ -211,7 +211,7 @@ def test_a_lost_reordered_or_damaged_delta_is_refused_and_answered_with_a_full_p
     the engine does not hold), two deltas in the wrong order, and a delta damaged on the way (its result's checksum
     is not the trainer's) are each refused, nothing of them loaded; the trainer answers with a full push, and the
     engine's float32 log-probs are the trainer's again."""
-    from gspo.rollout import delta
+    from gspo.rollout.engine import delta
 
     model, process, front, _ = served(tmp_path, {"model": "qwen3-tiny"}, transport="delta")
 
@@ -414,9 +414,9 @@ def test_the_engine_serves_a_mixtral_split_from_a_dense_llama_and_r3_replays_its
     from test_split_experts import SETTINGS, _dense
     from test_fast_decode import TOK as SPLIT_TOK
 
-    from gspo.train import split_experts
+    from gspo.train.start import split_moe
 
-    built, _ = split_experts.build(_dense(), SPLIT_TOK, SETTINGS, log=lambda m: None)
+    built, _ = split_moe.build(_dense(), SPLIT_TOK, SETTINGS, log=lambda m: None)
     built.float().save_pretrained(tmp_path / "moe")
     SPLIT_TOK.save_pretrained(tmp_path / "moe")
     train(compose(opts(cache_dir, **{"model": "hf", "model.path": str(tmp_path / "moe"), "moe.routing_replay": "R3",
@@ -606,8 +606,8 @@ def reward(completions, **kw):  # call 0 is the start-up probe; the trainer scor
             other = Path({counter!r} + str(r))
             while int((other.read_text() if other.exists() else "") or 0) <= n:
                 time.sleep(0.05)
-        pids = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "gspo.rollout.vllm_engine"], capture_output=True,
-                              text=True).stdout.split()
+        pids = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "gspo.rollout.engine.vllm_engine"],
+                              capture_output=True, text=True).stdout.split()
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL if MODE == "kill" else signal.SIGSTOP)
     return [float(len(c)) for c in completions]

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from gspo.config.schema import ModelConfig, WarmStartConfig
 from gspo.models.build import build_model, char_tokenizer
 from gspo.tasks import Problem, Verdict
-from gspo.train.warm_start import warm_start
+from gspo.train.start.warm_start import warm_start
 
 
 class Echo:
@@ -49,11 +49,11 @@ def test_warm_start_stops_at_the_target_accuracy():
 def test_checks_come_five_times_as_often_from_half_the_target(monkeypatch):
     """Coarse checks overshoot (52.5% for a 40% target, 25 steps apart): from half the target, every 5 steps.
     (The accuracies are given: 2 problems a step are enough to count steps.)"""
-    import gspo.train.warm_start
+    import gspo.train.start.warm_start
 
     accuracies = iter([0.10, 0.19, 0.20, 0.30, 0.39, 0.41, 0.9])
     seen = []
-    monkeypatch.setattr(gspo.train.warm_start, "_accuracy_check",
+    monkeypatch.setattr(gspo.train.start.warm_start, "_accuracy_check",
                         lambda *a: lambda: seen.append(next(accuracies)) or seen[-1])
     task = Echo()
     tok = char_tokenizer(task.alphabet)
@@ -93,7 +93,7 @@ def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_
 
     from gspo.config.loading import compose
     from gspo.tasks import build_task
-    from gspo.train.warm_start import base_model
+    from gspo.train.start.warm_start import base_model
 
     data = tmp_path / "d.jsonl"
 
@@ -127,7 +127,7 @@ def test_the_cached_base_and_a_partial_warm_start_are_readable_by_those_sharing_
 
     from gspo.config.loading import compose
     from gspo.tasks import build_task
-    from gspo.train.warm_start import _save_partial, base_model
+    from gspo.train.start.warm_start import _save_partial, base_model
 
     cfg = compose(tiny(tmp_path / "cache", **{"model.warm_start.steps": 1, "model.warm_start.target_accuracy": 0}))
     tok = char_tokenizer("0123456789=")

@@ -10,12 +10,12 @@ from fractions import Fraction
 import pytest
 from omegaconf import OmegaConf
 
-from gspo.config.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.config.schema import CONF_DIR
+from gspo.core.errors import ConfigError
 from gspo.tasks import Problem, Verdict, build_task, is_heldout
 from gspo.tasks.word_problems import KINDS, STEP_WEIGHTS, arithmetic_key, read_answer
-from gspo.train.checks import check
+from gspo.train.preflight import check
 
 
 @pytest.mark.parametrize("text, value, explicit", [

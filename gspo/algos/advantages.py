@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 
 STD_EPS = 1e-4  # added to the std, as TRL and the GSPO/DAPO recipes do (verl uses 1e-6)
 

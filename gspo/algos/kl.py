@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from gspo.config.checks import CHOICES
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 
 KL_KINDS = CHOICES["algo.kl_estimator"]  # the schema's (k1, k2, k3)
 

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from gspo.algos.kl import kl_penalty
 from gspo.config.checks import CHOICES, check_keys
-from gspo.config.errors import ConfigError
 from gspo.config.schema import AlgoConfig
+from gspo.core.errors import ConfigError
 
 AGG_MODES = tuple(m for m in CHOICES["algo.agg"] if m is not None)  # the schema's, None (the loss's own) aside
 LOG_1E8 = math.log(1e-8)  # VESPO's floor on its log sequence weight (TRL's clamp)
@@ -172,7 +172,7 @@ def hyper_of(algo) -> dict:
 def check_hyper(name: str, hyper: dict) -> None:
     """Refuse, in one line, `hyper` that loss `name` cannot take: the schema's rules for the `algo` keys among them
     (gspo/config/checks.py, the ones a config is checked with), and the two-sided clip on a loss without PPO's clip.
-    `gspo.train.checks.check` runs it on a config, `policy_loss` on its arguments."""
+    `gspo.train.preflight.check` runs it on a config, `policy_loss` on its arguments."""
     check_keys({f"algo.{k}": v for k, v in hyper.items() if k in ALGO_KEYS})
     delta = hyper.get("delta")
     if delta is not None and not get_loss(name).ppo_clip:
@@ -719,7 +719,7 @@ def policy_loss(
         stats["policy/ratio_mean"] = 1.0 if empty else float(r.mean())
         # no tokens: the extremes are the identities of min and max (+inf, -inf), so that a minibatch or a rank
         # without tokens never enters the extremes over minibatches and ranks (the trainer leaves an extreme over
-        # nothing out of the step's row: gspo.train.distributed.Dist.reduce_metrics)
+        # nothing out of the step's row: gspo.train.ranks.distributed.Dist.reduce_metrics)
         stats["policy/ratio_min"] = math.inf if empty else float(r.min())
         stats["policy/ratio_max"] = -math.inf if empty else float(r.max())
         # pi/pi_old per token whatever ratio the loss uses: a sequence-ratio loss (GSPO) hides in its

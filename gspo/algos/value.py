@@ -17,7 +17,7 @@ from torch import Tensor
 
 GAE = "gae"  # algo.advantage: advantages from a learned value model (the trainer's critic), not from the group
 
-AllSum = Callable[[Tensor], Tensor]  # a sum over ranks (gspo.train.distributed.Dist.all_sum); identity in one process
+AllSum = Callable[[Tensor], Tensor]  # a sum over ranks (gspo.train.ranks.distributed.Dist.all_sum); identity in one process
 
 
 def _identity(x: Tensor) -> Tensor:

@@ -1,5 +1,5 @@
-"""Configuration: the typed schema, composing it with Hydra, the checks that need only the config, errors.
+"""Configuration: the typed schema, composing it with Hydra, the checks that need only the config.
 
-The bottom of the package: it imports nothing from gspo. Every other part may import it.
-Validation against the other parts' registries (loss names, tasks, LoRA, ...) is `gspo.train.checks`.
+Imports only `gspo.core` (its errors). Every other part may import it. Validation against the other parts'
+registries (loss names, tasks, LoRA, ...) is `gspo.train.preflight`.
 """

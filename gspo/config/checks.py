@@ -3,7 +3,7 @@
 One line naming the key, the value and what is allowed (a `ConfigError`: the CLI prints it
 and exits 2). `check_values` needs only the config; `check_machine` also asks this machine (a
 config may be composed here and trained elsewhere). `gspo.config.loading.compose` and
-`load_run_config` call `check_values`; `gspo.train.checks.check` adds what needs the other
+`load_run_config` call `check_values`; `gspo.train.preflight.check` adds what needs the other
 parts (registries, LoRA, data files, reward functions, the sampler), and `gspo train` runs it
 and `check_machine` for every job of a sweep before Hydra runs.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from gspo.config import model_path
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 
 CHOICES = {
     "moe.routing_replay": ("none", "R2", "R3"),
@@ -226,7 +226,7 @@ def _split_width_problem(cfg: Any) -> Optional[str]:
     """Why `model.split_experts.experts` cannot split the dense MLP of `model.path`, or None: its width
     (`intermediate_size`) is read from config.json, or from a GGUF file's header (`feed_forward_length`), so a
     width the experts do not divide is refused before the GGUF is dequantized or the dense model loaded
-    (gspo/train/split_experts.py `mixtral_config` refuses it again there, in the same words). None where the width
+    (gspo/models/split_experts.py `mixtral_config` refuses it again there, in the same words). None where the width
     does not read from there (a per-layer width, a header without it): the build says so."""
     experts = cfg.model.split_experts.experts
     try:
@@ -290,7 +290,7 @@ def _cross_checks(cfg: Any) -> Optional[str]:
         except ConfigError as e:
             return str(e)
     if r.dtype == "int8" and r.matmul == "onednn" and r.engine in ("fast", "auto"):
-        # the int8 copy's projections are Int8Linear modules (gspo/rollout/quantized.py): no float32 weight for
+        # the int8 copy's projections are Int8Linear modules (gspo/rollout/decoding/quantized.py): no float32 weight for
         # oneDNN to reorder, so the fast engine's onednn path would fail at the first rollout
         return ("rollout.matmul=onednn: reorders float32 Linear weights, and rollout.dtype=int8's sampling copy has "
                 "none (its products run in int8); use rollout.matmul=aten with rollout.dtype=int8")
@@ -303,7 +303,7 @@ def check_values(cfg: Any) -> None:
     """Refuse, with one line naming key, value and what is allowed, a config whose values cannot train.
 
     Missing keys, enumerations (CHOICES), ranges (RULES), limits between keys, required paths: what
-    needs only the config. `gspo.train.checks.check` adds the other parts' registries and checks.
+    needs only the config. `gspo.train.preflight.check` adds the other parts' registries and checks.
     """
     from omegaconf import OmegaConf
 
@@ -437,7 +437,7 @@ USED_ONLY_WHEN: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.tis_cap": (lambda c: c.rollout.tis != "none", "TIS is off: set rollout.tis=token or sequence"),
     "rollout.mask_low": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token, geometric, ..."),
     "rollout.mask_high": (lambda c: c.rollout.mask != "none", "masking is off: set rollout.mask=token, geometric, ..."),
-    # (the keys only some losses read: their LossSpec names them, gspo.train.checks.used_only_when adds them)
+    # (the keys only some losses read: their LossSpec names them, gspo.train.preflight.used_only_when adds them)
     "algo.passk_k": (lambda c: c.algo.advantage == "passk", "only the passk advantage reads it"),
     "algo.whiten": (lambda c: c.algo.advantage.startswith("reinforce_plus_plus") or c.algo.advantage == "gdpo",
                     "only the reinforce_plus_plus and gdpo advantages read it"),
@@ -486,7 +486,7 @@ def ignored_override(cfgs: list, override: str,
                      rules: Optional[dict[str, tuple[Callable[[Any], bool], str]]] = None) -> Optional[str]:
     """Why the command-line override `KEY=VALUE` would be ignored by every one of `cfgs` (the jobs of a run or
     sweep), or None when some job reads it. `rules`: USED_ONLY_WHEN, or that and the registries' own
-    (`gspo.train.checks.used_only_when`)."""
+    (`gspo.train.preflight.used_only_when`)."""
     key = override.partition("=")[0].lstrip("+~")
     rule = next((r for k, r in (USED_ONLY_WHEN if rules is None else rules).items()
                  if key == k or (k.endswith((".", "_")) and key.startswith(k))), None)

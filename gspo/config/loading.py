@@ -2,7 +2,7 @@
 and resume arguments; every problem a one-line `ConfigError` naming the key.
 
 Both entry points run `gspo.config.checks.check_values` (what needs only the config); the check against
-the other parts' registries is `gspo.train.checks.check`.
+the other parts' registries is `gspo.train.preflight.check`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gspo.config.checks import check_values, run_config_file
-from gspo.config.errors import ConfigError
 from gspo.config.schema import (
     CONF_DIR,
     GROUPS,
@@ -27,6 +26,7 @@ from gspo.config.schema import (
     group_options,
     register_configs,
 )
+from gspo.core.errors import ConfigError
 
 
 def _suffix(name: Optional[str]) -> str:

@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any, Optional
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 
 PKG = "pkg:"
 GGUF_MAGIC = b"GGUF"

@@ -96,7 +96,7 @@ class WarmStartConfig:
 
 @dataclass
 class SplitExpertsConfig:
-    # model=hf with a dense Llama: a mixture of experts built from it once (gspo/train/split_experts.py), its MLP's
+    # model=hf with a dense Llama: a mixture of experts built from it once (gspo/models/split_experts.py), its MLP's
     # neurons split into `experts` groups by co-activation on text the model writes itself, `top_k` routed per token
     # by routers fitted to each group's contribution; cached in cache_dir by the dense weights' content. 0 = off
     experts: int = 0
@@ -222,7 +222,7 @@ class LoggerConfig:
 
 @dataclass
 class VllmConfig:
-    """The vLLM engine's settings (rollout.engine=vllm; gspo/rollout/engine.py). gspo sets the rest itself."""
+    """The vLLM engine's settings (rollout.engine=vllm; gspo/rollout/engine/client.py). gspo sets the rest itself."""
 
     # CPU: the engine's KV cache, GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); None = sized to the run (every row of a step at
     # rollout.max_new_tokens + 1024 tokens). A smaller cache serves fewer sequences at once, never other tokens
@@ -237,9 +237,9 @@ class VllmConfig:
     lora_push: str = "merged"
     # how each sync's weights reach the engine (rollout.workers=0): file = one copy into a shared-memory file the
     # engine maps (/dev/shm); tensors = broadcast over a process group (gloo; NCCL between distinct GPUs) in
-    # buckets of bucket_mb MiB, the trainer's extra memory one bucket (gspo/rollout/transport.py); delta = over that
-    # group, only the values that changed in the engine's dtype after the first push (versioned, checksummed; the
-    # trainer and the engine each keep one copy of the weights in that dtype: gspo/rollout/delta.py)
+    # buckets of bucket_mb MiB, the trainer's extra memory one bucket (gspo/rollout/engine/transport.py); delta = over
+    # that group, only the values that changed in the engine's dtype after the first push (versioned, checksummed; the
+    # trainer and the engine each keep one copy of the weights in that dtype: gspo/rollout/engine/delta.py)
     weight_transport: str = "file"
     bucket_mb: float = 64.0
     # the engine's workers, each holding 1/N of every layer (vLLM's tensor parallelism); on a CPU they split the
@@ -262,12 +262,12 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling: in (0, 1]; 1 = off
     # float32 | bfloat16 | float16 | int8: the sampler's precision; None = the trainer's (hardware.dtype). When it
     # differs, a copy of the policy in this precision samples, re-synced from the trainer's weights every step;
-    # int8 = its Linear products in int8, the rest float32 (CPU only, gspo/rollout/quantized.py)
+    # int8 = its Linear products in int8, the rest float32 (CPU only, gspo/rollout/decoding/quantized.py)
     dtype: Optional[str] = None
-    # hf | fast | auto | vllm: the decode engine; fast = gspo/rollout/fast_decode.py (Qwen3, Qwen3-MoE, Llama, Qwen2,
-    # Mistral; same samples as hf), auto (default) = fast where it supports the model, quietly hf elsewhere; fast says
-    # why when it falls back; vllm = the vLLM inference engine in a process of its own, in rollout.dtype
-    # (gspo/rollout/engine.py, rollout.vllm.*)
+    # hf | fast | auto | vllm: the decode engine; fast = gspo/rollout/decoding/fast_decode.py (Qwen3, Qwen3-MoE, Llama,
+    # Qwen2, Mistral; same samples as hf), auto (default) = fast where it supports the model, quietly hf elsewhere; fast
+    # says why when it falls back; vllm = the vLLM inference engine in a process of its own, in rollout.dtype
+    # (gspo/rollout/engine/client.py, rollout.vllm.*)
     engine: str = "auto"
     # aten | onednn: the fast engine's decode products. aten = F.linear on the model's own weights (what hf computes);
     # onednn = oneDNN's float32 matmul on copies of the Linear weights reordered at each rollout's start (CPU, float32
@@ -277,7 +277,7 @@ class RolloutConfig:
     # auto | eager | static | graph: how the fast engine runs its decode steps. eager = one kernel after another on
     # its growing cache (the CPU's); static = on a static KV cache, op by op; graph = that step captured once as a
     # CUDA graph and replayed per token (CUDA only; by construction static's draws bit for bit). auto (default) = graph on
-    # CUDA where the model is supported, eager elsewhere (gspo/rollout/static_decode.py)
+    # CUDA where the model is supported, eager elsewhere (gspo/rollout/decoding/static_decode.py)
     decode: str = "auto"
     vllm: VllmConfig = field(default_factory=VllmConfig)
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
@@ -305,7 +305,8 @@ class RolloutConfig:
     # is taken as hung: the run ends in one line
     timeout_s: float = 900.0
     # FILE.py:fn1,fn2 (or module.name:fn, or a list of them): functions the model may call, as TRL's `tools=`; each
-    # trajectory then runs turns of model and tool calls (gspo/rollout/multiturn.py); max_new_tokens covers both
+    # trajectory then runs turns of model and tool calls (gspo/rollout/decoding/multiturn.py);
+    # max_new_tokens covers both
     tools: Any = None
     max_turns: int = 4  # with tools: the model's turns per trajectory at most (calls in the last one are not run)
     tool_timeout_s: float = 10.0  # with tools: a call that takes longer is cut and answered with an error

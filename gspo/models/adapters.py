@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 from gspo.models.moe import find_routers
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -43,7 +43,7 @@ def _names_router(target: str) -> bool:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.train.checks.check`): model.lora.* values."""
+    """Before any work (`gspo.train.preflight.check`): model.lora.* values."""
     lora = cfg.model.lora
     if lora.r < 0:
         raise ConfigError(f"model.lora.r={lora.r}: the LoRA rank must be >= 0 (0 = off, full fine-tuning)")
@@ -175,7 +175,7 @@ def merged_parameters(model: torch.nn.Module, whole_only: bool = False):
     A plain (not adapted) model: its own parameters, all `adapted` (they all train). An adapter on a tied weight
     is refused (`check_mergeable`): one name per tensor would carry its delta to the other name, or drop it.
     `whole_only`: only the parameters held whole on this process now, not FSDP2's DTensor shards (the
-    weights of the one FSDP unit that is gathered: gspo/train/distributed.py `Dist.merged_parameters`).
+    weights of the one FSDP unit that is gathered: gspo/train/ranks/distributed.py `Dist.merged_parameters`).
     """
     plain = not is_adapted(model)
     for name, p, module in _plain_parameters(model):

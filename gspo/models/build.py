@@ -2,7 +2,7 @@
 
 The tiny models are the real `transformers` classes, so every code path (KV cache,
 sdpa attention, MoE routers, save/load) is the one a real Qwen3 checkpoint takes.
-A random-init model earns no reward: `gspo.train.warm_start` makes the base RL starts from.
+A random-init model earns no reward: `gspo.train.start.warm_start` makes the base RL starts from.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from gspo.config.errors import ConfigError
 from gspo.config.schema import TINY_MAX_POSITIONS
+from gspo.core.errors import ConfigError
 from gspo.models.logprobs import check_head
 
 transformers.utils.logging.disable_progress_bar()  # no per-load progress bars between our own lines

@@ -10,7 +10,7 @@ a changed file, or a copy written by other code, is never reused; a new one is m
 
 One process writes a copy while the others that want it (the ranks of a DDP run, the jobs of a sweep sharing
 cache_dir) wait on its lock file and then reuse it: dequantizing holds the whole float32 model in memory, once.
-Written to a temporary directory and renamed, so nothing ever sees half of one.
+Written to a temporary directory and renamed, so nothing ever sees half of one (gspo/core/cache.py `build_once`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from gspo.config import model_path
-from gspo.core.files import temp_dir, widen_to_open_modes
+from gspo.core.cache import build_once, file_sha256
 
 # bump when what is written changes (2: the key holds what writes the copy; 3: the header's eos and pad tokens win,
 # so that a copy transformers 5.17-5.18 wrote with <|im_start|> as eos is not reused under the same key)
@@ -65,30 +64,6 @@ def checkpoint_dir(path: str | Path, cache_dir: str | Path, log: Optional[Callab
     return target
 
 
-def build_once(target: Path, write: Callable[[Path], None]) -> bool:
-    """Make the cached checkpoint `target` (complete once it holds config.json) by `write(tmp)` into a temporary
-    directory beside it, then renamed into place, under a lock on the cache (one process builds, the others wait,
-    then reuse it: ranks, sweep jobs). False, without building, when it exists or another process made it meanwhile."""
-    if (target / "config.json").is_file():
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # made by the process that held the lock before this one
-            return False
-        tmp = temp_dir(target.parent, f".tmp-{target.name}-")
-        try:
-            write(tmp)
-            widen_to_open_modes(tmp)  # (save_pretrained's safetensors are written owner-only)
-            try:
-                os.rename(tmp, target)
-            except OSError:  # without flock, another process may have finished first: use its copy
-                if not (target / "config.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return True
-
-
 def _written_by() -> dict[str, str | int]:
     """What decides the copy's bytes besides the file: gspo's way of writing it (CACHE_VERSION), transformers (its
     GGUF loader maps the tensors and the config, its save_pretrained writes them) and gguf (its dequantization)."""
@@ -106,24 +81,6 @@ def _written_by() -> dict[str, str | int]:
 def _reused(path: str | Path, target: Path, log: Optional[Callable[[str], None]], key: str) -> None:
     if log is not None and int(os.environ.get("RANK", "0")) == 0:
         log(f"gspo: {key}={path}: a GGUF file ({_kind(target)}), dequantized to float32 once: reusing {target}")
-
-
-@contextlib.contextmanager
-def _locked(lock_file: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `lock_file` for the block, waiting for any other holder. flock's lock goes with
-    the holder's open file: a process that dies releases it, so a stale one never blocks, and the file is left in
-    place (removing it would let two processes lock two different files)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): parallel callers each dequantize, and the rename keeps one copy
-        yield
-        return
-    with open(lock_file, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def tokenizer_of(path: str | Path):
@@ -156,7 +113,7 @@ def dequantize(source: Path, out: Path, key: str = "model.path") -> str:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo.config.errors import ConfigError
+    from gspo.core.errors import ConfigError
 
     from transformers import modeling_gguf_pytorch_utils as reader
 
@@ -240,12 +197,3 @@ def _kind(target: Path) -> str:
         return json.loads((target / "gguf.json").read_text())["file_type"]
     except (OSError, ValueError, KeyError):
         return "quantized"
-
-
-def file_sha256(path: str | Path) -> str:
-    """A file's content hash (what caches built from it are keyed by)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

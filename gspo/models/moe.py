@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 
 __all__ = [
     "RoutingTrace", "Scoring", "capture_routing", "check_routers", "expert_load", "find_routers", "is_moe", "load_balancing_loss",

@@ -41,7 +41,8 @@ from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of
 from gspo.results.stats import (
     LEVEL, bootstrap_problems, detectable, paired, pooled_sd, prob_improvement, seeds_needed, welch,
 )
-from gspo.train import heldout, provenance
+from gspo.train.evaluation import heldout
+from gspo.core import provenance
 
 PAIRWISE_STATS = ("final_acc", "best_acc")  # compared against the baseline group, with Welch intervals
 POWER = 0.8  # the power at which compare states the smallest detectable difference and the seeds a difference needs

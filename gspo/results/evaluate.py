@@ -1,12 +1,12 @@
 """`gspo eval`: held-out accuracy, pass@k, completion length and well-formedness of a run's last
-checkpoint, a checkpoint directory or the warm-start base (the scoring itself: gspo/train/heldout.py)."""
+checkpoint, a checkpoint directory or the warm-start base (the scoring itself: gspo/train/evaluation/heldout.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
-from gspo.train.heldout import eval_params, evaluate, heldout_problems, outcome_record
+from gspo.train.evaluation.heldout import eval_params, evaluate, heldout_problems, outcome_record
 
 DEFAULT_PASS_K = 4  # `gspo eval` estimates pass@4 unless eval.pass_k=K is given
 
@@ -24,13 +24,13 @@ def run_eval(target: str | None, overrides: list[str], examples: int = 5, pass_k
     """
     import json
 
-    from gspo.config.errors import ConfigError
     from gspo.config.loading import compose, load_run_config
-    from gspo.rollout.multiturn import ToolUse
+    from gspo.core.errors import ConfigError
+    from gspo.rollout.decoding.multiturn import ToolUse
     from gspo.tasks import build_task
-    from gspo.train import checkpoint
-    from gspo.train.checks import check
-    from gspo.train.warm_start import base_model
+    from gspo.train.preflight import check
+    from gspo.train.run import checkpoint
+    from gspo.train.start.warm_start import base_model
 
     if target is not None and "=" in target:  # `gspo eval task.eval_size=50`: no target, all overrides
         overrides, target = [target, *overrides], None

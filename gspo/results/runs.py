@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 
 REWARD, REWARD_STD, LOSS, ACC = "reward/mean", "reward/std", "train/loss", "eval/accuracy"
 EVAL_N = "eval/n"  # the problems one evaluation scored

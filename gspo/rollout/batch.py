@@ -16,10 +16,10 @@ from typing import Callable, Optional
 import torch
 
 from gspo.algos.shaping import dynamic_sampling, overlong_penalty
-from gspo.rollout import multiturn
-from gspo.rollout.generate import Rollout, cat_rollouts
-from gspo.rollout.params import SamplingParams
-from gspo.rollout.rollouts import rollout
+from gspo.rollout.decoding import multiturn
+from gspo.rollout.decoding.generate import Rollout, cat_rollouts
+from gspo.rollout.decoding.params import SamplingParams
+from gspo.rollout.decoding.rollouts import rollout
 from gspo.tasks import Problem, timeouts
 from gspo.tasks.rewards import completion_ids, score, trainer_state
 
@@ -101,7 +101,7 @@ def collect(cfg, step: int, serve: Callable[[], AbstractContextManager], tokeniz
         rng = random.Random(f"{cfg.seed}-{step}-{d}")
         problems = task.sample_train(rng, cfg.rollout.prompts_per_step)[share.lo : share.hi]  # this rank's share
         keys = [(cfg.seed, step, d, i) for i in range(share.lo, share.hi)]  # the prompts' places in the whole step
-        with serve() as sampler:  # with tools, each turn of each sample keyed as well (gspo/rollout/multiturn.py)
+        with serve() as sampler:  # with tools, each turn of each sample keyed as well (gspo/rollout/decoding/multiturn.py)
             r = rollout(sampler, tokenizer, [p.prompt for p in problems], cfg.rollout.group_size, params, keys,
                         device=share.device, tools=tools)
         rows = [problems[i] for i in r.prompt_index.tolist()]

@@ -6,7 +6,7 @@ samples and scores one step's batch per job with the weights of the slot the job
 stop. The sampler is the base checkpoint's model, whose parameters become views of the slot (no copy), or
 with `rollout.engine=vllm` an inference engine in this process that loads the slot's weights (or, with
 `rollout.vllm.lora_push=adapter`, its adapter) when the job's policy version is not the one it holds. The
-process plumbing (signals, errors as one line, dying with the trainer) is gspo/rollout/child.py's.
+process plumbing (signals, errors as one line, dying with the trainer) is gspo/rollout/processes/serve.py's.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ def start(spec: dict):
     import torch
     from omegaconf import OmegaConf
 
-    from gspo.config.errors import tidy_warnings
+    from gspo.core.errors import tidy_warnings
     from gspo.rollout.batch import Share, collect
-    from gspo.rollout.params import SamplingParams
-    from gspo.rollout.slots import map_slot
+    from gspo.rollout.decoding.params import SamplingParams
+    from gspo.rollout.engine.slots import map_slot
     from gspo.tasks import build_task
 
     tidy_warnings()
@@ -40,8 +40,8 @@ def start(spec: dict):
     share = Share(spec["lo"], spec["hi"], spec["world"], device)
     if cfg.rollout.engine == "vllm":  # the engine in this process: it loads a slot's weights when they are new
         from gspo.models.build import load_tokenizer
-        from gspo.rollout.engine import Engine
-        from gspo.rollout.vllm_engine import VllmEngine
+        from gspo.rollout.engine.client import Engine
+        from gspo.rollout.engine.vllm_engine import VllmEngine
 
         engine = VllmEngine(**spec["engine"])
         sampler, tokenizer = Engine(engine, spec["engine"]["stop_ids"]), load_tokenizer(spec["base_dir"])
@@ -85,6 +85,6 @@ def start(spec: dict):
 
 
 if __name__ == "__main__":
-    from gspo.rollout.child import serve
+    from gspo.rollout.processes.serve import serve
 
     sys.exit(serve(int(sys.argv[1]), start))

@@ -34,13 +34,13 @@ from typing import Optional
 
 import torch
 
-from gspo.config.errors import RunFailed
+from gspo.core.errors import RunFailed
 from gspo.models import adapters
 from gspo.rollout.batch import Batch
-from gspo.rollout.child import Child
-from gspo.rollout.slots import PREFIX, layout_of, map_slot, remove, remove_stale_slots, slot_path
+from gspo.rollout.engine.slots import PREFIX, layout_of, map_slot, remove, remove_stale_slots, slot_path
+from gspo.rollout.engine.vllm_engine import environment
+from gspo.rollout.processes.child import Child
 from gspo.rollout.source import Collected
-from gspo.rollout.vllm_engine import environment
 
 STARTUP_S = 300.0  # the least a worker is given to start (import torch, build its model) before it counts as hung
 

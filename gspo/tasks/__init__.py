@@ -5,12 +5,12 @@ the registry), re-exported here; `arithmetic`, `reasoning`, `calculator`, `word_
 the tasks; `rewards` turns verdicts (or a user's functions) into rewards; `timeouts` bounds untrusted
 reward and verifier code; `answers` checks math answers, in `mathcheck`'s child process; `tools`
 runs the functions a model calls in a rollout, in a child process of its own.
-Imports only `gspo.config`.
+Imports only `gspo.config` and `gspo.core`.
 """
 
 from __future__ import annotations
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 from gspo.tasks import arithmetic, calculator, data, reasoning, word_problems  # noqa: F401  (importing registers the tasks)
 from gspo.tasks.base import (  # noqa: F401  (the package's API)
     TASKS,

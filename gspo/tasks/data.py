@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.config import model_path
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 from gspo.tasks.answers import check_answer, final_answer  # noqa: F401  (check_answer, final_answer: this task's API)
 from gspo.tasks.base import Problem, Verdict, is_heldout, register_task
 
@@ -239,7 +239,7 @@ def _has_chat_template(path: str) -> bool:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.train.checks.check`): the file reads, has rows and the columns, and the model can render it."""
+    """Before any work (`gspo.train.preflight.check`): the file reads, has rows and the columns, and the model can render it."""
     if cfg.task.name not in ("data", "jsonl"):
         return
     task = DataTask(cfg.task)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from typing import Optional
 
-from gspo.config.processes import die_with_parent
+from gspo.core.processes import die_with_parent
 from gspo.tasks.base import Verdict
 
 ITEM_TIMEOUT_S = 15.0  # above math-verify's own 5 s + 5 s: the kill is for what those cannot stop

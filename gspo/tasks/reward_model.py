@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 
 _LOADED: dict[tuple[str, str], "RewardModel"] = {}  # one copy per (directory, device) in a process
 _CHECKED: set[str] = set()  # directories `check` passed (the reward functions are listed again at every batch)

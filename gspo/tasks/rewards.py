@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 from gspo.tasks import reward_model
 from gspo.tasks.base import Problem, Task, Verdict, judge, judge_all
 
@@ -192,7 +192,7 @@ def user_fns(cfg) -> tuple[list[UserFn], list[float]]:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.train.checks.check`): reward=python's files import and its functions exist;
+    """Before any work (`gspo.train.preflight.check`): reward=python's files import and its functions exist;
     reward=model's directories hold one-output reward models."""
     if cfg.reward.name in FUNCTIONS:
         user_fns(cfg.reward)

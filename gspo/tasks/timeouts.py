@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Callable, TypeVar
 
-from gspo.config.errors import ConfigError
+from gspo.core.errors import ConfigError
 
 T = TypeVar("T")
 SIGNAL = signal.SIGUSR1  # how the watchdog interrupts the main thread

@@ -31,8 +31,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Optional
 
-from gspo.config.errors import ConfigError
-from gspo.config.processes import die_with_parent
+from gspo.core.errors import ConfigError
+from gspo.core.processes import die_with_parent
 
 START_S = 60.0  # importing the user's files (and transformers' schema code, once) may take this long
 
@@ -143,7 +143,7 @@ def toolbox(value, timeout_s: float) -> Toolbox:
 
 
 def check(cfg) -> None:
-    """Before any work (`gspo.train.checks.check`): the tool files import, the functions exist, have schemas."""
+    """Before any work (`gspo.train.preflight.check`): the tool files import, the functions exist, have schemas."""
     if cfg.rollout.tools is not None:
         toolbox(cfg.rollout.tools, cfg.rollout.tool_timeout_s)
 

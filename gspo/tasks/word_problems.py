@@ -208,7 +208,7 @@ class WordProblems(_HeldOutSplit):
 
     name = "word_problems"
     alphabet = string.printable
-    prompts = "chat"  # natural-language prompts for a pretrained chat model (gspo/train/checks.py)
+    prompts = "chat"  # natural-language prompts for a pretrained chat model (gspo/train/preflight.py)
 
     def __init__(self, cfg) -> None:
         self.eval_fraction = float(cfg.eval_fraction)
