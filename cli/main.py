@@ -7,10 +7,11 @@ launchers and run directories are Hydra's, not ours.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 import typer
 from hydra.errors import HydraException
@@ -21,6 +22,7 @@ from gspo.core.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.config.loading import (_explain, compose, load_run_config, quote_tool_lists, resume_overrides, resume_target,
                                  sweep_combinations)
 from gspo.config.schema import GROUPS, group_options
+from gspo.results.compare_options import OPTIONS as COMPARE_OPTIONS
 from gspo.train.run import rundir, sweep
 from gspo.train.run.resume import check as check_resume
 
@@ -254,26 +256,35 @@ def eval(
         _fail(str(e))
 
 
+def _with_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` with a Typer option per `gspo compare` option (gspo/results/compare_options.py) in place of its
+    `**options`: Typer reads a command's options off its signature, and they are declared once, there."""
+    signature = inspect.signature(command, eval_str=True)
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    for o in COMPARE_OPTIONS:
+        params.append(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY,
+                                        annotation=o.type if o.default is not None else Optional[o.type],
+                                        default=typer.Option(o.default, f"--{o.name}", help=o.help)))
+    command.__signature__ = signature.replace(parameters=params)
+    command.__annotations__ = {p.name: p.annotation for p in params}  # (what Typer's get_type_hints reads)
+    return command
+
+
 @app.command(help="Compare runs or sweeps: a figure and a table, grouped by a config key, seeds aggregated.")
-def compare(
-    paths: List[Path] = typer.Argument(..., help="Run directories or sweep directories."),
-    by: str = typer.Option("algo", "--by", help="Config key that tells the groups apart (dotted; 'algo' = algo.name)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: SWEEP/compare)."),
-    threshold: Optional[float] = typer.Option(None, help="Accuracy target for 'steps to target' (default: halfway from base to best)."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="A group to compare every other group with (difference of means: Welch 95% interval, paired by seed where they share seeds; the smallest difference detectable at 80% power)."),
-    power: Optional[float] = typer.Option(None, "--power", help="With --baseline: how many seeds a difference of final accuracy this large (0.05 = 5 points) needs at 80% power, from each comparison's own spread."),
-    wide: bool = typer.Option(False, "--wide", help="Every column on the console (as compare.md has them), not the brief table in the terminal's width."),
-) -> None:
+@_with_options
+def compare(paths: List[Path] = typer.Argument(..., help="Run directories or sweep directories."),
+            **options: Any) -> None:
     from gspo.results.compare import compare as run_compare
     from gspo.results.compare import print_report
 
+    report = {o.name: options.pop(o.name) for o in COMPARE_OPTIONS if o.report}
     try:
-        result = run_compare(paths, by=by, out=out, threshold=threshold, baseline=baseline, power=power)
+        result = run_compare(paths, **options)
     except ConfigError as e:
         _fail(str(e))
     except OSError as e:  # writing the figure and table, no space or permission (an unreadable run is skipped)
-        _fail(f"{e.filename or out}: {e.strerror or e}")
-    print_report(result, wide=wide)
+        _fail(f"{e.filename or options['out']}: {e.strerror or e}")
+    print_report(result, **report)
     if not result.groups:
         raise typer.Exit(1)
 

@@ -19,6 +19,22 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("algo", "model", "task", "reward", "hardware", "logger")
 TINY_MAX_POSITIONS = 256  # positions of the models built from config (model.arch qwen3 / qwen3_moe)
 
+# Markings: what a key is, beyond its type and default, as a field's `metadata` (on a node, for every key below it
+# that does not mark itself otherwise). An unmarked key defines the experiment: what the run computes. From these
+# gspo/config/keys.py derives what a resume may change, which keys tell two arms of `gspo compare` apart, and what
+# the warm-started base depends on; tests/test_keys.py holds each list.
+RUN = {"run": True}  # how or where the run computes, records or names itself, not what it computes (devices,
+#   threads, kernels, processes, timeouts, logging, checkpoints, diagnostics): a resume may change it, and compare
+#   takes runs that differ in it alone for one arm
+NOT_RUN = {"run": False}  # under a RUN node, a key that is part of the experiment (hardware.dtype)
+SEED = {"seed": True}  # the seed: the runs of one arm differ in it alone (a resume keeps it)
+LABEL = {"label": True}  # a preset's name, not what it chose (that is in the keys beside it); compare ignores it
+RESUMABLE = {"resume": True}  # not RUN, yet a resume may change it (train.steps: the length a resume extends)
+KEPT_ON_RESUME = {"resume": False}  # RUN, yet a resume refuses to change it (as before these markings were made)
+NOT_BASE = {"base": False}  # a model.* or task.* key the warm-started base does not depend on (model.* and task.*
+#   keys that are neither RUN nor LABEL are the base's inputs)
+BASE = {"base": True}  # a key outside model.* and task.* that the warm-started base depends on
+
 
 @dataclass
 class CriticConfig:
@@ -121,7 +137,8 @@ class LoraConfig:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     target_parameters: list[str] = field(default_factory=lambda: [  # fused 3-D MoE expert weights (transformers 5), where present
         "experts.gate_up_proj", "experts.down_proj"])
-    save_merged: bool = False  # at the end also write RUN_DIR/merged/: base + adapter as one plain HF checkpoint
+    # at the end also write RUN_DIR/merged/: base + adapter as one plain HF checkpoint
+    save_merged: bool = field(default=False, metadata=RESUMABLE)
     # sample with a plain copy of the policy, the adapters merged into its base (its adapted weights refreshed before
     # every rollout): one more model's weights in memory, no adapter products beside every projection while decoding
     sample_merged: bool = False
@@ -129,7 +146,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # preset name
+    name: str = field(default=MISSING, metadata=LABEL)  # preset name
     arch: str = "qwen3_moe"  # qwen3 | qwen3_moe | hf
     # with arch=hf: a local Hugging Face checkpoint directory, a GGUF file (dequantized once into cache_dir), or
     # pkg:DIST/FILE, a file shipped in an installed Python package (gspo/config/model_path.py)
@@ -145,12 +162,15 @@ class ModelConfig:
     moe_intermediate_size: int = 64  # qwen3_moe: width of each expert
     router_aux_loss_coef: float = 0.001  # load-balancing loss coefficient in RL updates; 0 = off
     norm_topk_prob: bool = True
-    attn_implementation: str = "auto"  # auto (fastest the class supports) | sdpa | eager | flash_attention_2 | ...
-    experts_implementation: Optional[str] = None  # MoE experts kernel: eager | grouped_mm | batched_mm; None = transformers' default
-    gradient_checkpointing: bool = False
+    # auto (fastest the class supports) | sdpa | eager | flash_attention_2 | ...
+    attn_implementation: str = field(default="auto", metadata=RUN)
+    # MoE experts kernel: eager | grouped_mm | batched_mm; None = transformers' default
+    experts_implementation: Optional[str] = field(default=None, metadata=RUN | KEPT_ON_RESUME)
+    gradient_checkpointing: bool = field(default=False, metadata=RUN)
     use_chat_template: bool = False  # wrap prompts in the tokenizer's chat template (real checkpoints; always with tools)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (model.lora.r > 0); the base stays frozen
+    # LoRA adapters (model.lora.r > 0); the base stays frozen, and LoRA and full runs share one warm-started base
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata=NOT_BASE)
     split_experts: SplitExpertsConfig = field(default_factory=SplitExpertsConfig)  # model=hf: a dense Llama made a MoE
 
 
@@ -166,7 +186,7 @@ class TaskConfig:
     system_prompt: Optional[str] = None  # data, word_problems: a system message put before every prompt (needs a chat template)
     max_steps: int = 3  # word_problems: arithmetic steps per problem at most (1-3)
     eval_fraction: float = 0.1  # share of the problem space held out, by canonical form (never sampled in training)
-    eval_size: int = 200  # held-out prompts scored by eval/accuracy
+    eval_size: int = field(default=200, metadata=RESUMABLE | NOT_BASE)  # held-out prompts scored by eval/accuracy
 
 
 @dataclass
@@ -183,14 +203,15 @@ class RewardConfig:
     # python, model: null = the functions score every completion, as TRL; a number = the reward of a completion with a
     # special token before its EOS, the functions not called on it (the built-in rewards score it 0 either way)
     ill_formed: Optional[float] = None
-    timeout_s: float = 600.0  # scoring a batch (the task's verifier and the reward functions) may take this long (0 = no limit)
+    # scoring a batch (the task's verifier and the reward functions) may take this long (0 = no limit)
+    timeout_s: float = field(default=600.0, metadata=RUN | KEPT_ON_RESUME)
 
 
 @dataclass
 class HardwareConfig:
     name: str = MISSING
     device: str = "cpu"  # cpu | cuda | auto
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = field(default="float32", metadata=NOT_RUN)  # float32 | bfloat16
     nproc: int = 1  # processes per node (torch.distributed profiles)
     backend: str = "gloo"  # gloo | nccl
     strategy: str = "none"  # none | ddp | fsdp
@@ -257,7 +278,7 @@ class VllmConfig:
 class RolloutConfig:
     group_size: int = 8  # G: completions per prompt
     prompts_per_step: int = 16  # prompts per rollout batch
-    max_new_tokens: int = 8  # completion length cap
+    max_new_tokens: int = field(default=8, metadata=BASE)  # completion length cap
     temperature: float = 1.0  # > 0; also the temperature of pass@k (eval.pass_k)
     top_p: float = 1.0  # nucleus sampling: in (0, 1]; 1 = off
     # float32 | bfloat16 | float16 | int8: the sampler's precision; None = the trainer's (hardware.dtype). When it
@@ -268,7 +289,7 @@ class RolloutConfig:
     # Qwen2, Mistral; same samples as hf), auto (default) = fast where it supports the model, quietly hf elsewhere; fast
     # says why when it falls back; vllm = the vLLM inference engine in a process of its own, in rollout.dtype
     # (gspo/rollout/engine/client.py, rollout.vllm.*)
-    engine: str = "auto"
+    engine: str = field(default="auto", metadata=RUN | KEPT_ON_RESUME)
     # aten | onednn: the fast engine's decode products. aten = F.linear on the model's own weights (what hf computes);
     # onednn = oneDNN's float32 matmul on copies of the Linear weights reordered at each rollout's start (CPU, float32
     # weights; SmolLM2's decode steps in 0.72x the time, docs/benchmarks.md; the same draws as hf up to rounding:
@@ -279,11 +300,12 @@ class RolloutConfig:
     # CUDA graph and replayed per token (CUDA only; by construction static's draws bit for bit). auto (default) = graph on
     # CUDA where the model is supported, eager elsewhere (gspo/rollout/decoding/static_decode.py)
     decode: str = "auto"
-    vllm: VllmConfig = field(default_factory=VllmConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig, metadata=RUN | KEPT_ON_RESUME)
     # auto | sampler | recompute: the old policy's log-probs as recorded while sampling, or from a
     # forward pass of the trainer; auto = sampler when sampler and trainer are the same float32 model, else recompute
     old_logprobs: str = "auto"
-    mismatch_every: int = 10  # with sampler log-probs, recompute them every N steps to log the mismatch (0 = never)
+    # with sampler log-probs, recompute them every N steps to log the mismatch (0 = never)
+    mismatch_every: int = field(default=10, metadata=RUN)
     tis: str = "none"  # none | token | sequence: truncated IS correction of the sampler/trainer mismatch (recompute only)
     tis_cap: float = 2.0  # TIS truncation C: weights min(pi_old / mu, C)
     # none | token | geometric | sequence | outlier: mask tokens whose rho = pi_old/mu is outside [mask_low, mask_high]
@@ -299,22 +321,26 @@ class RolloutConfig:
     # the batch of step t is sampled by the policy after step t-1-staleness (the initial one while <= 0): exactly,
     # so the run is a function of the seed and config; 0 = synchronous. gspo/rollout/source.py
     staleness: int = 0
-    workers: int = 0  # sampling processes that work ahead while the trainer updates; 0 = in the trainer's process
-    worker_threads: int = 0  # torch threads of each worker (and of in-process sampling when set); 0 = split the cores
+    # sampling processes that work ahead while the trainer updates; 0 = in the trainer's process
+    workers: int = field(default=0, metadata=RUN)
+    # torch threads of each worker (and of in-process sampling when set); 0 = split the cores
+    worker_threads: int = field(default=0, metadata=RUN)
     # a rollout worker or the vLLM engine that answers nothing for this long (its start: >= 300 s, the engine's 600 s)
     # is taken as hung: the run ends in one line
-    timeout_s: float = 900.0
+    timeout_s: float = field(default=900.0, metadata=RUN)
     # FILE.py:fn1,fn2 (or module.name:fn, or a list of them): functions the model may call, as TRL's `tools=`; each
     # trajectory then runs turns of model and tool calls (gspo/rollout/decoding/multiturn.py);
     # max_new_tokens covers both
-    tools: Any = None
-    max_turns: int = 4  # with tools: the model's turns per trajectory at most (calls in the last one are not run)
-    tool_timeout_s: float = 10.0  # with tools: a call that takes longer is cut and answered with an error
+    tools: Any = field(default=None, metadata=BASE)  # (the tools' names are in the warm start's prompts)
+    # with tools: the model's turns per trajectory at most (calls in the last one are not run)
+    max_turns: int = field(default=4, metadata=BASE)
+    # with tools: a call that takes longer is cut and answered with an error
+    tool_timeout_s: float = field(default=10.0, metadata=RUN | KEPT_ON_RESUME)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100  # rollout steps (each: one rollout batch, then updates)
+    steps: int = field(default=100, metadata=RESUMABLE)  # rollout steps (each: one rollout batch, then updates)
     minibatches: int = 4  # gradient updates per rollout batch (off-policy degree; 4 in the GSPO paper)
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -327,8 +353,8 @@ class TrainConfig:
     # each minibatch's forward packs its rows behind the prompt prefix they all share (a chat template, a system
     # prompt), computed once: the same log-probs up to float rounding, less computed (gspo/models/packing.py)
     shared_prefix: bool = False
-    checkpoint_every: int = 50  # save a checkpoint every N steps (and always at the end)
-    keep_checkpoints: int = 1  # the newest N checkpoints are kept; older ones are deleted
+    checkpoint_every: int = field(default=50, metadata=RUN)  # save a checkpoint every N steps (and always at the end)
+    keep_checkpoints: int = field(default=1, metadata=RUN)  # the newest N checkpoints are kept; older ones are deleted
 
 
 @dataclass
@@ -340,8 +366,10 @@ class EvalConfig:
 @dataclass
 class MoEConfig:
     routing_replay: str = "none"  # none | R2 (replay old-policy routing) | R3 (replay rollout routing)
-    stats_every: int = 1  # routing statistics of the updated policy every N steps (0 = never): one extra forward
-    stats_rows_per_group: int = 1  # ... on this many completions of each group (exchangeable samples; 0 = all)
+    # routing statistics of the updated policy every N steps (0 = never): one extra forward
+    stats_every: int = field(default=1, metadata=RUN)
+    # ... on this many completions of each group (exchangeable samples; 0 = all)
+    stats_rows_per_group: int = field(default=1, metadata=RUN)
 
 
 @dataclass
@@ -360,18 +388,19 @@ class Config:
     model: ModelConfig = MISSING
     task: TaskConfig = MISSING
     reward: RewardConfig = MISSING
-    hardware: HardwareConfig = MISSING
-    logger: LoggerConfig = MISSING
+    hardware: HardwareConfig = field(default=MISSING, metadata=RUN)  # (hardware.dtype excepted)
+    logger: LoggerConfig = field(default=MISSING, metadata=RUN)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata=RUN)
     moe: MoEConfig = field(default_factory=MoEConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    seed: int = 0
-    name: Optional[str] = None  # appended to the run directory's name
-    resume: Optional[str] = None  # a run directory to continue from its last checkpoint
-    force_resume: bool = False  # a resume that changes the run's numbers (threads, machine, ...) goes on anyway
-    cache_dir: str = "outputs/.cache"  # warm-started bases, keyed by their config
+    seed: int = field(default=0, metadata=SEED)
+    name: Optional[str] = field(default=None, metadata=RUN)  # appended to the run directory's name
+    resume: Optional[str] = field(default=None, metadata=RUN)  # a run directory to continue from its last checkpoint
+    # a resume that changes the run's numbers (threads, machine, ...) goes on anyway
+    force_resume: bool = field(default=False, metadata=RUN)
+    cache_dir: str = field(default="outputs/.cache", metadata=RUN)  # warm-started bases, keyed by their config
 
 
 def register_configs() -> None:

@@ -41,8 +41,9 @@ from gspo.results.runs import (  # noqa: F401  (CompareError, load_runs: part of
 from gspo.results.stats import (
     LEVEL, bootstrap_problems, detectable, paired, pooled_sd, prob_improvement, seeds_needed, welch,
 )
-from gspo.train.evaluation import heldout
+from gspo.config import keys
 from gspo.core import provenance
+from gspo.train.evaluation import heldout
 
 PAIRWISE_STATS = ("final_acc", "best_acc")  # compared against the baseline group, with Welch intervals
 POWER = 0.8  # the power at which compare states the smallest detectable difference and the seeds a difference needs
@@ -54,16 +55,10 @@ COMPARABILITY_KEYS = ("model.", "task.", "reward.", "rollout.", "train.steps", "
 TREATMENT_KEYS = ("rollout.dtype", "rollout.old_logprobs", "rollout.mismatch_every", "rollout.tis", "rollout.mask",
                   "rollout.offpolicy_mask_delta", "rollout.staleness", "rollout.keep_topk")
 # Keys that never make two runs different experiments (bookkeeping, logging, diagnostics, how the same
-# arithmetic is laid out on the machine). Everything else does: runs of a group differ in the seed alone.
-IGNORED_KEYS = (
-    "seed", "name", "resume", "force_resume", "cache_dir", "run_dir", "output_dir", "logger.", "eval.",
-    "hardware.name", "hardware.device", "hardware.nproc", "hardware.backend", "hardware.strategy", "hardware.threads",
-    "hardware.compile", "hardware.collective_timeout_s",
-    "model.name", "model.attn_implementation", "model.experts_implementation", "model.gradient_checkpointing",
-    "rollout.engine", "rollout.mismatch_every", "rollout.workers", "rollout.worker_threads", "rollout.timeout_s",
-    "moe.stats_every", "moe.stats_rows_per_group", "train.checkpoint_every", "train.keep_checkpoints",
-    "reward.timeout_s", "rollout.tool_timeout_s", "rollout.vllm.",
-)
+# arithmetic is laid out on the machine): the schema's RUN keys, the seed and a preset's name (gspo/config/keys.py),
+# and two names no schema has held (`run_dir`, `output_dir`). Everything else does: runs of a group differ in the
+# seed alone.
+IGNORED_KEYS = (*keys.prefixes(lambda k: not keys.separates_arms(k)), "run_dir", "output_dir")
 
 
 # -- analysis ------------------------------------------------------------------

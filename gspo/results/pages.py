@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from gspo.results.compare_options import page_options
+
 BLOCK = re.compile(r"^<!-- gspo compare (?P<args>.*?) -->\n(?P<body>.*?)^<!-- end gspo compare -->$",
                    re.MULTILINE | re.DOTALL)
 TABLE = re.compile(r"^<!-- gspo table\n(?P<args>.*?)^-->\n(?P<body>.*?)^<!-- end gspo table -->$",
@@ -69,12 +71,14 @@ class Block:
 
 
 def _arguments(args: str) -> argparse.Namespace:
+    """A compare block's `gspo compare ARGS`, parsed: its paths and the options a page may give (compare_options)."""
     parser = argparse.ArgumentParser(prog="gspo compare", add_help=False, exit_on_error=False)
     parser.add_argument("paths", nargs="+")
-    parser.add_argument("--by", default="algo")
-    parser.add_argument("--threshold", type=float)
-    parser.add_argument("--baseline")
-    parser.add_argument("--power", type=float)
+    for o in page_options():  # (no help text: this parser prints none, and argparse would take its % for formats)
+        if o.type is bool:
+            parser.add_argument(f"--{o.name}", action="store_true")
+        else:
+            parser.add_argument(f"--{o.name}", type=o.type, default=o.default)
     return parser.parse_args(shlex.split(args))
 
 
@@ -86,8 +90,8 @@ def tables(args: str, root: Path) -> str:
 
     ns = _arguments(args)
     with tempfile.TemporaryDirectory() as out:
-        result = compare([root / p for p in ns.paths], by=ns.by, out=out, threshold=ns.threshold, plot=False,
-                         baseline=ns.baseline, power=ns.power)
+        result = compare([root / p for p in ns.paths], out=out, plot=False,
+                         **{o.name: getattr(ns, o.name) for o in page_options()})
     lines = [f"**{line[3:]}**" if line.startswith("## ") else line for line in tables_markdown(result)]
     return "\n".join(lines).strip("\n") + "\n"
 

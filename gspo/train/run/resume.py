@@ -22,15 +22,9 @@ from typing import Any
 from gspo.core import provenance
 from gspo.core.errors import ConfigError
 from gspo.core.files import replace_text
+from gspo.config.keys import resume_may_change
 
 RECORD = "resumes.jsonl"
-# keys (or key prefixes, ending in ".") a resume may change
-MAY_CHANGE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints", "eval.", "logger.", "hardware.",
-              "task.eval_size", "rollout.mismatch_every", "moe.stats_every", "moe.stats_rows_per_group",
-              "rollout.workers", "rollout.worker_threads", "rollout.timeout_s",  # where sampling runs: the same run
-              "model.gradient_checkpointing", "model.attn_implementation", "model.lora.save_merged", "name",
-              "cache_dir", "resume", "force_resume")
-FIXED = ("hardware.dtype",)  # under a prefix above, but the numerics of training: part of the experiment
 # keys a resume may change that change the run's numbers from that step on (docs/contracts.md, `seed`): another
 # thread count splits float sums otherwise (the trainer's, the sampler's), another device or attention kernel
 # computes otherwise, another world size or backend reduces the gradients in another order, a compiled sampler
@@ -64,9 +58,8 @@ def changes(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
 
 
 def may_change(key: str) -> bool:
-    if key in FIXED:
-        return False
-    return any(key == m or (m.endswith(".") and key.startswith(m)) for m in MAY_CHANGE)
+    """Whether a resume may change `key` (dotted, or a group's `x.`): the schema's markings say (gspo/config/keys.py)."""
+    return resume_may_change(key)
 
 
 def experiment_key(cfg: Any) -> tuple:

@@ -48,11 +48,12 @@ def _input_files(cfg) -> dict[str, str]:
 def _base_key(cfg) -> str:
     from omegaconf import OmegaConf
 
-    m = OmegaConf.to_container(cfg.model, resolve=True)
-    for k in ("name", "gradient_checkpointing", "attn_implementation", "experts_implementation", "lora"):
-        m.pop(k, None)  # do not change the weights the warm start produces (LoRA and full runs share a base)
-    t = OmegaConf.to_container(cfg.task, resolve=True)
-    t.pop("eval_size", None)
+    from gspo.config.keys import base_part
+
+    # without the keys that do not change the weights the warm start produces (the schema's markings: e.g. LoRA and
+    # full runs share a base); the rollout keys below are the schema's BASE keys
+    m = base_part("model", OmegaConf.to_container(cfg.model, resolve=True))
+    t = base_part("task", OmegaConf.to_container(cfg.task, resolve=True))
     files = {k: file_sha256(path) for k, path in _input_files(cfg).items() if Path(path).is_file()}  # content, not name
     key = {"v": CACHE_VERSION, "model": m, "task": t, "T": cfg.rollout.max_new_tokens}
     if cfg.rollout.tools is not None:  # the tools' names are in every prompt and their calls in the references
