@@ -95,3 +95,21 @@ def test_every_marking_is_one_the_schema_defines():
             used(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else ())]}
 
     assert used(Config) <= known
+
+
+def test_the_contract_lists_what_a_resume_may_change():
+    """docs/contracts.md's list of the keys a resume may change is the schema's, key for key."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "contracts.md").read_text()
+    para = text[text.index("A resume continues the same experiment"):text.index("A different value for any other key")]
+    listed = {k.removesuffix(".*").removesuffix("*") for k in re.findall(r"`([a-z_.*]+)`", para)}
+    derived = set()
+    for path in keys._marked():
+        key = ".".join(path)
+        if path and keys.resume_may_change(key) and not keys.resume_may_change(".".join(path[:-1])):
+            derived.add(key)
+    # the contract names a group by `group.*` with its one exception (`hardware.dtype`), and moe.stats_* its keys
+    derived = {"moe.stats_" if k.startswith("moe.stats_") else k for k in derived}
+    assert listed - {"hardware.dtype"} == derived
