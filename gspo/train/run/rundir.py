@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from gspo.core.errors import ConfigError
-from gspo.core.files import replace_text
 
 LOCK = ".lock"
 RUN_FILES = ("config.yaml", "metrics.jsonl")  # what a directory holding a run has

@@ -35,9 +35,10 @@ BUILD_VERSION = 1  # bump when what is built changes, so stale copies are rebuil
 def settings_of(scfg) -> SplitExpertsConfig:
     """`model.split_experts` (a config node, or a mapping of its keys) as the schema's dataclass, each value of its
     type."""
-    return SplitExpertsConfig(int(scfg.experts), int(scfg.top_k), int(scfg.calibration_sequences),
-                              int(scfg.calibration_tokens), int(scfg.seed), int(scfg.recovery_epochs),
-                              float(scfg.recovery_lr), scfg.get("recipe"))
+    return SplitExpertsConfig(
+        experts=int(scfg.experts), top_k=int(scfg.top_k), calibration_sequences=int(scfg.calibration_sequences),
+        calibration_tokens=int(scfg.calibration_tokens), seed=int(scfg.seed),
+        recovery_epochs=int(scfg.recovery_epochs), recovery_lr=float(scfg.recovery_lr), recipe=scfg.get("recipe"))
 
 
 def keyed(settings: SplitExpertsConfig) -> dict:
