@@ -3,9 +3,9 @@
 Same uniforms in float32 -> identical tokens, log-probs within 1e-5, identical routing recorded
 while sampling, over a long rollout (80 tokens): several groups, left-padded prompts of different
 lengths, rows ending at different times (some never), top-p < 1 and temperature != 1; dense and MoE
-Qwen3, and Llama (SmolLM2's shape in miniature among them), Qwen2 and Mistral built from config. And its steps on a
-static KV cache (`rollout.decode=static`) likewise, and (on a GPU only) as a replayed CUDA graph, bit for bit the
-static decode's.
+Qwen3, and Llama (SmolLM2's shape in miniature among them), Qwen2, Mistral and Qwen2-MoE (its shared expert; dense
+layers among MoE ones) built from config. And its steps on a static KV cache (`rollout.decode=static`) likewise, and
+(on a GPU only) as a replayed CUDA graph, bit for bit the static decode's.
 """
 
 import math
@@ -48,17 +48,31 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
 
+# Qwen2-MoE in miniature: 4 experts, top-2, a shared expert (its config's defaults are Qwen1.5-MoE-A2.7B's)
+QWEN2_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 64}
+# ... as the MoE split from SmolLM2 is to be: SmolLM2's shape (SMOL) with Llama's attention (no q/k/v biases), the top-k
+# weights renormalised, a dense MLP between MoE layers (mlp_only_layers), experts computed by transformers' eager loop
+QWEN2_MOE_SMOL = {**SMOL, "num_hidden_layers": 3, "qkv_bias": False, "norm_topk_prob": True, "mlp_only_layers": [1],
+                  "experts_implementation": "eager"}
+
+
 def _family(family: str, seed: int = 0, sharpen: float = 3.0, **extra):
-    """A tiny random Llama / Qwen2 / Mistral on the character tokenizer, built from its config (nothing downloaded);
-    its head (the embeddings too, where tied) sharpened by `sharpen`, as `_model`'s, and its biases and norm weights
-    moved off their initial 0 and 1 (an engine that dropped one would otherwise draw the same tokens)."""
+    """A tiny random Llama / Qwen2 / Mistral / Qwen2-MoE on the character tokenizer, built from its config (nothing
+    downloaded); its head (the embeddings too, where tied) sharpened by `sharpen`, as `_model`'s, and its biases and
+    norm weights moved off their initial 0 and 1 (an engine that dropped one would otherwise draw the same tokens).
+    A MoE's routers are spread (std 1: a routing decided by float rounding would part engines that sum otherwise)
+    and its shared experts' gates too (sigmoid far from 1/2: an engine that left it out would draw
+    otherwise)."""
     import transformers
 
     config, causal = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                      "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
+                      "mistral": ("MistralConfig", "MistralForCausalLM"),
+                      "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}[family]
     base = dict(vocab_size=len(TOK), hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=False,
-                pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id, bos_token_id=TOK.eos_token_id)
+                pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id, bos_token_id=TOK.eos_token_id,
+                **(QWEN2_MOE if family == "qwen2_moe" else {}))
     torch.manual_seed(seed)
     model = getattr(transformers, causal)(getattr(transformers, config)(**{**base, **extra})).eval()
     with torch.no_grad():
@@ -66,6 +80,11 @@ def _family(family: str, seed: int = 0, sharpen: float = 3.0, **extra):
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.2)
+        for r in moe.find_routers(model):
+            torch.nn.init.normal_(moe.router_weight(r), std=2.0 / model.config.hidden_size ** 0.5)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "shared_expert_gate"):
+                torch.nn.init.normal_(layer.mlp.shared_expert_gate.weight, std=0.5)
     return model
 
 
@@ -121,14 +140,24 @@ def test_fast_engine_samples_what_hf_samples(arch, extra, dtype):
     ("qwen2", {"attn_implementation": "eager", "tie_word_embeddings": True}, torch.float32, 1, 3.0),
     ("mistral", {"sliding_window": None, "num_key_value_heads": 1}, torch.float32, 0, 6.0),
     ("mistral", {"sliding_window": 256, "attn_implementation": "eager"}, torch.float32, 6, 3.0),  # never binds
+    # q/k/v biases, top-k weights as the softmax gives them, the shared expert; transformers' grouped_mm experts
+    ("qwen2_moe", {}, torch.float32, 2, 6.0),
+    ("qwen2_moe", QWEN2_MOE_SMOL, torch.float32, 3, 1.0),  # the SmolLM2 split's shape: no biases, renormalised, dense
+    ("qwen2_moe", QWEN2_MOE_SMOL, torch.bfloat16, 3, 1.0),  # ... as a bf16 sampler copy
+    # every other layer MoE (decoder_sparse_step), no biases, eager attention, batched_mm experts
+    ("qwen2_moe", {"qkv_bias": False, "decoder_sparse_step": 2, "attn_implementation": "eager",
+                   "experts_implementation": "batched_mm"}, torch.float32, 3, 6.0),
 ])
-def test_fast_engine_samples_what_hf_samples_for_llama_qwen2_mistral(family, extra, dtype, seed, sharpen):
+def test_fast_engine_samples_what_hf_samples_for_the_families_built_from_config(family, extra, dtype, seed, sharpen):
+    """As the test above, on Llama, Qwen2, Mistral and Qwen2-MoE built from transformers' configs: on a MoE the
+    routing recorded while sampling too."""
     model = _family(family, seed, sharpen, **extra).to(dtype)
     assert fast_decode.resolve("auto", model) == "fast"
-    hf, fast = _both(model, temperature=0.7, top_p=0.9)
-    _assert_same(hf, fast)
+    hf, fast = _both(model, temperature=0.7, top_p=0.9, capture_routing=moe.is_moe(model))
+    _assert_same_records(hf, fast)
     assert hf.completion_mask.shape[1] == 80 and hf.lengths.min() < 20
-    torch.testing.assert_close(fast.kept_mass, hf.kept_mass, atol=1e-5, rtol=0)
+    if moe.is_moe(model):
+        assert (hf.routing[hf.attention_mask.bool()][:, :, 0] >= 0).sum() > 0
 
 
 def test_sliding_windows_that_can_bind_fall_back_with_the_reason(recwarn):
@@ -145,6 +174,10 @@ def test_sliding_windows_that_can_bind_fall_back_with_the_reason(recwarn):
     off = _family("qwen2", sliding_window=64)
     assert fast_decode.resolve("fast", sliding) == "hf"
     assert fast_decode.resolve("fast", none_slide) == fast_decode.resolve("fast", off) == "fast"
+    # Qwen2-MoE: a window only with use_sliding_window (its config sets it to 0 otherwise)
+    moe_sliding = _family("qwen2_moe", use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    moe_off = _family("qwen2_moe", sliding_window=64)
+    assert fast_decode.resolve("fast", moe_sliding) == "hf" and fast_decode.resolve("fast", moe_off) == "fast"
     said = [str(w.message) for w in recwarn]
     assert said == ["rollout.engine=fast: sampling with the hf engine: sliding-window attention (a window of 64 "
                     "positions, shorter than the model's 256: the engine attends over every cached position)"]
@@ -286,16 +319,22 @@ def _lora(base, tmp_path, **lora):
     return model.eval()
 
 
+LORA_BASES = {"llama": lambda: _family("llama", 1, 2.0, **SMOL), "qwen3_moe": lambda: _model("qwen3_moe"),
+              "qwen2_moe": lambda: _family("qwen2_moe", 3, 1.0, **QWEN2_MOE_SMOL)}
+
+
 @pytest.mark.parametrize("family,targets", [
     ("llama", {}),  # SmolLM2 in miniature: every attention and MLP projection
     ("llama", {"target_modules": ["q_proj", "v_proj", "lm_head"]}),  # the tied LM head adapted too (unmerged)
     ("qwen3_moe", {"target_parameters": []}),  # the attention of a MoE (its experts' fused weights left alone)
+    # the attention, the dense layer's MLP, the shared experts' projections and their gates
+    ("qwen2_moe", {"target_parameters": [], "target_modules": ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                                               "shared_expert_gate"]}),
 ])
 def test_a_lora_policy_samples_what_hf_samples(tmp_path, family, targets):
     """The LoRA policy itself decodes with the fast engine, its adapters computed as peft's forward computes them:
     the same tokens and log-probs as hf, with the adapters on, and off (peft's disable_adapter, the KL reference)."""
-    base = _model("qwen3_moe") if family == "qwen3_moe" else _family("llama", 1, 2.0, **SMOL)
-    model = _lora(base, tmp_path, **targets)
+    model = _lora(LORA_BASES[family](), tmp_path, **targets)
     assert fast_decode.resolve("fast", model) == "fast"
     on = _both(model, temperature=0.7, top_p=0.9)
     _assert_same(*on)
@@ -341,14 +380,16 @@ def _onednn(model, seed: int = 1, max_new_tokens: int = 80):
     lambda tmp: _family("llama", 2, 8.0, hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
                         attention_bias=True, mlp_bias=True, attn_implementation="eager"),  # every bias, untied head
     lambda tmp: _lora(_family("llama", 1, 2.0, **SMOL), tmp, target_modules=["q_proj", "v_proj", "lm_head"]),
-], ids=["qwen3", "qwen3_moe", "smol", "llama_biases", "lora"])
+    lambda tmp: _family("qwen2_moe", 3, 1.0, **QWEN2_MOE_SMOL),  # a dense layer's MLP, the shared experts and gates
+], ids=["qwen3", "qwen3_moe", "smol", "llama_biases", "lora", "qwen2_moe_smol"])
 def test_onednn_products_draw_what_hf_draws(tmp_path, monkeypatch, build):
     """rollout.matmul=onednn: every decode product through oneDNN on the rollout's reordered weights (biases and
     LoRA adapters added as before): hf's tokens, and its log-probs within 1e-5 (the kernels sum in another order)."""
     model = build(tmp_path)
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    dense = not moe.is_moe(base)
-    expected = len(base.model.layers) * (7 if dense else 4) + 1  # q k v o (gate up down), and the head
+    # per layer q k v o, and gate up down of a dense MLP or of a shared expert (with its gate); and the head
+    expected = sum(4 + 3 * (not hasattr(l.mlp, "experts") or hasattr(l.mlp, "shared_expert"))
+                   + hasattr(l.mlp, "shared_expert_gate") for l in base.model.layers) + 1
     made, used, reorder, product = [], [], fast_decode.reordered_weights, fast_decode._product
     monkeypatch.setattr(fast_decode, "reordered_weights", lambda m, rows: made.append(reorder(m, rows)) or made[-1])
     monkeypatch.setattr(fast_decode, "_product", lambda lin, x, packed: used.append(id(lin) in packed) or
@@ -438,6 +479,9 @@ STATIC_MODELS = {  # name: (builder, seed, capture routing): the families and va
         mlp_bias=True, rope_parameters=LLAMA3_ROPE, attn_implementation="eager"), 2),
     "qwen2": (lambda: _family("qwen2", 4, 1.5), 4),
     "mistral": (lambda: _family("mistral", 0, 6.0, sliding_window=None, num_key_value_heads=1), 0),
+    "qwen2_moe": (lambda: _family("qwen2_moe", 2, 6.0), 1),
+    "qwen2_moe_smol": (lambda: _family("qwen2_moe", 3, 1.0, **QWEN2_MOE_SMOL), 1),
+    "qwen2_moe_smol_bf16": (lambda: _family("qwen2_moe", 3, 1.0, **QWEN2_MOE_SMOL).to(torch.bfloat16), 1),
 }
 
 
@@ -502,7 +546,7 @@ def test_static_decode_samples_what_eager_and_hf_sample(name):
         assert (static.routing[:, static.prompt_len:][..., 0] >= 0).any()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "smol", "qwen2"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "smol", "qwen2", "qwen2_moe_smol"])
 def test_static_decode_greedy_is_model_generate(name):
     """Greedy: the static decode's tokens are transformers' own `model.generate(do_sample=False)`'s, rows padded
     after their EOS as generate pads them."""
@@ -627,7 +671,7 @@ def _stand_in_graph(monkeypatch):
     return captures
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "llama_biases_llama3_rope_eager"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "llama_biases_llama3_rope_eager", "qwen2_moe_smol"])
 def test_graph_bookkeeping_with_a_stand_in_graph(monkeypatch, name):
     """With outputs overwritten in place at every replay, `graph` records what `static` records, bit for bit (the
     same arithmetic); one capture per decoder, none in a later rollout of the same shape."""
@@ -728,7 +772,8 @@ def _count_captures(monkeypatch) -> list:
 
 @cuda
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_eager_attention", "qwen3_moe", "qwen3_moe_eager_experts",
-                                  "qwen3_moe_bf16", "smol_bf16", "llama_biases_llama3_rope_eager", "qwen2", "mistral"])
+                                  "qwen3_moe_bf16", "smol_bf16", "llama_biases_llama3_rope_eager", "qwen2", "mistral",
+                                  "qwen2_moe", "qwen2_moe_smol", "qwen2_moe_smol_bf16"])
 def test_cuda_graph_decode_is_the_static_decode_bit_for_bit(monkeypatch, name):
     """On CUDA the replayed graph draws the op-by-op static decode's tokens, and records its log-probs, kept mass,
     top-k and routing, bit for bit, from the same seeds; in float32 both draw the eager engine's tokens."""

@@ -1,4 +1,5 @@
-"""Tests for gspo.models.moe: routing capture / replay on a tiny Qwen3-MoE, and the routing statistics."""
+"""Tests for gspo.models.moe: routing capture / replay on a tiny Qwen3-MoE (and, where parametrized, Qwen2-MoE: a
+shared expert beside the routed ones, a dense layer between the MoE layers), and the routing statistics."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from transformers import (
     MixtralForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -20,6 +23,7 @@ from gspo.core.errors import ConfigError
 from gspo.models.build import enable_checkpointing
 from gspo.models.moe import (
     capture_routing,
+    check_routers,
     expert_load,
     find_routers,
     is_moe,
@@ -30,16 +34,23 @@ from gspo.models.moe import (
 )
 
 B, T, L, K, E = 2, 6, 2, 2, 8
+FAMILIES = ["qwen3_moe", "qwen2_moe"]
 
 
-def tiny_moe(norm_topk_prob: bool = False, seed: int = 0) -> Qwen3MoeForCausalLM:
+def tiny_moe(norm_topk_prob: bool = False, seed: int = 0, family: str = "qwen3_moe") -> torch.nn.Module:
+    """L MoE layers of E experts, top-K. `qwen2_moe`: as the MoE split from SmolLM2 is to be, Llama's attention (no
+    q/k/v biases), a shared expert in each MoE layer, and a dense layer between the two (`mlp_only_layers`): routing
+    layer l is the l-th router, not the l-th layer."""
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        vocab_size=32, hidden_size=32, num_hidden_layers=L, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=E, num_experts_per_tok=K,
-        norm_topk_prob=norm_topk_prob,
-    )
-    model = Qwen3MoeForCausalLM(config).eval()
+    shape = dict(vocab_size=32, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                 intermediate_size=64, moe_intermediate_size=32, num_experts=E, num_experts_per_tok=K,
+                 norm_topk_prob=norm_topk_prob)
+    if family == "qwen2_moe":
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, num_hidden_layers=L + 1, mlp_only_layers=[1],
+                                                   shared_expert_intermediate_size=64, qkv_bias=False))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, num_hidden_layers=L))
+    model.eval()
     # Large router weights: well-separated top-k, so float noise (KV cache vs full pass) never flips a choice.
     for router in find_routers(model):
         torch.nn.init.normal_(router.weight, std=1.0)
@@ -58,11 +69,14 @@ def perturb_routers(model: torch.nn.Module) -> None:
 
 
 # ----------------------------------------------------------------------------- discovery
-def test_find_routers_moe_and_dense():
-    model = tiny_moe()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_find_routers_moe_and_dense(family):
+    model = tiny_moe(family=family)
     routers = find_routers(model)
     assert len(routers) == L and is_moe(model)
-    assert routers == [layer.mlp.gate for layer in model.model.layers]  # layer order
+    # layer order, dense layers skipped (Qwen2-MoE's shared expert gate, a Linear to one output, is no router)
+    assert routers == [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert check_routers(model, replay=True) is None  # accepted for replay: its rule read off its first call
 
     dense = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -72,8 +86,9 @@ def test_find_routers_moe_and_dense():
 
 
 # ----------------------------------------------------------------------------- capture
-def test_capture_shapes_and_topk_of_logprobs():
-    model = tiny_moe()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_shapes_and_topk_of_logprobs(family):
+    model = tiny_moe(family=family)
     with torch.no_grad(), capture_routing(model) as trace:
         model(ids())
     idx, lp = trace.batch(B)
@@ -93,8 +108,9 @@ def test_capture_shapes_and_topk_of_logprobs():
     assert trace.logprobs(B, length=T + 1).shape == (B, T + 1, L, E)
 
 
-def test_capture_incremental_decoding_matches_full_pass():
-    model = tiny_moe()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_incremental_decoding_matches_full_pass(family):
+    model = tiny_moe(family=family)
     seq = ids(length=T + 2)
     with torch.no_grad(), capture_routing(model) as full:
         model(seq)
@@ -118,9 +134,10 @@ def test_capture_hooks_removed_on_exit():
 
 
 # ----------------------------------------------------------------------------- replay
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("norm", [False, True])
-def test_replay_forces_old_routing(norm):
-    model = tiny_moe(norm_topk_prob=norm)
+def test_replay_forces_old_routing(norm, family):
+    model = tiny_moe(norm_topk_prob=norm, family=family)
     x = ids()
     with torch.no_grad(), capture_routing(model) as old:
         model(x)
@@ -146,9 +163,10 @@ def test_replay_forces_old_routing(norm):
     assert torch.equal(outer.indices(B), old_idx)
 
 
-def test_replay_of_own_routing_is_identity_in_values_and_gradients():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_of_own_routing_is_identity_in_values_and_gradients(family):
     for norm in (False, True):
-        model = tiny_moe(norm_topk_prob=norm)
+        model = tiny_moe(norm_topk_prob=norm, family=family)
         x = ids()
         with torch.no_grad(), capture_routing(model) as own:
             model(x)
@@ -162,8 +180,9 @@ def test_replay_of_own_routing_is_identity_in_values_and_gradients():
             assert torch.allclose(g, r, atol=1e-6)
 
 
-def test_replay_gradients_reach_every_router():
-    model = tiny_moe(norm_topk_prob=True)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_gradients_reach_every_router(family):
+    model = tiny_moe(norm_topk_prob=True, family=family)
     x = ids()
     with torch.no_grad(), capture_routing(model) as old:
         model(x)
@@ -180,8 +199,9 @@ def test_replay_gradients_reach_every_router():
     assert torch.allclose(out.router_logits[0], live.router_logits[0], atol=1e-6)
 
 
-def test_replay_minus_one_uses_live_routing():
-    model = tiny_moe()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_minus_one_uses_live_routing(family):
+    model = tiny_moe(family=family)
     x = ids()
     with torch.no_grad(), capture_routing(model) as old:
         model(x)
@@ -205,8 +225,9 @@ def test_replay_minus_one_uses_live_routing():
     assert torch.equal(got_idx[:, -1], got.live_indices(B)[:, -1])
 
 
-def test_replay_with_gradient_checkpointing():
-    model = tiny_moe(norm_topk_prob=True)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_with_gradient_checkpointing(family):
+    model = tiny_moe(norm_topk_prob=True, family=family)
     x = ids()
     with torch.no_grad(), capture_routing(model) as old:
         model(x)

@@ -158,6 +158,8 @@ def test_a_run_with_a_shared_prefix_is_the_plain_run(model, tmp_path, cache_dir,
 FAMILIES = [
     ("qwen3", {}, True), ("qwen3_moe", {}, True), ("llama", {}, True), ("gpt2", {}, True), ("phi3", {}, True),
     ("mixtral", {}, True), ("olmoe", {}, True), ("qwen2", {}, True), ("qwen2_moe", {}, True), ("granite", {}, True),
+    # Qwen2-MoE as the split from SmolLM2 is to be: no q/k/v biases, renormalised top-k, layer 1 a dense MLP
+    ("qwen2_moe", dict(qkv_bias=False, norm_topk_prob=True, mlp_only_layers=[1]), True),
     ("granitemoe", {}, True), ("cohere", {}, True), ("ernie4_5_moe", {}, True), ("gpt_oss", {}, True),
     ("deepseek_v3", {}, True), ("glm4_moe", {}, True), ("hunyuan_v1_moe", {}, True), ("afmoe", {}, True),
     ("phimoe", {}, True), ("jetmoe", {}, True),  # (a window of 64 where the config has one: wider than every row)
@@ -213,8 +215,13 @@ def _family_model(family: str, extra: dict):
     return model.double().eval()
 
 
-@pytest.mark.parametrize("family,extra,exact", FAMILIES, ids=[
-    f + (f"-window{e['sliding_window']}" if "sliding_window" in e else "") for f, e, _ in FAMILIES])
+def _case(family: str, extra: dict) -> str:
+    """A case's id: the family, and its window or dense layers where it sets them."""
+    return family + (f"-window{extra['sliding_window']}" if "sliding_window" in extra else "") + (
+        f"-dense{'_'.join(map(str, extra['mlp_only_layers']))}" if "mlp_only_layers" in extra else "")
+
+
+@pytest.mark.parametrize("family,extra,exact", FAMILIES, ids=[_case(f, e) for f, e, _ in FAMILIES])
 def test_every_family_packs_exactly_or_says_once_that_it_runs_plain(family, extra, exact, family_rows, monkeypatch,
                                                                     capsys):
     """Where the shared prefix is taken, the packed log-probs, entropies and gradients are the plain forward's to

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import tiny
-from test_fast_decode import SMOL, _assert_same, _both, _family, _model
+from test_fast_decode import QWEN2_MOE_SMOL, SMOL, _assert_same, _both, _family, _model
 
 from gspo.config.loading import compose
 from gspo.core.errors import ConfigError
@@ -66,6 +66,7 @@ def test_quantize_takes_the_projections_and_head_not_the_routers_and_feeds_a_tie
     ("llama", lambda: _family("llama", 1, 2.0, **SMOL)),  # SmolLM2 in miniature, tied head
     ("qwen2", lambda: _family("qwen2", 4, 1.5)),  # q/k/v biases
     ("qwen3_moe", lambda: _model("qwen3_moe")),  # float32 routers and experts, int8 attention and head
+    ("qwen2_moe", lambda: _family("qwen2_moe", 3, 1.0, **QWEN2_MOE_SMOL)),  # int8 shared experts and their gates too
 ])
 def test_both_engines_sample_the_same_from_an_int8_copy(name, make):
     model = _plain(make())

@@ -20,7 +20,7 @@ Conventions (shared by every tensor below):
   * a router call sees ``N = B*T`` rows: the MoE block flattens ``(B, T, H)`` with
     ``view(-1, H)``, i.e. row-major, row ``n = b*T + t``;
   * "layer" ``l`` is the l-th router in :func:`find_routers` order (the l-th *MoE*
-    layer; dense layers such as Qwen3-MoE's ``mlp_only_layers`` are skipped);
+    layer; dense layers such as Qwen3-MoE's and Qwen2-MoE's ``mlp_only_layers`` are skipped);
   * routing indices are ``(B, T, L, k)`` long, ``-1`` meaning "no routing recorded"
     (e.g. the last sampled token, which never went through the model);
   * router log-probs are ``(B, T, L, E)`` float32 log-probs of the router's distribution
@@ -64,7 +64,8 @@ def _is_router(module: nn.Module) -> bool:
     """A top-k router by duck typing: the attributes every HF (>= 5) MoE router carries."""
     top_k, num_experts = getattr(module, "top_k", None), getattr(module, "num_experts", None)
     # The sparse MoE block of some models also has top_k/num_experts, but no weight of its own and
-    # several children; the experts module has num_experts but no top_k.
+    # several children; the experts module has num_experts but no top_k; Qwen2-MoE's shared_expert_gate
+    # (a Linear to one output, the shared expert's sigmoid gate) has neither.
     return (isinstance(top_k, int) and isinstance(num_experts, int) and 0 < top_k <= num_experts
             and router_weight(module) is not None)
 

@@ -1,10 +1,13 @@
 """The `fast` decode engine (`rollout.engine`): decode steps of the Llama-shaped families without the generic forward.
 
-One engine for Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5, Mistral and Mixtral: the same decoder layer
+One engine for Qwen3, Qwen3-MoE, Llama, Qwen2/Qwen2.5, Mistral, Mixtral and Qwen2-MoE: the same decoder layer
 (RMSNorm, q/k/v projections, RoPE, GQA attention, gated MLP or sparse MoE), the families differing only
-in what each module holds, read off it: q/k norms (Qwen3), projection biases (Qwen2's q/k/v; Llama's
-`attention_bias`, `mlp_bias`), the MoE block (Qwen3-MoE, Mixtral: a `gate` router and fused `experts`),
-the RoPE variant (Llama 3's `rope_scaling`, any `rope_type`: the model's own rotary module computes cos/sin), tied embeddings (the head is the
+in what each module holds, read off it: q/k norms (Qwen3), projection biases (Qwen2's q/k/v, Qwen2-MoE's
+where `qkv_bias`; Llama's `attention_bias`, `mlp_bias`), the MoE block (Qwen3-MoE, Mixtral, Qwen2-MoE: a `gate`
+router and fused `experts`; Qwen2-MoE's also a shared expert, a gated MLP every token runs, scaled by
+sigmoid(`shared_expert_gate`(x))), which layers are MoE (each layer's own module: Qwen3-MoE's and Qwen2-MoE's
+`mlp_only_layers` and `decoder_sparse_step` leave dense MLPs between them), the RoPE variant (Llama 3's
+`rope_scaling`, any `rope_type`: the model's own rotary module computes cos/sin), tied embeddings (the head is the
 `lm_head` module's weight, whichever tensor that is). Llama's `pretraining_tp` changes nothing: the
 model's forward no longer reads it.
 
@@ -39,7 +42,7 @@ sampling; the draws are hf's up to float32 rounding. A peft LoRA policy decodes
 here too, its adapters computed unmerged as peft computes them (plain LoRA on the Linear projections and
 the LM head). Anything else falls back to `hf`, a warning saying why (once per reason): another family,
 adapters other than plain LoRA on Linear layers (the MoE experts' fused weights, DoRA), FSDP sharding, any other wrapper, `hardware.compile`, a sliding window that can bind (Mistral's and Mixtral's
-`sliding_window`, Qwen2/Qwen3's `use_sliding_window`: one shorter than the model's
+`sliding_window`, Qwen2/Qwen3/Qwen2-MoE's `use_sliding_window`: one shorter than the model's
 `max_position_embeddings`; the engine attends over every cached slot), an attention
 implementation other than sdpa/eager, forward hooks on modules other than the routers.
 """
@@ -62,10 +65,10 @@ _LOGGED: set[str] = set()
 
 def _families() -> tuple[type, ...]:
     from transformers import (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
-                              Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+                              Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
     return (Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
-            MixtralForCausalLM)
+            MixtralForCausalLM, Qwen2MoeForCausalLM)
 
 
 def _sliding_window(cfg) -> Optional[int]:
@@ -162,16 +165,15 @@ def _onednn_unsupported(model: torch.nn.Module) -> Optional[str]:
 
 def _projections(model: torch.nn.Module):
     """The `nn.Linear` modules whose weights the decode steps multiply by (`_linear`'s, a LoRA layer's base layer):
-    the attention and dense-MLP projections and the LM head. The MoE routers and fused experts are not among them."""
+    the attention projections, the MLPs' (`_mlp_linears`) and the LM head. The MoE routers and fused experts are not
+    among them."""
     def linear(m):
         m = getattr(m, "base_layer", m)
         return m if type(m) is torch.nn.Linear else None
 
     for layer in model.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        names = (a.q_proj, a.k_proj, a.v_proj, a.o_proj) + (
-            () if hasattr(mlp, "experts") else (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-        yield from filter(None, map(linear, names))
+        a = layer.self_attn
+        yield from filter(None, map(linear, (a.q_proj, a.k_proj, a.v_proj, a.o_proj, *_mlp_linears(layer.mlp))))
     if (head := linear(model.lm_head)) is not None:
         yield head
 
@@ -317,21 +319,48 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _mlp(mlp, x: torch.Tensor, packed: dict[int, torch.Tensor], route=None) -> torch.Tensor:
-    """The dense MLP (biases where Llama's `mlp_bias` gives them), or the sparse MoE block: the model's router
-    module (through `route(rows)` where given: the decoder's `_route`), then every (token, slot) at once."""
+def _mlp_linears(mlp) -> tuple:
+    """The projections `_mlp` runs through `_linear`: a dense MLP's three; a MoE block's shared expert's three and
+    its gate (Qwen2-MoE); none of a MoE block without a shared expert (its router and fused experts are not Linear
+    products)."""
     if not hasattr(mlp, "experts"):
-        return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x, packed)) * _linear(mlp.up_proj, x, packed),
-                       packed)
+        return mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    shared = getattr(mlp, "shared_expert", None)
+    return () if shared is None else (*_mlp_linears(shared), mlp.shared_expert_gate)
+
+
+def _gated(mlp, x: torch.Tensor, packed: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A dense gated MLP, down(act(gate(x)) * up(x)), biases where Llama's `mlp_bias` gives them: a dense layer's
+    MLP, or a MoE block's shared expert."""
+    return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x, packed)) * _linear(mlp.up_proj, x, packed),
+                   packed)
+
+
+def _mlp(mlp, x: torch.Tensor, packed: dict[int, torch.Tensor], route=None) -> torch.Tensor:
+    """The dense MLP (`_gated`), or the sparse MoE block: its routed experts (`_routed`), plus where the block has
+    one (Qwen2-MoE) its shared expert, a dense MLP every token runs, scaled by sigmoid(shared_expert_gate(x)): the
+    block's forward, in its order of operations."""
+    if not hasattr(mlp, "experts"):
+        return _gated(mlp, x, packed)
     n, t, dim = x.shape
     flat = x.view(-1, dim)
+    out = _routed(mlp, flat, route)
+    if getattr(mlp, "shared_expert", None) is not None:
+        out = out + torch.sigmoid(_linear(mlp.shared_expert_gate, flat, packed)) * _gated(mlp.shared_expert, flat,
+                                                                                          packed)
+    return out.view(n, t, dim)
+
+
+def _routed(mlp, flat: torch.Tensor, route=None) -> torch.Tensor:
+    """The MoE block's routed experts on its rows (N, H): the model's router module (through `route(rows)` where
+    given: the decoder's `_route`), then every (token, slot) at once."""
     _, weights, idx = mlp.gate(flat) if route is None else route(flat)  # a module call: capture/replay hooks apply
     ex = mlp.experts
     if ex.config._experts_implementation not in (None, "eager"):  # a batched kernel already (grouped_mm, batched_mm)
-        return ex(flat, idx, weights).view(n, t, dim)
+        return ex(flat, idx, weights)
     # eager loops over the experts hit, a host sync each: instead every expert on every row, two matmuls in all
     # (E/k times the arithmetic of the chosen pairs: cheaper than the loop at gspo's sizes), then the chosen pairs
     gate, up = torch.matmul(ex.gate_up_proj, flat.t()).chunk(2, dim=1)  # (E, I, rows) each
     out = torch.matmul(ex.down_proj, ex.act_fn(gate) * up).permute(2, 0, 1)  # (rows, E, H)
     chosen = out[torch.arange(flat.shape[0], device=flat.device)[:, None], idx]  # (rows, k, H)
-    return (chosen * weights.unsqueeze(-1)).sum(1).to(x.dtype).view(n, t, dim)
+    return (chosen * weights.unsqueeze(-1)).sum(1).to(flat.dtype)
