@@ -351,8 +351,11 @@ class TrainConfig:
     # rows sorted by length into minibatches (less padding; changes which rows share one); off: shuffled per group
     sort_minibatches: bool = False
     # each minibatch's forward packs its rows behind the prompt prefix they all share (a chat template, a system
-    # prompt), computed once: the same log-probs up to float rounding, less computed (gspo/models/packing.py)
-    shared_prefix: bool = False
+    # prompt), computed once: the same log-probs and gradients up to float rounding, less computed
+    # (gspo/models/packing.py). On by default wherever that holds: a family checked exact, sdpa or eager attention,
+    # no sliding window shorter than a row; elsewhere the plain forward, said once (summary.json's `shared_prefix`
+    # records which ran). A config.yaml written before this default (the key absent) ran plain: it loads as false
+    shared_prefix: bool = True
     checkpoint_every: int = field(default=50, metadata=RUN)  # save a checkpoint every N steps (and always at the end)
     keep_checkpoints: int = field(default=1, metadata=RUN)  # the newest N checkpoints are kept; older ones are deleted
 
