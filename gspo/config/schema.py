@@ -293,7 +293,8 @@ class RolloutConfig:
     # aten | onednn: the fast engine's decode products. aten = F.linear on the model's own weights (what hf computes);
     # onednn = oneDNN's float32 matmul on copies of the Linear weights reordered at each rollout's start (CPU, float32
     # weights; SmolLM2's decode steps in 0.72x the time, docs/benchmarks.md; the same draws as hf up to rounding:
-    # log-probs within 1e-5; one more copy of those weights held while sampling)
+    # log-probs within 1e-5; one more copy of those weights held while sampling). aten stays the default: one
+    # shape on one CPU measured faster, which no rule for other CPUs, sizes or row counts rests on (docs/benchmarks.md)
     matmul: str = "aten"
     # auto | eager | static | graph: how the fast engine runs its decode steps. eager = one kernel after another on
     # its growing cache (the CPU's); static = on a static KV cache, op by op; graph = that step captured once as a
