@@ -249,6 +249,28 @@ def test_an_old_run_config_with_eval_temperature_still_loads(tmp_path, capsys):
     assert "eval.temperature=0.7" in capsys.readouterr().err  # a differing old value is not dropped silently
 
 
+def test_an_old_run_config_without_a_key_whose_default_changed_loads_as_it_ran(tmp_path):
+    """train.shared_prefix is on by default now; a config.yaml written before the key existed ran the plain forward,
+    so it resumes (and a sweep's rerun checks it) with the key false; one that names the key keeps its value; a
+    resume may still not change it."""
+    import yaml
+
+    from gspo.config.loading import CHANGED_DEFAULTS, load_run_config
+    from gspo.train.run.resume import other_experiment
+
+    assert compose([]).train.shared_prefix is True and CHANGED_DEFAULTS == {"train.shared_prefix": False}
+    saved = yaml.safe_load(OmegaConf.to_yaml(compose([]), resolve=True))
+    del saved["train"]["shared_prefix"]  # written by gspo before the key
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    old = load_run_config(tmp_path)
+    assert old.train.shared_prefix is False
+    assert set(other_experiment(old, compose([]))) == {"train.shared_prefix"}  # the default now is another run
+    assert load_run_config(tmp_path, ["train.shared_prefix=false"]).train.shared_prefix is False
+    saved["train"]["shared_prefix"] = True
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert load_run_config(tmp_path).train.shared_prefix is True
+
+
 def test_a_saved_run_config_refuses_unknown_keys(tmp_path):
     from gspo.config.loading import load_run_config
 

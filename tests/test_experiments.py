@@ -157,3 +157,42 @@ def test_the_moe_mismatch_arms_differ_only_in_what_they_compare():
     assert differs["grpo_R2"] == differs["grpo_R3"] == {"moe.routing_replay"}
     assert differs["gspo_wide100"] <= {f"algo.{k}" for k in grpo.algo}
     assert {"algo.loss", "algo.eps_low", "algo.eps_high"} <= differs["gspo_wide100"]
+
+
+# The study data kept in docs/data and the preset its runs were made with. Each keeps running as its kept runs ran:
+# train.shared_prefix (on by default since) as they ran it. Not here: runs of the default config (readme_sweep,
+# gpu_h200/job: the default task shares no prefix, tests/test_packing.py), and smollm2_moe/learns, one run made
+# before train.shared_prefix existed, which smollm2_moe_math then switched on for its studies.
+KEPT_STUDIES = {
+    "smollm2_study": "smollm2_math", "gpu_h200/real_float32": "smollm2_math", "gpu_h200/real_bfloat16": "smollm2_math",
+    "smollm2_matched": "smollm2_matched", "smollm2_moe/study": "smollm2_moe_matched",
+    "smollm2_moe/study_first_split": "smollm2_moe_matched", "smollm2_moe/edge": "smollm2_moe_matched",
+    "smollm2_moe/mismatch": "smollm2_moe_mismatch",
+}
+# the presets whose studies' runs are not kept in docs/data, and the forward those studies ran: pinned alike
+OTHER_STUDIES = {"moe_long": False, "dense_long": False, "moe_mismatch": False, "engine_mismatch": False,
+                 "staleness": False, "tools": False, "smollm2_moe_math": True}
+
+
+@needs_real_model
+def test_every_preset_runs_the_forward_its_kept_study_ran():
+    """A new seed of a kept study composes train.shared_prefix as its kept runs recorded it (a config.yaml without
+    the key ran before it existed: plain); every study preset names it, so the default moving moves none."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from gspo.config.loading import CHANGED_DEFAULTS
+
+    data = Path(__file__).resolve().parent.parent / "docs" / "data"
+    for where, preset in KEPT_STUDIES.items():
+        configs = sorted((data / where).rglob("config.yaml"))
+        assert configs, where
+        want = compose([f"+experiment={preset}"]).train.shared_prefix
+        for path in configs:
+            ran = OmegaConf.select(OmegaConf.load(path), "train.shared_prefix",
+                                   default=CHANGED_DEFAULTS["train.shared_prefix"])
+            assert ran == want, f"{path}: ran train.shared_prefix={ran}, +experiment={preset} gives {want}"
+    for preset, ran in OTHER_STUDIES.items():
+        assert compose([f"+experiment={preset}"]).train.shared_prefix is ran, preset
+    assert set(KEPT_STUDIES.values()) | set(OTHER_STUDIES) == set(group_options("experiment"))

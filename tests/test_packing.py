@@ -112,10 +112,11 @@ def test_a_packed_minibatch_has_the_plain_logprobs_gradients_and_routing(arch, a
 
 @pytest.mark.parametrize("model", ["qwen3-tiny", "qwen3-moe"])
 def test_a_run_with_a_shared_prefix_is_the_plain_run(model, tmp_path, cache_dir, monkeypatch):
-    """train.shared_prefix end to end: prompts that open alike (a data file), a reward with a spread (so every
-    update moves the weights), 2 steps of 2 minibatches each packed; every logged number (the MoE's routing
-    statistics, R2 replaying the old policy's routing, its load-balancing loss) and the final weights are the plain
-    run's to float32 rounding."""
+    """train.shared_prefix end to end, at its default (on) against train.shared_prefix=false: prompts that open
+    alike (a data file), a reward with a spread (so every update moves the weights), 2 steps of 2 minibatches each
+    packed; every logged number (the MoE's routing statistics, R2 replaying the old policy's routing, its
+    load-balancing loss) and the final weights are the plain run's to float32 rounding; summary.json says which
+    forward each ran."""
     import gspo.train.loop.trainer as trainer_mod
     from conftest import tiny
     from transformers import AutoModelForCausalLM
@@ -136,10 +137,13 @@ def test_a_run_with_a_shared_prefix_is_the_plain_run(model, tmp_path, cache_dir,
     for shared in (False, True):
         moe = {"moe.routing_replay": "R2", "model.router_aux_loss_coef": 0.01} if model == "qwen3-moe" else {}
         overrides = {**moe, "model": model, "task": "data", "task.path": str(data), "reward": "python",
-                     "reward.fn": f"{fns}:ones", "train.lr": 0.01, "rollout.max_new_tokens": 6,
-                     "train.shared_prefix": shared}
-        train(compose(tiny(cache_dir, **overrides)), tmp_path / str(shared))
+                     "reward.fn": f"{fns}:ones", "train.lr": 0.01, "rollout.max_new_tokens": 6}
+        cfg = compose(tiny(cache_dir, **overrides, **({} if shared else {"train.shared_prefix": False})))
+        assert cfg.train.shared_prefix is shared  # on: the default
+        train(cfg, tmp_path / str(shared))
         runs[shared] = [json.loads(x) for x in (tmp_path / str(shared) / "metrics.jsonl").read_text().splitlines()]
+        record = json.loads((tmp_path / str(shared) / "summary.json").read_text())["shared_prefix"]
+        assert record.startswith("packed: ") if shared else record == "plain: train.shared_prefix=false", record
     assert len(packings) == 4 and all(p is not None for p in packings)  # 2 steps x 2 minibatches, all packed
     assert any(r.get("train/grad_norm", 0) > 0 for r in runs[True])
     for a, b in zip(runs[False], runs[True]):
@@ -149,6 +153,25 @@ def test_a_run_with_a_shared_prefix_is_the_plain_run(model, tmp_path, cache_dir,
     weights = [AutoModelForCausalLM.from_pretrained(checkpoint.latest(tmp_path / str(s))).state_dict() for s in runs]
     for name, w in weights[0].items():
         torch.testing.assert_close(weights[1][name], w, atol=1e-5, rtol=1e-4)
+
+
+def test_on_the_default_task_nothing_is_shared_so_a_default_run_is_the_plain_run(tmp_path, cache_dir, monkeypatch):
+    """The shared prefix, on by default, leaves the default run as it was: its prompts (`a+b=`) share fewer than
+    MIN_PREFIX leading tokens, so every minibatch runs the plain forward (the runs kept from before the default,
+    docs/data/readme_sweep, are what the default computes)."""
+    import gspo.train.loop.trainer as trainer_mod
+    from conftest import tiny
+
+    from gspo.config.loading import compose
+    from gspo.train.loop.trainer import train
+
+    packings = []
+    plain = trainer_mod.packed
+    monkeypatch.setattr(trainer_mod, "packed", lambda *a, **k: packings.append(plain(*a, **k)) or packings[-1])
+    cfg = compose(tiny(cache_dir))
+    assert cfg.task.name == "addition" and cfg.train.shared_prefix is True
+    train(cfg, tmp_path / "run")
+    assert len(packings) == 4 and all(p is None for p in packings)  # asked every minibatch, none packed
 
 
 # --------------------------------------------------------------------------- every family: exact, or plain
@@ -193,8 +216,9 @@ def family_rows():
         return generate(model, tok, prompts, 2, SamplingParams(6), generator=torch.Generator().manual_seed(0))
 
 
-def _family_model(family: str, extra: dict):
-    """test_families' tiny model of `family` with `extra` config values, float64, experts computed eagerly."""
+def _family_model(family: str, extra: dict, dtype: torch.dtype = torch.float64):
+    """test_families' tiny model of `family` with `extra` config values, in `dtype` (float64 unless told), experts
+    computed eagerly."""
     from test_families import ALPHABET, EXTRA, SMALL
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -212,7 +236,36 @@ def _family_model(family: str, extra: dict):
     for r in moe_lib.find_routers(model):  # spread, so that routing is not a tie
         torch.nn.init.normal_(moe_lib.router_weight(r), std=1.0)
     model.config._attn_implementation = choose_attention(type(model), "auto")
-    return model.double().eval()
+    return model.to(dtype).eval()
+
+
+def _windows(extra: dict, rows) -> dict:
+    """`extra` with a window written "longest" ("longest-1") as the batch's longest row (one less)."""
+    longest = int(rows.attention_mask.sum(-1).max())
+    return {k: longest - (v == "longest-1") if isinstance(v, str) and v.startswith("longest") else v
+            for k, v in extra.items()}
+
+
+def _family_skip(family: str) -> None:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if family not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+
+
+def _logprobs_and_grads(model, sub, packings) -> list[list[torch.Tensor]]:
+    """For each packing (None: the plain forward), the log-probs, entropies and every parameter's gradient of a
+    loss on them, as the update computes them."""
+    dtype = next(model.parameters()).dtype
+    weights = torch.linspace(-1, 1, sub.completion_mask.numel(), dtype=dtype).view_as(sub.completion_mask)
+    out = []
+    for packed in packings:
+        model.zero_grad()
+        logp, entropy, _ = token_logprobs(model, sub, temperature=0.8, with_entropy=True, packing=packed)
+        ((logp * weights).sum() + entropy.sum()).backward()
+        out.append([logp, entropy, *(q.grad.clone() for q in model.parameters() if q.grad is not None)])
+    return out
 
 
 def _case(family: str, extra: dict) -> str:
@@ -228,28 +281,16 @@ def test_every_family_packs_exactly_or_says_once_that_it_runs_plain(family, extr
     1e-6 in float64; where it would not be exact (a sliding window shorter than a row, a recurrent, state-space or
     convolutional layer, an attention that reads no 4-D mask, a family never checked), `for_forward` gives None (the
     trainer's plain forward), said once in one line naming the model class and why."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     from gspo.models import packing
 
-    if family not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    _family_skip(family)
     sub = family_rows
-    longest = int(sub.attention_mask.sum(-1).max())
-    extra = {k: longest - (v == "longest-1") if isinstance(v, str) and v.startswith("longest") else v
-             for k, v in extra.items()}
+    extra = _windows(extra, sub)
     model = _family_model(family, extra)
     monkeypatch.setattr(packing, "_SAID", set())
     p = for_forward(model, sub.input_ids, sub.attention_mask, sub.prompt_len, sub.pad_id)
     if p is not None:  # packed: the plain forward's numbers (None: the trainer's forward is the plain one)
-        weights = torch.linspace(-1, 1, sub.completion_mask.numel(), dtype=torch.float64).view_as(sub.completion_mask)
-        out = []
-        for packed in (None, p):
-            model.zero_grad()
-            logp, entropy, _ = token_logprobs(model, sub, temperature=0.8, with_entropy=True, packing=packed)
-            ((logp * weights).sum() + entropy.sum()).backward()
-            out.append([logp, entropy, *(q.grad for q in model.parameters() if q.grad is not None)])
+        out = _logprobs_and_grads(model, sub, (None, p))
         assert len(out[0]) == len(out[1]) > 2
         for a, b in zip(*out):
             torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
@@ -263,6 +304,51 @@ def test_every_family_packs_exactly_or_says_once_that_it_runs_plain(family, extr
         assert said[0].endswith("; the plain forward is used")
         if "sliding_window" in extra:
             assert f"its sliding window ({extra['sliding_window']}) is not kept by a packed 4-D mask" in said[0]
+
+
+# float32 rounding: torch's float32 tolerances (a relative 1.3e-6, about 11 units in the last place, or 1e-5 where a
+# number is near 0: a gradient summed from terms of either sign keeps the rounding of the terms it sums). Packed, the
+# products have other shapes and sum in another order; a token that saw another row is off by 1e-2 or more.
+FLOAT32 = dict(rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,extra,exact", FAMILIES, ids=[
+    f + (f"-window{e['sliding_window']}" if "sliding_window" in e else "") for f, e, _ in FAMILIES])
+def test_at_the_defaults_the_update_is_the_plain_forward_to_float32_rounding(family, extra, exact, family_rows,
+                                                                              monkeypatch, capsys):
+    """The update as a run with no override takes it (train.shared_prefix on by default, the trainer's own call), on
+    every family's tiny model built from config in float32: where the family packs, the update's log-probs,
+    entropies and gradients are the plain forward's to float32 rounding; where it does not, the update runs the plain
+    forward, said once in one line, and the run's record (summary.json's `shared_prefix`) says which ran."""
+    import gspo.train.loop.trainer as trainer_mod
+    from gspo.config.loading import compose
+    from gspo.models import packing
+
+    _family_skip(family)
+    cfg = compose([])
+    assert cfg.train.shared_prefix is True
+    sub = family_rows
+    extra = _windows(extra, sub)
+    model = _family_model(family, extra, torch.float32)
+    monkeypatch.setattr(packing, "_SAID", set())
+    update = lambda: trainer_mod.packed(model, sub.input_ids, sub.attention_mask, sub.prompt_len, sub.pad_id) \
+        if cfg.train.shared_prefix else None  # noqa: E731  (trainer.py's line)
+    p, again = update(), update()
+    said = capsys.readouterr().err.splitlines()
+    record = packing.recorded(model, cfg.train.shared_prefix)
+    if exact:
+        assert p is not None and p.input_ids.numel() < sub.input_ids.numel() and said == []
+        assert record.startswith("packed: ")
+        plain, packed = _logprobs_and_grads(model, sub, (None, p))
+        assert len(plain) == len(packed) > 2 and all(x.dtype == torch.float32 for x in plain)
+        for a, b in zip(plain, packed):
+            torch.testing.assert_close(b, a, **FLOAT32)
+    else:
+        assert p is None and again is None and len(said) == 1, said
+        assert said[0].startswith(f"gspo: train.shared_prefix: off for {type(model).__name__}: ")
+        window = "sliding_window" in extra  # decided per batch: the record says where it is plain
+        assert record.startswith("packed: ") and f"sliding window ({extra['sliding_window']})" in record \
+            if window else record == f"plain: {packing.why_plain(model, 0)}", record
 
 
 def test_every_family_taken_as_exact_is_checked():

@@ -114,7 +114,8 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     GROUP=OPTION replaces the whole group by that option's composed node (`task=countdown`);
     KEY=VALUE sets one value (`task.eval_size=500`), after the group swaps. A key the saved
     config or an override names that the schema does not have is an error, except the keys
-    gspo itself removed (REMOVED_KEYS), which an older run's config.yaml may still hold.
+    gspo itself removed (REMOVED_KEYS), which an older run's config.yaml may still hold. A key an older
+    config.yaml lacks whose default has changed since (CHANGED_DEFAULTS) takes the value that run ran with.
     """
     from omegaconf import DictConfig, OmegaConf
 
@@ -126,6 +127,7 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:
     if not isinstance(saved, DictConfig):
         raise ConfigError(f"{path}: not a gspo config (a YAML mapping of keys)")
     _drop_removed_keys(saved, path)
+    _fill_changed_defaults(saved)
     swaps = [o for o in overrides if o.partition("=")[0] in GROUPS]
     fresh = compose(swaps) if swaps else None
     try:
@@ -159,6 +161,24 @@ def _drop_removed_keys(saved: Any, path: Path) -> None:
         if value != OmegaConf.select(saved, new):
             print(f"gspo: note: {path} sets {old}={value}, a key gspo no longer has; "
                   f"{new}={OmegaConf.select(saved, new)} is used instead", file=sys.stderr)
+
+
+# Keys whose default changed -> the value a config.yaml without them ran with (written before the key existed, so
+# before its new default): an old run resumes, is evaluated and is checked by a sweep's rerun as it ran, not as the
+# default now runs.
+CHANGED_DEFAULTS = {
+    "train.shared_prefix": False,  # absent: written before the key existed, when every update's forward was plain
+}
+
+
+def _fill_changed_defaults(saved: Any) -> None:
+    from omegaconf import OmegaConf
+
+    for key, value in CHANGED_DEFAULTS.items():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(saved, parent) if parent else saved
+        if node is not None and leaf not in node:
+            node[leaf] = value
 
 
 def _choices(overrides: list[str]) -> list[list[str]]:

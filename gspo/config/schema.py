@@ -293,7 +293,8 @@ class RolloutConfig:
     # aten | onednn: the fast engine's decode products. aten = F.linear on the model's own weights (what hf computes);
     # onednn = oneDNN's float32 matmul on copies of the Linear weights reordered at each rollout's start (CPU, float32
     # weights; SmolLM2's decode steps in 0.72x the time, docs/benchmarks.md; the same draws as hf up to rounding:
-    # log-probs within 1e-5; one more copy of those weights held while sampling)
+    # log-probs within 1e-5; one more copy of those weights held while sampling). aten stays the default: one
+    # shape on one CPU measured faster, which no rule for other CPUs, sizes or row counts rests on (docs/benchmarks.md)
     matmul: str = "aten"
     # auto | eager | static | graph: how the fast engine runs its decode steps. eager = one kernel after another on
     # its growing cache (the CPU's); static = on a static KV cache, op by op; graph = that step captured once as a
@@ -351,8 +352,11 @@ class TrainConfig:
     # rows sorted by length into minibatches (less padding; changes which rows share one); off: shuffled per group
     sort_minibatches: bool = False
     # each minibatch's forward packs its rows behind the prompt prefix they all share (a chat template, a system
-    # prompt), computed once: the same log-probs up to float rounding, less computed (gspo/models/packing.py)
-    shared_prefix: bool = False
+    # prompt), computed once: the same log-probs and gradients up to float rounding, less computed
+    # (gspo/models/packing.py). On by default wherever that holds: a family checked exact, sdpa or eager attention,
+    # no sliding window shorter than a row; elsewhere the plain forward, said once (summary.json's `shared_prefix`
+    # records which ran). A config.yaml written before this default (the key absent) ran plain: it loads as false
+    shared_prefix: bool = True
     checkpoint_every: int = field(default=50, metadata=RUN)  # save a checkpoint every N steps (and always at the end)
     keep_checkpoints: int = field(default=1, metadata=RUN)  # the newest N checkpoints are kept; older ones are deleted
 

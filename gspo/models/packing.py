@@ -215,6 +215,20 @@ def why_plain(model: torch.nn.Module, longest: int) -> Optional[str]:
     return None
 
 
+def recorded(model: torch.nn.Module, on: bool = True) -> str:
+    """What the update's forward is for `model` under `train.shared_prefix=on`, as summary.json's `shared_prefix`
+    records it: "packed: ..." where the packed forward gives the plain numbers (a sliding window: for rows no longer
+    than it), else "plain: WHY" (`why_plain`'s reason, as said on stderr)."""
+    if not on:
+        return "plain: train.shared_prefix=false"
+    why = why_plain(model, 0)  # the model's reasons; a window is decided per batch, below
+    if why is not None:
+        return f"plain: {why}"
+    window = _window(_unwrapped(model).config)
+    limit = f"; plain for a minibatch with a row longer than its sliding window ({window})" if window else ""
+    return f"packed: each minibatch whose rows share {MIN_PREFIX} or more leading tokens{limit}"
+
+
 def _say_once(model: torch.nn.Module, why: str) -> None:
     """One line on stderr, once per model class and reason in this process (on rank 0 only under torch.distributed:
     every rank decides alike)."""

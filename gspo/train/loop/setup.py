@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gspo.core.errors import ConfigError
-from gspo.models import adapters
+from gspo.models import adapters, packing
 from gspo.models.build import enable_checkpointing, load_pretrained, tokenizer_encode
 from gspo.rollout.batch import Share, collect
 from gspo.rollout.decoding.generate import stop_ids
@@ -157,6 +157,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) ->
     ckpt.track(source, critic, ref_sync)  # what each checkpoint saves beside the policy
     evaluator = Evaluator(cfg, dist, model, tokenizer, task, eval_problems)
     ckpt.summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
+    # which forward the update runs (train.shared_prefix: packed only where exact; this model, this attention)
+    ckpt.summary.data["shared_prefix"] = packing.recorded(model, cfg.train.shared_prefix)
     return Setup(dist, dtype, ckpt, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, ref_sync=ref_sync, teacher=teacher, critic=critic, opt=opt, sched=sched,
                  recompute=recompute, moe_step=moe_step,
