@@ -50,24 +50,24 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     except BaseException:
         stop.restore()  # a refused setup leaves the caller's handlers as they were (train() called in-process)
         raise
-    dist, ckpt, logger, source = s.dist, s.checkpointer, s.logger, s.source
-    if s.stopped or (s.finished and ckpt.complete):
+    dist, run, ckpt, logger, source = s.dist, s.run, s.checkpointer, s.logger, s.source
+    if s.stopped or (s.finished and run.complete):
         stop.close()
-        return ckpt.summary.data
+        return run.summary.data
     if logger is None:  # nothing left to train, nothing built: the logger alone, to finish a W&B run left open
-        logger = MetricsLogger(run_dir, cfg, resume_step=ckpt.start) if dist.is_main else NullLogger()
-    progress = _Progress(cfg.train.steps, ckpt.start, enabled=cfg.logger.progress and dist.is_main)
-    status, step = "failed", ckpt.start  # the step in progress, for an error's message (0: the base's evaluation)
+        logger = MetricsLogger(run_dir, cfg, resume_step=run.start) if dist.is_main else NullLogger()
+    progress = _Progress(cfg.train.steps, run.start, enabled=cfg.logger.progress and dist.is_main)
+    status, step = "failed", run.start  # the step in progress, for an error's message (0: the base's evaluation)
     try:
-        if ckpt.finished:  # nothing left to train: a stop came between its last checkpoint and its end
+        if run.finished:  # nothing left to train: a stop came between its last checkpoint and its end
             _finish(s)
         else:
-            base = s.evaluator.maybe_run(0) if ckpt.start == 0 else None  # a new run: the base's held-out accuracy
+            base = s.evaluator.maybe_run(0) if run.start == 0 else None  # a new run: the base's held-out accuracy
             if base is not None:
                 logger.log(base, step=0)
-            ckpt.running(base)  # summary.json: running (a resumed run: no longer `finished`)
-            source.start(ckpt.start, s.model, ckpt.pending)  # samples ahead what the first steps need (staleness)
-        for step in range(ckpt.start + 1, cfg.train.steps + 1):  # (none when finishing)
+            run.running(base)  # summary.json: running (a resumed run: no longer `finished`)
+            source.start(run.start, s.model, ckpt.pending)  # samples ahead what the first steps need (staleness)
+        for step in range(run.start + 1, cfg.train.steps + 1):  # (none when finishing)
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 _leave(stop, ckpt, step - 1)
                 break
@@ -91,9 +91,9 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             source.close()  # rollout workers stop (and never outlive the trainer)
         progress.close()
         logger.close(exit_code=0 if status == "finished" else 1)
-        ckpt.summary.write(status=status)
+        run.summary.write(status=status)
         stop.close()  # in a submitit job, after a stop: submitit's own handler requeues the job
-    return ckpt.summary.data
+    return run.summary.data
 
 
 def _finish(s: Setup) -> None:
@@ -103,13 +103,15 @@ def _finish(s: Setup) -> None:
     is recorded before anything else), the last step's loss checked as the loop checks it, the summary's steps
     and final accuracy, a LoRA run's merged export; `train`'s end then closes the logger (W&B's finish) and says
     `finished`."""
-    ckpt = s.checkpointer
-    _check_finite(ckpt.last_row, ckpt.start)  # a run that failed at its last step stays failed
-    if ckpt.final is None:
-        ckpt.record_final(s.evaluator.run(ckpt.start))  # every rank: the evaluation is split over them
+    run = s.run
+    _check_finite(run.last_row, run.start)  # a run that failed at its last step stays failed
+    final = run.final
+    if final is None:
+        final = s.evaluator.run(run.start)  # every rank: the evaluation is split over them
+        run.record_final(final)
         if s.evaluator.record is not None:  # which problems it answered, as every evaluation records it
-            s.logger.log_heldout(s.evaluator.record, ckpt.start)
-    ckpt.finish()
+            s.logger.log_heldout(s.evaluator.record, run.start)
+    run.finish(final)
 
 
 def _leave(stop: preemption.StopSignals, ckpt: Checkpointer, done: int) -> None:
@@ -118,7 +120,7 @@ def _leave(stop: preemption.StopSignals, ckpt: Checkpointer, done: int) -> None:
     if ckpt.dist.is_main:
         kept = "checkpoint saved" if done > 0 else "no step finished yet"
         print(f"gspo: {stop.status} after step {done} of {ckpt.cfg.train.steps} ({kept}); "
-              f"resume with: {preemption.resume_command(ckpt.run_dir)}", flush=True)
+              f"resume with: {preemption.resume_command(ckpt.run.run_dir)}", flush=True)
 
 
 def _step(cfg, s: Setup, step: int) -> tuple[Batch, dict]:
