@@ -248,10 +248,7 @@ class Checkpointer:
     def __init__(self, run: RunRecord, restored: Restored, source: BatchSource,
                  parts: tuple[Optional[Saved], ...] = ()):
         self.run, self.cfg, self.dist = run, run.cfg, run.dist  # (the run's, at hand)
-        r = restored
-        self.policy, self.tokenizer, self.opt, self.sched = r.policy, r.tokenizer, r.opt, r.sched
-        self.pending = restored.pending  # what the source's `start` takes back
-        self.source, self.parts = source, parts
+        self.restored, self.source, self.parts = restored, source, parts
         self.saved = run.start  # the step of the newest checkpoint
 
     def maybe_save(self, step: int, metrics: dict) -> None:
@@ -285,11 +282,11 @@ class Checkpointer:
             everyone = self.dist.gather_objects(pending)
             extra |= {"pending": dict(enumerate(everyone)) if self.dist.is_main else {},
                       "pending_world": self.dist.world}
-        model_state = optim_state = None
+        r, model_state, optim_state = self.restored, None, None
         if self.dist.strategy == "fsdp":  # full tensors gathered from every rank (a collective)
-            model_state, optim_state = self.dist.full_state(self.policy, self.opt)
+            model_state, optim_state = self.dist.full_state(r.policy, r.opt)
         if self.dist.is_main:
-            checkpoint.save(self.run.run_dir, step, self.policy, self.tokenizer, self.opt, self.sched,
+            checkpoint.save(self.run.run_dir, step, r.policy, r.tokenizer, r.opt, r.sched,
                             keep=self.cfg.train.keep_checkpoints, model_state=model_state,
                             optimizer_state=optim_state, extra=extra, files=files)
         self.dist.barrier(long=True)  # writing a large checkpoint may outlast the collective time limit

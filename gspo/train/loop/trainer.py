@@ -66,7 +66,8 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             if base is not None:
                 logger.log(base, step=0)
             run.running(base)  # summary.json: running (a resumed run: no longer `finished`)
-            source.start(run.start, s.model, ckpt.pending)  # samples ahead what the first steps need (staleness)
+            # samples ahead what the first steps need (staleness)
+            source.start(run.start, s.model, ckpt.restored.pending)
         for step in range(run.start + 1, cfg.train.steps + 1):  # (none when finishing)
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 _leave(stop, ckpt, step - 1)
