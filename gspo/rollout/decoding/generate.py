@@ -411,7 +411,7 @@ class _Draws:
             raise NonFiniteLogits(f"the sampler's logits were not finite (NaN or inf) in {int(self.nonfinite.sum())} "
                                   f"of {len(self.nonfinite)} rows; stopping before training on them")
 
-    def recorded(self, width: int, routing: Optional[tuple[torch.Tensor, torch.Tensor]]) -> "Recorded":
+    def recorded(self, width: int, routing: Optional[tuple[torch.Tensor, torch.Tensor]]) -> Recorded:
         """What the draws recorded, the first `width` positions, beside the `routing` the sampler traced."""
         cut = lambda x: None if x is None else x[:, :width]  # noqa: E731
         return Recorded(sampler_logp=cut(self.logp), kept_mass=cut(self.kept), topk_ids=cut(self.topk_ids),
