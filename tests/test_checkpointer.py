@@ -1,4 +1,5 @@
-"""The checkpointer and the evaluator decide their own timing: when the loop's `maybe_save` / `maybe_run` act."""
+"""The checkpointer and the evaluator decide their own timing: when the loop's `maybe_save` / `maybe_run` act; the
+run's record says where a run starts."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ from safetensors.torch import save_file
 
 from gspo.config.loading import compose
 from gspo.train.evaluation.evaluator import Evaluator
-from gspo.train.loop.checkpointer import Checkpointer, next_step
+from gspo.train.loop.checkpointer import Checkpointer, RunRecord, next_step
 from gspo.train.ranks.distributed import Dist
 from gspo.train.run import checkpoint
 
 
 def test_checkpoints_every_checkpoint_every_steps_and_the_last(tmp_path, monkeypatch):
     cfg = compose(["train.steps=7", "train.checkpoint_every=3"])
-    ckpt = Checkpointer(cfg, tmp_path, Dist(), torch.float32)
-    assert (ckpt.start, ckpt.resume_from, ckpt.finished) == (0, None, False)
+    run = RunRecord(cfg, tmp_path, Dist(), torch.float32)
+    assert (run.start, run.resume_from, run.finished) == (0, None, False)
+    policy = torch.nn.Linear(1, 1)
+    opt = torch.optim.AdamW(policy.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt = Checkpointer(run, run.restore(policy, None, opt, sched), source=None)  # (`save` replaced: none is read)
     saved = []
     monkeypatch.setattr(ckpt, "save", lambda step: saved.append(step) or setattr(ckpt, "saved", step))
     for step in range(1, 8):
@@ -31,11 +36,11 @@ def test_checkpoints_every_checkpoint_every_steps_and_the_last(tmp_path, monkeyp
 
 
 def test_a_new_run_summary_says_running_with_the_base_accuracy_and_a_resumed_one_drops_its_final(tmp_path):
-    ckpt = Checkpointer(compose([]), tmp_path, Dist(), torch.float32)
-    ckpt.running({"eval/accuracy": 0.25})
+    run = RunRecord(compose([]), tmp_path, Dist(), torch.float32)
+    run.running({"eval/accuracy": 0.25})
     assert json.loads((tmp_path / "summary.json").read_text())["base_accuracy"] == 0.25
-    ckpt.summary.write(status="finished", final_accuracy=0.5)
-    ckpt.running(None)
+    run.summary.write(status="finished", final_accuracy=0.5)
+    run.running(None)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "running" and "final_accuracy" not in summary and summary["base_accuracy"] == 0.25
 
@@ -50,8 +55,8 @@ def test_the_resume_point_is_the_newest_readable_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "step_000004" / "model.safetensors").write_bytes(b"cut short")
     assert next_step(tmp_path) == 3 and checkpoint.latest(tmp_path).name == "step_000004"
     (tmp_path / "config.yaml").write_text("{}")  # (what compose asks of a resumed run's directory)
-    ckpt = Checkpointer(compose(["train.steps=2", f"resume={tmp_path}"]), tmp_path, Dist(), torch.float32)
-    assert ckpt.start == 2 and ckpt.resume_from.name == "step_000002" and ckpt.finished
+    run = RunRecord(compose(["train.steps=2", f"resume={tmp_path}"]), tmp_path, Dist(), torch.float32)
+    assert run.start == 2 and run.resume_from.name == "step_000002" and run.finished
 
 
 def test_evaluates_the_base_every_eval_every_steps_and_the_last():

@@ -86,7 +86,7 @@ AGG = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "seq_mean
 ], ids=["delta", "top_entropy", "entropy_coef", "all+kl"])
 def test_grpo_loss_and_its_knobs_equal_trls_compute_loss(loss_type, knobs):
     """Value and gradient (through the log-probs and the entropies) of TRL's GRPOTrainer._compute_loss and of
-    gspo's policy loss composed as the trainer composes it (gspo/train/loop/trainer.py `_policy_updates`): the
+    gspo's policy loss composed as the trainer composes it (gspo/train/loop/trainer.py `_minibatch_loss`): the
     high-entropy mask on the policy term, the KL after it, the bonus over the kept tokens. TRL's KL is
     taken without its bias correction (`use_bias_correction_kl=False`: gspo has none, docs/algorithms.md)."""
     delta, rho = knobs.get("delta"), knobs.get("top_entropy_quantile", 1.0)

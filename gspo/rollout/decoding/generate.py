@@ -261,8 +261,8 @@ def generate(model, tokenizer, prompts: Optional[list], group_size: int, params:
     draws.check_finite()
     width = t + 1
     routing = None if trace is None else trace.batch(n)  # the last sampled token was never routed: -1
-    return finish(tokenizer, ids, mask, draws.out[:, :width], eos, group_size, routing=routing, limit=limit,
-                  **draws.recorded(width))
+    return finish(tokenizer, ids, mask, draws.out[:, :width], eos, group_size, draws.recorded(width, routing),
+                  limit=limit)
 
 
 @contextlib.contextmanager
@@ -411,26 +411,71 @@ class _Draws:
             raise NonFiniteLogits(f"the sampler's logits were not finite (NaN or inf) in {int(self.nonfinite.sum())} "
                                   f"of {len(self.nonfinite)} rows; stopping before training on them")
 
-    def recorded(self, width: int) -> dict:
-        """`finish`'s per-token keywords, the first `width` positions."""
+    def recorded(self, width: int, routing: Optional[tuple[torch.Tensor, torch.Tensor]]) -> Recorded:
+        """What the draws recorded, the first `width` positions, beside the `routing` the sampler traced."""
         cut = lambda x: None if x is None else x[:, :width]  # noqa: E731
-        return dict(sampler_logp=cut(self.logp), kept=cut(self.kept), topk_ids=cut(self.topk_ids),
-                    topk_logp=cut(self.topk_logp))
+        return Recorded(sampler_logp=cut(self.logp), kept_mass=cut(self.kept), topk_ids=cut(self.topk_ids),
+                        topk_logp=cut(self.topk_logp), routing=routing)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A sampled batch's tokens, as `assemble` lays them out in a `Rollout`: rows group-contiguous (rows
+    [g*G, (g+1)*G) share a prompt), the prompt then everything after it."""
+
+    prompt_ids: torch.Tensor  # (N, P) left-padded
+    prompt_mask: torch.Tensor  # (N, P) 1 on the prompt's tokens
+    tail_ids: torch.Tensor  # (N, T) every token after the prompt (the tools' too), padded after the row's last
+    tail_mask: torch.Tensor  # (N, T) 1 on the row's tokens after its prompt
+    model_mask: torch.Tensor  # (N, T) float, 1 on the tokens the model sampled (not the tools')
+    pad_id: int
+    group_size: int  # G
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Each row's completion as text, and how it ended."""
+
+    texts: list[str]  # the model's answer, special tokens and all (a sampled <pad> stays in it)
+    clean_texts: list[str]  # with special tokens skipped, as TRL gives reward functions
+    truncated: torch.Tensor  # (N,) bool: the row ended without a stop token (out of budget)
+    ill_formed: torch.Tensor  # (N,) bool: a special token before the final EOS (see tasks.judge)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the sampler recorded beside its tokens, each None where it recorded none (greedy, an engine that gave
+    none, rollout.keep_topk off, no routing captured): `assemble` never makes one up."""
+
+    sampler_logp: Optional[torch.Tensor] = None  # (N, T) the sampled tokens' log-probs, as drawn
+    kept_mass: Optional[torch.Tensor] = None  # (N, T) the probability mass the nucleus kept (top_p < 1)
+    topk_ids: Optional[torch.Tensor] = None  # (N, T, k) each position's k most likely tokens (rollout.keep_topk)
+    topk_logp: Optional[torch.Tensor] = None  # (N, T, k) and their log-probs
+    # (expert ids (N, W, L, k), router log-probs (N, W, L, E)) over the prompt and completion positions, W <= P + T
+    # (positions never routed: -1 / 0)
+    routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+
+@dataclass(frozen=True)
+class ToolRecord:
+    """A rollout with tools (gspo/rollout/decoding/multiturn.py): what its rows did besides sampling."""
+
+    conversations: list  # each row's messages after the prompt, as TRL hands them to reward functions
+    turns: torch.Tensor  # (N,) the model's turns
+    tool_calls: torch.Tensor  # (N,) tool calls run (a malformed call counts as one, and as an error)
+    tool_errors: torch.Tensor  # (N,) calls that raised, timed out, crashed or were malformed
 
 
 def finish(tokenizer, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, eos: torch.Tensor, group_size: int,
-           routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None, sampler_logp: Optional[torch.Tensor] = None,
-           kept: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
-           topk_logp: Optional[torch.Tensor] = None, limit: Optional[torch.Tensor] = None) -> Rollout:
+           recorded: Recorded = Recorded(), limit: Optional[torch.Tensor] = None) -> Rollout:
     """The `Rollout` of sampled completions, whichever engine drew them.
 
     ids, mask (N, P): the left-padded prompts, rows group-contiguous; out (N, T): the sampled tokens, padding
-    after a row's stop token (the stop token itself is the row's last completion token); the per-token tensors
-    (N, T) or (N, T, k) aligned with `out`; routing: (expert ids (N, W, L, k), router log-probs (N, W, L, E)) over
-    the prompt and completion positions, W <= P + T (positions never routed: -1 / 0); limit (N,): the most tokens
-    each row holds, when rows have their own (`generate(limits=)`'s budgets, the tokens an engine returned): a row
-    that reaches it without a stop token is truncated, and nothing after it is the row's, whatever it reads (the
-    padding may be a stop id: Qwen's pad token is its EOS).
+    after a row's stop token (the stop token itself is the row's last completion token); `recorded`: the sampler's
+    records, the per-token ones aligned with `out`, its routing cut or padded here to the batch's P + T positions;
+    limit (N,): the most tokens each row holds, when rows have their own (`generate(limits=)`'s budgets, the tokens
+    an engine returned): a row that reaches it without a stop token is truncated, and nothing after it is the
+    row's, whatever it reads (the padding may be a stop id: Qwen's pad token is its EOS).
     """
     # completion tokens: everything up to and including the first stop token
     is_eos = torch.isin(out, eos)
@@ -455,46 +500,43 @@ def finish(tokenizer, ids: torch.Tensor, mask: torch.Tensor, out: torch.Tensor, 
     for i in ill_formed.nonzero().flatten().tolist():
         clean[i] = tokenizer.decode(bodies[i], skip_special_tokens=True)
     width = ids.shape[1] + T
-    if routing is not None:
-        routing = tuple(_fit(x[:, :width], width, pad) for x, pad in zip(routing, (-1, 0.0)))
-    return assemble(ids, mask, out, comp_mask, comp_mask, truncated, texts, clean, ill_formed, group_size,
-                    tokenizer.pad_token_id, routing=routing, sampler_logp=sampler_logp, kept=kept, topk_ids=topk_ids,
-                    topk_logp=topk_logp)
+    if recorded.routing is not None:
+        recorded = replace(recorded, routing=tuple(_fit(x[:, :width], width, pad)
+                                                   for x, pad in zip(recorded.routing, (-1, 0.0))))
+    return assemble(Tokens(prompt_ids=ids, prompt_mask=mask, tail_ids=out, tail_mask=comp_mask, model_mask=comp_mask,
+                           pad_id=tokenizer.pad_token_id, group_size=group_size),
+                    Decoded(texts=texts, clean_texts=clean, truncated=truncated, ill_formed=ill_formed), recorded)
 
 
-def assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tail_ids: torch.Tensor, tail_mask: torch.Tensor,
-             model_mask: torch.Tensor, truncated: torch.Tensor, texts: list[str], clean_texts: list[str],
-             ill_formed: torch.Tensor, group_size: int, pad_id: int,
-             routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None, sampler_logp: Optional[torch.Tensor] = None,
-             kept: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
-             topk_logp: Optional[torch.Tensor] = None, **tool_fields) -> Rollout:
+def assemble(tokens: Tokens, decoded: Decoded, recorded: Recorded, tools: Optional[ToolRecord] = None) -> Rollout:
     """Every sampled `Rollout` is made here (single-turn by `finish`, with tools by gspo/rollout/decoding/multiturn.py),
-    so what the sampler recorded means one thing in both: prompt_ids / prompt_mask (N, P) left-padded; tail_ids /
-    tail_mask (N, T) every token after the prompt (the tools' too); model_mask (N, T) float, 1 on the tokens the
-    model sampled. The per-token records (N, T[, k]) are kept on the model's tokens only: log-probs and top-k 0,
-    kept mass 1 elsewhere; a record that is None (greedy, an engine that gave none) stays None, never made up.
-    routing: (expert ids (N, P+T, L, k), router log-probs (N, P+T, L, E)) or None. `tool_fields`: the
-    conversations and counts of trajectories with tools."""
-    T = model_mask.shape[1]
-    on = model_mask.bool()
+    so what the sampler recorded means one thing in both. The per-token records (N, T[, k]) are kept on the model's
+    tokens only: log-probs and top-k 0, kept mass 1 elsewhere; a record that is None stays None. `recorded.routing`
+    spans the P + T positions. `tools`: what trajectories with tools did (None: single-turn)."""
+    t, r = tokens, recorded
+    T = t.model_mask.shape[1]
+    on = t.model_mask.bool()
     return Rollout(
-        input_ids=torch.cat([prompt_ids, tail_ids], 1),
-        attention_mask=torch.cat([prompt_mask, tail_mask.long()], 1),
-        completion_mask=model_mask,
-        truncated=truncated,
-        prompt_len=prompt_ids.shape[1],
-        texts=texts,
-        prompt_index=torch.arange(len(prompt_ids) // group_size).repeat_interleave(group_size),
-        pad_id=pad_id,
-        routing=None if routing is None else routing[0],
-        router_logp=None if routing is None else routing[1],
-        ill_formed=ill_formed,
-        clean_texts=clean_texts,
-        sampler_logp=None if sampler_logp is None else sampler_logp[:, :T] * model_mask,
-        kept_mass=None if kept is None else torch.where(on, kept[:, :T], 1.0),
-        topk_ids=None if topk_ids is None else topk_ids[:, :T] * on.long()[..., None],
-        topk_logp=None if topk_logp is None else topk_logp[:, :T] * model_mask[..., None],
-        **tool_fields,
+        input_ids=torch.cat([t.prompt_ids, t.tail_ids], 1),
+        attention_mask=torch.cat([t.prompt_mask, t.tail_mask.long()], 1),
+        completion_mask=t.model_mask,
+        truncated=decoded.truncated,
+        prompt_len=t.prompt_ids.shape[1],
+        texts=decoded.texts,
+        prompt_index=torch.arange(len(t.prompt_ids) // t.group_size).repeat_interleave(t.group_size),
+        pad_id=t.pad_id,
+        routing=None if r.routing is None else r.routing[0],
+        router_logp=None if r.routing is None else r.routing[1],
+        ill_formed=decoded.ill_formed,
+        clean_texts=decoded.clean_texts,
+        sampler_logp=None if r.sampler_logp is None else r.sampler_logp[:, :T] * t.model_mask,
+        kept_mass=None if r.kept_mass is None else torch.where(on, r.kept_mass[:, :T], 1.0),
+        topk_ids=None if r.topk_ids is None else r.topk_ids[:, :T] * on.long()[..., None],
+        topk_logp=None if r.topk_logp is None else r.topk_logp[:, :T] * t.model_mask[..., None],
+        conversations=None if tools is None else tools.conversations,
+        turns=None if tools is None else tools.turns,
+        tool_calls=None if tools is None else tools.tool_calls,
+        tool_errors=None if tools is None else tools.tool_errors,
     )
 
 

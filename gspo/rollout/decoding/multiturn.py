@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from gspo.rollout.decoding import chat
 from gspo.rollout.decoding.decoder import Continuation, Decoder
-from gspo.rollout.decoding.generate import Rollout, assemble, encode_prompts
+from gspo.rollout.decoding.generate import Decoded, Recorded, Rollout, Tokens, ToolRecord, assemble, encode_prompts
 from gspo.rollout.decoding.params import SamplingParams
 from gspo.rollout.decoding.seeds import keyed_generator
 from gspo.tasks.tools import Toolbox, specs_of, toolbox
@@ -205,13 +205,14 @@ def _as_rollout(rows: list[_Trajectory], tokenizer, group_size: int, capture_rou
     texts = [r.answer for r in rows]
     moved = lambda x: None if x is None else x.to(device)  # noqa: E731
     return assemble(
-        prompts.to(device), prompt_mask.to(device), tails([r.tail for r in rows], pad, torch.long).to(device),
-        tail_mask.to(device), mine.to(device), torch.tensor([r.truncated for r in rows]).to(device), texts, list(texts),
-        torch.tensor([r.ill_formed for r in rows]), group_size, pad,
-        routing=None if routing is None else (routing, router_logp), sampler_logp=moved(logp), kept=moved(kept),
-        topk_ids=moved(topk_ids), topk_logp=moved(topk_logp),
-        conversations=[r.messages for r in rows],
-        turns=torch.tensor([r.turns for r in rows]),
-        tool_calls=torch.tensor([r.calls for r in rows]),
-        tool_errors=torch.tensor([r.errors for r in rows]),
+        Tokens(prompt_ids=prompts.to(device), prompt_mask=prompt_mask.to(device),
+               tail_ids=tails([r.tail for r in rows], pad, torch.long).to(device), tail_mask=tail_mask.to(device),
+               model_mask=mine.to(device), pad_id=pad, group_size=group_size),
+        Decoded(texts=texts, clean_texts=list(texts), truncated=torch.tensor([r.truncated for r in rows]).to(device),
+                ill_formed=torch.tensor([r.ill_formed for r in rows])),
+        Recorded(sampler_logp=moved(logp), kept_mass=moved(kept), topk_ids=moved(topk_ids),
+                 topk_logp=moved(topk_logp), routing=None if routing is None else (routing, router_logp)),
+        ToolRecord(conversations=[r.messages for r in rows], turns=torch.tensor([r.turns for r in rows]),
+                   tool_calls=torch.tensor([r.calls for r in rows]),
+                   tool_errors=torch.tensor([r.errors for r in rows])),
     )

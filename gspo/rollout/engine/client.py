@@ -35,7 +35,7 @@ from gspo.config import model_path
 from gspo.core.errors import ConfigError, RunFailed
 from gspo.models import adapters
 from gspo.rollout.decoding.decoder import Continuation, Decoder
-from gspo.rollout.decoding.generate import Rollout, encode_prompts, finish, left_pad, stop_ids
+from gspo.rollout.decoding.generate import Recorded, Rollout, encode_prompts, finish, left_pad, stop_ids
 from gspo.rollout.decoding.params import SamplingParams
 from gspo.rollout.decoding.sampler import Sampler, sampler_dtype
 from gspo.rollout.engine import delta
@@ -294,8 +294,9 @@ class Engine(Decoder):
                 routing[0][i, left : left + width], routing[1][i, left : left + width] = idx[i, :width], lp[i, :width]
         # each row is the tokens the engine returned, no more: a row it ended at its length cap (max_tokens, or
         # max_model_len) holds no stop token and is truncated, whatever the padding after it reads (pad may be EOS)
-        return finish(tokenizer, ids, mask, out, self.eos, group_size, routing=routing, sampler_logp=logp,
-                      topk_ids=top_ids, topk_logp=top_lp, limit=torch.tensor([len(t) for t in rows]))
+        return finish(tokenizer, ids, mask, out, self.eos, group_size,
+                      Recorded(sampler_logp=logp, topk_ids=top_ids, topk_logp=top_lp, routing=routing),
+                      limit=torch.tensor([len(t) for t in rows]))
 
     def continue_sequences(self, tokenizer, sequences: list[list[int]], max_new_tokens: list[int], generators,
                            params: SamplingParams) -> list[Continuation]:

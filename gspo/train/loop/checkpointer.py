@@ -1,18 +1,23 @@
-"""The checkpointer: where a run starts, when it saves, what a save holds, and RUN_DIR/summary.json.
+"""The run's record and its checkpointer: where a run starts, when it saves, what a save holds, RUN_DIR/summary.json.
 
-The loop asks it two things and never decides their timing itself:
+Two objects, each built complete when set-up has what it needs:
+
+    RunRecord     first, before anything is built: where the run starts (`start`, `resume_from`: the newest readable
+                  checkpoint of a resumed run), summary.json, and what a run with nothing left to train recorded of
+                  its end. It restores the resumed state into what set-up builds: `restore_weights` before the model
+                  is wrapped, `restore` into the optimizer and schedule (whose answer, `Restored`, the checkpointer
+                  is built with: there is no checkpointer of parts a resume has not restored)
+    Checkpointer  once the parts a checkpoint holds are built: the policy's (`Restored`), the batch source's pending
+                  batches, PPO's critic, a reset reference
+
+The loop asks the checkpointer two things and never decides their timing itself:
 
     maybe_save(step, metrics)   the step's checkpoint, if due (every train.checkpoint_every steps and the last;
                                 after the last, a LoRA run's merged export), and summary.json's `steps`
     save_stopped(step)          a stopped run's last finished step, unless already saved
 
 A resume with nothing left to train finishes the run's record if a stop (kill -9) came between the last
-checkpoint and the run's end (`complete`, `final`, `finish`): the summary an uninterrupted run ends with.
-
-Set-up asks it where the run starts (`start`, `resume_from`: the newest readable checkpoint of a resumed run)
-and restores the resumed state into what it builds: `restore_weights` before the model is wrapped,
-`restore` into the optimizer and schedule (and the batches sampled ahead), `track` for the other parts a
-checkpoint holds (the batch source's pending batches, PPO's critic, a reset reference).
+checkpoint and the run's end (RunRecord's `complete`, `final`, `finish`): the summary an uninterrupted run ends with.
 
 The format on disk is gspo/train/run/checkpoint.py's; rank 0 alone writes (FSDP: full tensors gathered first).
 """
@@ -23,6 +28,7 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -89,8 +95,20 @@ class Summary:
                 print(f"gspo: warning: cannot write {self.path}: {e}", file=sys.stderr)
 
 
-class Checkpointer:
-    """RUN_DIR/checkpoints and summary.json of one run: its resume point, its saves and their timing."""
+@dataclass(frozen=True)
+class Restored:
+    """The policy's parts that each checkpoint saves, a resumed run's state loaded into them (`RunRecord.restore`),
+    and what else of this rank's the resumed checkpoint held: the parts a `Checkpointer` is built with."""
+
+    policy: torch.nn.Module  # what the update trains through: DDP(model), fully_shard(model), or the model
+    tokenizer: PreTrainedTokenizerBase
+    opt: torch.optim.Optimizer  # a resumed run's optimizer state loaded
+    sched: torch.optim.lr_scheduler.LRScheduler  # a resumed run's schedule loaded
+    pending: dict[int, dict]  # a resumed run's batches sampled ahead (rollout.staleness), this rank's share ({}: none)
+
+
+class RunRecord:
+    """One run's resume point, summary.json and recorded end: read once, when built (before anything else is)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, dist: Dist, dtype: torch.dtype):
         self.cfg, self.run_dir, self.dist, self.dtype = cfg, Path(run_dir), dist, dtype
@@ -105,14 +123,6 @@ class Checkpointer:
             self.last_row, self.final = self._recorded_end()
             if dist.is_main:
                 print(self._end_line(), flush=True)
-        self.saved = self.start  # the step of the newest checkpoint
-        self.pending: dict = {}  # a resumed run's batches sampled ahead (rollout.staleness), this rank's share
-        self.policy: Optional[torch.nn.Module] = None
-        self.tokenizer: Optional[PreTrainedTokenizerBase] = None
-        self.opt: Optional[torch.optim.Optimizer] = None
-        self.sched: Optional[torch.optim.lr_scheduler.LRScheduler] = None
-        self.source: Optional[BatchSource] = None
-        self.parts: tuple[Optional[Saved], ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -173,24 +183,19 @@ class Checkpointer:
             checkpoint.load_weights(model, self.resume_from, self.dist.storage_dtype(self.dtype))
 
     def restore(self, policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, opt: torch.optim.Optimizer,
-                sched: torch.optim.lr_scheduler.LRScheduler) -> None:
-        """Take the policy's parts that each checkpoint saves; in a resumed run, load its optimizer, schedule and
-        this rank's batches sampled ahead (`pending`) into them."""
-        self.policy, self.tokenizer, self.opt, self.sched = policy, tokenizer, opt, sched
+                sched: torch.optim.lr_scheduler.LRScheduler) -> Restored:
+        """The policy's parts that each checkpoint saves, as a `Checkpointer` is built with them: in a resumed run,
+        its optimizer and schedule loaded into them, and this rank's batches sampled ahead (`pending`)."""
         if self.resume_from is None:
-            return
+            return Restored(policy, tokenizer, opt, sched, pending={})
         state = checkpoint.load_state(self.resume_from)
         checkpoint.load_optimizer(policy, opt, state["optimizer"], fsdp=self.dist.strategy == "fsdp")
         sched.load_state_dict(state["scheduler"])
-        self.pending = pending_of(state, self.dist.rank)
         if state.get("pending") and int(state.get("pending_world", self.dist.world)) != self.dist.world:
             raise ConfigError(f"{self.resume_from} holds batches sampled ahead (rollout.staleness="
                               f"{self.cfg.rollout.staleness}) by {state['pending_world']} ranks' shares of the "
                               f"prompts; resume with hardware.nproc={state['pending_world']}")
-
-    def track(self, source: BatchSource, *parts: Optional[Saved]) -> None:
-        """The other state each checkpoint saves: the source's batches sampled ahead, and `parts` (None: absent)."""
-        self.source, self.parts = source, parts
+        return Restored(policy, tokenizer, opt, sched, pending=pending_of(state, self.dist.rank))
 
     # -- the loop's calls ----------------------------------------------------------
     def running(self, base: Optional[dict]) -> None:
@@ -202,30 +207,11 @@ class Checkpointer:
             self.summary.data.pop("final_accuracy", None)
             self.summary.write(status="running")
 
-    def maybe_save(self, step: int, metrics: dict) -> None:
-        """The step's checkpoint every train.checkpoint_every steps and at the last (with the final accuracy; a
-        LoRA run's merged export if asked)."""
-        last = step == self.cfg.train.steps
-        if step % self.cfg.train.checkpoint_every and not last:
-            return
-        self.save(step)
-        self.summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if last else {}))
-        if last:
-            self._export_merged()
-
-    def _export_merged(self) -> None:
-        """A LoRA run's merged export of its newest checkpoint, if asked (rank 0); what an export killed midway left
-        (its temporary directory) goes first."""
-        if self.cfg.model.lora.save_merged and self.dist.is_main:
-            for left in self.run_dir.glob(".tmp-merged-*"):  # adapters.export_merged's temporary name
-                shutil.rmtree(left, ignore_errors=True)
-            adapters.export_merged(checkpoint.latest(self.run_dir), self.run_dir / "merged",
-                                   self.dist.storage_dtype(self.dtype))
-
     def record_final(self, final: dict) -> None:
-        """The final evaluation `final`, just run (the run had not recorded it), into metrics.jsonl's row of its
-        step as the loop logs it (a second row of the step would make `gspo compare` refuse the run), the file
-        replaced whole (rank 0). The logger's handle then writes to the replaced file: nothing is logged after."""
+        """The final evaluation `final`, just run (the run had not recorded it: `self.final` is None), into
+        metrics.jsonl's row of its step as the loop logs it (a second row of the step would make `gspo compare` refuse
+        the run), the file replaced whole (rank 0). The logger's handle then writes to the replaced file: nothing is
+        logged after."""
         if self.dist.is_main:
             path = self.run_dir / "metrics.jsonl"
             lines = path.read_text().splitlines() if path.is_file() else []
@@ -236,26 +222,56 @@ class Checkpointer:
             else:
                 lines.append(json.dumps(row, allow_nan=True))
             replace_text(path, "".join(line + "\n" for line in lines))
-        self.final = final
 
-    def finish(self) -> None:
+    def finish(self, final: dict) -> None:
         """A resume with nothing left to train: what the last step's `maybe_save` writes after its checkpoint, from
-        the final evaluation (`final`). The merged export is written again even when one is there: it may be an
-        earlier end's (a finished run resumed for more steps)."""
-        assert self.final is not None, "the final evaluation is run (record_final) before finish"
-        self.summary.write(steps=self.start, final_accuracy=self.final["eval/accuracy"])
-        self._export_merged()
+        the final evaluation `final` (the recorded one, or the one just run). The merged export is written again even
+        when one is there: it may be an earlier end's (a finished run resumed for more steps)."""
+        self.summary.write(steps=self.start, final_accuracy=final["eval/accuracy"])
+        self.export_merged()
+
+    def export_merged(self) -> None:
+        """A LoRA run's merged export of its newest checkpoint, if asked (rank 0); what an export killed midway left
+        (its temporary directory) goes first."""
+        if self.cfg.model.lora.save_merged and self.dist.is_main:
+            for left in self.run_dir.glob(".tmp-merged-*"):  # adapters.export_merged's temporary name
+                shutil.rmtree(left, ignore_errors=True)
+            adapters.export_merged(checkpoint.latest(self.run_dir), self.run_dir / "merged",
+                                   self.dist.storage_dtype(self.dtype))
+
+
+class Checkpointer:
+    """RUN_DIR/checkpoints of one run: its saves and their timing. Built once set-up has built (and a resume
+    restored) every part a checkpoint holds: the policy's (`restored`), the batch source's batches sampled ahead
+    (`source`), and `parts` with state of their own (None: absent)."""
+
+    def __init__(self, run: RunRecord, restored: Restored, source: BatchSource,
+                 parts: tuple[Optional[Saved], ...] = ()):
+        self.run, self.cfg, self.dist = run, run.cfg, run.dist  # (the run's, at hand)
+        self.restored, self.source, self.parts = restored, source, parts
+        self.saved = run.start  # the step of the newest checkpoint
+
+    def maybe_save(self, step: int, metrics: dict) -> None:
+        """The step's checkpoint every train.checkpoint_every steps and at the last (with the final accuracy; a
+        LoRA run's merged export if asked)."""
+        last = step == self.cfg.train.steps
+        if step % self.cfg.train.checkpoint_every and not last:
+            return
+        self.save(step)
+        self.run.summary.write(steps=step, **({"final_accuracy": metrics["eval/accuracy"]} if last else {}))
+        if last:
+            self.run.export_merged()
 
     def save_stopped(self, step: int) -> None:
         """A stopped run's last finished step `step`, unless its checkpoint is already written."""
         if step > self.saved:
             self.save(step)
-            self.summary.write(steps=step)
+            self.run.summary.write(steps=step)
 
     def save(self, step: int) -> None:
         """Step `step`'s checkpoint (rank 0 writes it; every rank calls it): the policy, its optimizer and schedule,
         every rank's batches sampled ahead (which a resume needs to compute what the uninterrupted run does),
-        and the tracked parts' own state."""
+        and the parts' own state."""
         files, extra = {}, {}
         for part in self.parts:
             if part is not None:
@@ -266,11 +282,11 @@ class Checkpointer:
             everyone = self.dist.gather_objects(pending)
             extra |= {"pending": dict(enumerate(everyone)) if self.dist.is_main else {},
                       "pending_world": self.dist.world}
-        model_state = optim_state = None
+        r, model_state, optim_state = self.restored, None, None
         if self.dist.strategy == "fsdp":  # full tensors gathered from every rank (a collective)
-            model_state, optim_state = self.dist.full_state(self.policy, self.opt)
+            model_state, optim_state = self.dist.full_state(r.policy, r.opt)
         if self.dist.is_main:
-            checkpoint.save(self.run_dir, step, self.policy, self.tokenizer, self.opt, self.sched,
+            checkpoint.save(self.run.run_dir, step, r.policy, r.tokenizer, r.opt, r.sched,
                             keep=self.cfg.train.keep_checkpoints, model_state=model_state,
                             optimizer_state=optim_state, extra=extra, files=files)
         self.dist.barrier(long=True)  # writing a large checkpoint may outlast the collective time limit

@@ -1,9 +1,9 @@
 """Everything the loop needs before its first step, built by one call: `setup(cfg, run_dir)`.
 
-Hardware and torch.distributed, the checkpointer (the resume point, summary.json), the task and its
+Hardware and torch.distributed, the run's record (the resume point, summary.json), the task and its
 held-out split, the warm-started base, LoRA, the reference policy, the optimizer and schedule (restored
-on resume), the MoE step component, the sampler and batch source, the metrics logger and the held-out
-evaluator. `gspo.train.loop.trainer.train` reads as the loop it runs.
+on resume), the MoE step component, the sampler and batch source, the metrics logger, the held-out
+evaluator and the checkpointer. `gspo.train.loop.trainer.train` reads as the loop it runs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gspo.tasks import Task, build_task
 from gspo.tasks.rewards import probe
 from gspo.train.evaluation.evaluator import Evaluator
 from gspo.train.evaluation.heldout import heldout_problems
-from gspo.train.loop.checkpointer import Checkpointer
+from gspo.train.loop.checkpointer import Checkpointer, RunRecord
 from gspo.train.loop.components import BatchSource
 from gspo.train.loop.critic import Critic
 from gspo.train.loop.logging import MetricsLogger, NullLogger
@@ -50,11 +50,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class Setup:
-    """What `train` needs: the run's parts, ready, and where it starts from (`checkpointer.start`)."""
+    """What `train` needs: the run's parts, ready, and where it starts from (`run.start`)."""
 
     dist: Dist  # one process, or a rank of a torchrun group
     dtype: torch.dtype  # the training precision (hardware.dtype)
-    checkpointer: Checkpointer  # the resume point, checkpoints and summary.json, and when to save
+    run: RunRecord  # the resume point, summary.json, and a finished run's recorded end
     finished: bool = False  # the run already did its train.steps: nothing else below is built
     stopped: Optional[str] = None  # a stop signal came during the warm start (saved): nothing else is built
     task: Optional[Task] = None
@@ -73,6 +73,7 @@ class Setup:
     source: Optional[BatchSource] = None  # where each step's batch comes from: in process, or workers
     logger: MetricsLogger | NullLogger | None = None  # metrics.jsonl (and W&B) on rank 0, nothing elsewhere
     evaluator: Optional[Evaluator] = None  # held-out evaluation of the policy, when due (every rank a share)
+    checkpointer: Optional[Checkpointer] = None  # the checkpoints, and when to save
 
 
 def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) -> Setup:
@@ -84,10 +85,10 @@ def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) ->
     device, dtype = _setup_hardware(cfg.hardware, cfg)
     dist = distributed.setup(cfg, device)  # one process, or a rank of a torchrun group (gspo/train/ranks/distributed.py)
     device = dist.device
-    ckpt = Checkpointer(cfg, run_dir, dist, dtype)  # the resume point; summary.json
-    if ckpt.finished and ckpt.final is not None:  # nothing to train, its final evaluation recorded: no model to
-        # build (its record may still need finishing: train() does it; the checkpointer said so in one line)
-        return Setup(dist, dtype, ckpt, finished=True)
+    run = RunRecord(cfg, run_dir, dist, dtype)  # the resume point; summary.json
+    if run.finished and run.final is not None:  # nothing to train, its final evaluation recorded: no model to
+        # build (its record may still need finishing: train() does it; the record said so in one line)
+        return Setup(dist, dtype, run, finished=True)
     if dist.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     task = build_task(cfg.task)
@@ -105,8 +106,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) ->
         status = stopped.status if stopped else (stop.requested() if stop else None) or "preempted"
         if dist.is_main:
             print(f"gspo: {status} {stopped.where}; resume with: {resume_command(run_dir)}", flush=True)
-        ckpt.summary.write(status=status)
-        return Setup(dist, dtype, ckpt, stopped=status)
+        run.summary.write(status=status)
+        return Setup(dist, dtype, run, stopped=status)
     if not dist.is_main:
         base_dir = base_model(cfg, task)
     model, tokenizer = load_pretrained(base_dir, dist.storage_dtype(dtype), cfg.model.attn_implementation,
@@ -121,8 +122,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) ->
         adapters.check_mergeable(model)  # (not an adapter on a tied LM head)
     # beta 0: no reference model in memory; LoRA: the reference is the base, i.e. adapters off (no copy)
     ref = _frozen_copy(model) if cfg.algo.beta > 0 and not adapters.is_adapted(model) else None
-    ckpt.restore_weights(model)  # a resumed run's: every rank the same checkpoint, before wrapping
-    ref_sync = RefSync.for_run(cfg, ref, dist, ckpt.resume_from)  # algo.sync_ref_model (a resumed run's reset reference)
+    run.restore_weights(model)  # a resumed run's: every rank the same checkpoint, before wrapping
+    ref_sync = RefSync.for_run(cfg, ref, dist, run.resume_from)  # algo.sync_ref_model (a resumed run's reset reference)
     policy = dist.wrap(model, dtype)  # what the update trains through: DDP(model), fully_shard(model), or model
     ref = dist.wrap(ref, dtype, frozen=True) if ref is not None else None
     if cfg.algo.beta > 0 and adapters.is_adapted(model):  # LoRA: reference = same weights, adapters disabled
@@ -135,8 +136,8 @@ def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) ->
                             lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, **fused)
     # warmup counts RL steps, like train.steps: the scheduler steps once per rollout batch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.train.warmup_steps)))
-    ckpt.restore(policy, tokenizer, opt, sched)  # a resumed run's optimizer, schedule, batches sampled ahead
-    critic = Critic.for_run(cfg, base_dir, dist, dtype, ckpt.resume_from)  # PPO's value model (algo.advantage=gae)
+    restored = run.restore(policy, tokenizer, opt, sched)  # a resumed run's optimizer, schedule, batches sampled ahead
+    critic = Critic.for_run(cfg, base_dir, dist, dtype, run.resume_from)  # PPO's value model (algo.advantage=gae)
     recompute = old_logprobs_mode(cfg) == "recompute"
     moe_step = MoEStep.for_model(model, cfg, dist, old_pass=recompute)  # a no-op for dense models
     # where batches come from: sampled in this process (the trainer's model, or a copy in rollout.dtype), or by
@@ -148,21 +149,21 @@ def setup(cfg: DictConfig, run_dir: Path, stop: Optional[StopSignals] = None) ->
         if dist.is_main and describe(cfg.rollout.staleness, cfg.rollout.workers):
             print(f"gspo: {describe(cfg.rollout.staleness, cfg.rollout.workers)}", flush=True)
         # a resumed run drops what was logged after its checkpoint; one with no checkpoint starts over
-        kept = (ckpt.start if ckpt.resume_from is not None else -1) if cfg.resume else None
+        kept = (run.start if run.resume_from is not None else -1) if cfg.resume else None
         logger = MetricsLogger(run_dir, cfg, resume_step=kept) if dist.is_main else NullLogger()
     except BaseException:  # the engine started above stops here (train() called in-process: no exit to end it)
         if sampler is not None:
             sampler.close()
         raise
-    ckpt.track(source, critic, ref_sync)  # what each checkpoint saves beside the policy
+    ckpt = Checkpointer(run, restored, source, (critic, ref_sync))  # each save: the policy's parts and these
     evaluator = Evaluator(cfg, dist, model, tokenizer, task, eval_problems)
-    ckpt.summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
+    run.summary.data["eval_n"] = len(eval_problems)  # the true held-out count: a small data file has fewer than task.eval_size
     # which forward the update runs (train.shared_prefix: packed only where exact; this model, this attention)
-    ckpt.summary.data["shared_prefix"] = packing.recorded(model, cfg.train.shared_prefix)
-    return Setup(dist, dtype, ckpt, task=task, model=model, tokenizer=tokenizer,
+    run.summary.data["shared_prefix"] = packing.recorded(model, cfg.train.shared_prefix)
+    return Setup(dist, dtype, run, task=task, model=model, tokenizer=tokenizer,
                  policy=policy, ref=ref, ref_sync=ref_sync, teacher=teacher, critic=critic, opt=opt, sched=sched,
                  recompute=recompute, moe_step=moe_step,
-                 sampler=sampler, source=source, logger=logger, evaluator=evaluator)
+                 sampler=sampler, source=source, logger=logger, evaluator=evaluator, checkpointer=ckpt)
 
 
 def _source(cfg, dist, model, sampler, tokenizer, task, moe_step, base_dir):

@@ -12,7 +12,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -25,7 +27,7 @@ from gspo.core.errors import ConfigError, RunFailed, tidy_warnings
 from gspo.core.processes import die_with_parent
 from gspo.models.packing import for_forward as packed
 from gspo.rollout.batch import Batch
-from gspo.rollout.decoding.generate import NonFiniteLogits, token_logprobs
+from gspo.rollout.decoding.generate import NonFiniteLogits, Rollout, token_logprobs
 from gspo.train.loop.checkpointer import Checkpointer
 from gspo.train.loop.logging import MetricsLogger, NullLogger
 from gspo.train.loop.setup import Setup, setup
@@ -50,24 +52,25 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
     except BaseException:
         stop.restore()  # a refused setup leaves the caller's handlers as they were (train() called in-process)
         raise
-    dist, ckpt, logger, source = s.dist, s.checkpointer, s.logger, s.source
-    if s.stopped or (s.finished and ckpt.complete):
+    dist, run, ckpt, logger, source = s.dist, s.run, s.checkpointer, s.logger, s.source
+    if s.stopped or (s.finished and run.complete):
         stop.close()
-        return ckpt.summary.data
+        return run.summary.data
     if logger is None:  # nothing left to train, nothing built: the logger alone, to finish a W&B run left open
-        logger = MetricsLogger(run_dir, cfg, resume_step=ckpt.start) if dist.is_main else NullLogger()
-    progress = _Progress(cfg.train.steps, ckpt.start, enabled=cfg.logger.progress and dist.is_main)
-    status, step = "failed", ckpt.start  # the step in progress, for an error's message (0: the base's evaluation)
+        logger = MetricsLogger(run_dir, cfg, resume_step=run.start) if dist.is_main else NullLogger()
+    progress = _Progress(cfg.train.steps, run.start, enabled=cfg.logger.progress and dist.is_main)
+    status, step = "failed", run.start  # the step in progress, for an error's message (0: the base's evaluation)
     try:
-        if ckpt.finished:  # nothing left to train: a stop came between its last checkpoint and its end
+        if run.finished:  # nothing left to train: a stop came between its last checkpoint and its end
             _finish(s)
         else:
-            base = s.evaluator.maybe_run(0) if ckpt.start == 0 else None  # a new run: the base's held-out accuracy
+            base = s.evaluator.maybe_run(0) if run.start == 0 else None  # a new run: the base's held-out accuracy
             if base is not None:
                 logger.log(base, step=0)
-            ckpt.running(base)  # summary.json: running (a resumed run: no longer `finished`)
-            source.start(ckpt.start, s.model, ckpt.pending)  # samples ahead what the first steps need (staleness)
-        for step in range(ckpt.start + 1, cfg.train.steps + 1):  # (none when finishing)
+            run.running(base)  # summary.json: running (a resumed run: no longer `finished`)
+            # samples ahead what the first steps need (staleness)
+            source.start(run.start, s.model, ckpt.restored.pending)
+        for step in range(run.start + 1, cfg.train.steps + 1):  # (none when finishing)
             if stop.agreed(dist):  # every rank the same answer, so all leave after the same step
                 _leave(stop, ckpt, step - 1)
                 break
@@ -91,9 +94,9 @@ def train(cfg: DictConfig, run_dir: Path | str) -> dict:
             source.close()  # rollout workers stop (and never outlive the trainer)
         progress.close()
         logger.close(exit_code=0 if status == "finished" else 1)
-        ckpt.summary.write(status=status)
+        run.summary.write(status=status)
         stop.close()  # in a submitit job, after a stop: submitit's own handler requeues the job
-    return ckpt.summary.data
+    return run.summary.data
 
 
 def _finish(s: Setup) -> None:
@@ -103,13 +106,15 @@ def _finish(s: Setup) -> None:
     is recorded before anything else), the last step's loss checked as the loop checks it, the summary's steps
     and final accuracy, a LoRA run's merged export; `train`'s end then closes the logger (W&B's finish) and says
     `finished`."""
-    ckpt = s.checkpointer
-    _check_finite(ckpt.last_row, ckpt.start)  # a run that failed at its last step stays failed
-    if ckpt.final is None:
-        ckpt.record_final(s.evaluator.run(ckpt.start))  # every rank: the evaluation is split over them
+    run = s.run
+    _check_finite(run.last_row, run.start)  # a run that failed at its last step stays failed
+    final = run.final
+    if final is None:
+        final = s.evaluator.run(run.start)  # every rank: the evaluation is split over them
+        run.record_final(final)
         if s.evaluator.record is not None:  # which problems it answered, as every evaluation records it
-            s.logger.log_heldout(s.evaluator.record, ckpt.start)
-    ckpt.finish()
+            s.logger.log_heldout(s.evaluator.record, run.start)
+    run.finish(final)
 
 
 def _leave(stop: preemption.StopSignals, ckpt: Checkpointer, done: int) -> None:
@@ -118,7 +123,7 @@ def _leave(stop: preemption.StopSignals, ckpt: Checkpointer, done: int) -> None:
     if ckpt.dist.is_main:
         kept = "checkpoint saved" if done > 0 else "no step finished yet"
         print(f"gspo: {stop.status} after step {done} of {ckpt.cfg.train.steps} ({kept}); "
-              f"resume with: {preemption.resume_command(ckpt.run_dir)}", flush=True)
+              f"resume with: {preemption.resume_command(ckpt.run.run_dir)}", flush=True)
 
 
 def _step(cfg, s: Setup, step: int) -> tuple[Batch, dict]:
@@ -174,6 +179,33 @@ def _trimmed(cfg, batch: Batch, metrics: dict, dist) -> tuple[Batch, dict]:
 # --------------------------------------------------------------------------- update
 
 
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What the policy's updates train on besides its weights: the step's rollout (this rank's rows) and its
+    per-token tensors, computed once a step by `_update`; a minibatch's are `select`ed rows of them. Nothing here
+    names an algorithm: the loss takes what its LossSpec reads."""
+
+    rollout: Rollout
+    mask: torch.Tensor  # (N, T) the tokens that train (DAPO's overlong filter drops the truncated rows')
+    adv: torch.Tensor  # (N,) per row (the group's rewards) or (N, T) per token (PPO's value model)
+    old_logp: torch.Tensor  # (N, T) the old policy's log-probs: the sampler's as drawn, or the trainer's recomputed
+    behaviour: Optional[torch.Tensor]  # (N, T) the sampler's, which the mismatch corrections weigh against old_logp
+    ref_logp: Optional[torch.Tensor]  # (N, T) the KL reference's (None: none, beta 0)
+    teacher_logp: Optional[torch.Tensor]  # (N, T) a teacher's, whose reverse KL is a loss component (None: none)
+
+    def select(self, rows: torch.Tensor, trim: bool) -> tuple[PolicyInputs, slice]:
+        """The minibatch of `rows`, and the window of the batch's (P+T) columns it keeps. `trim` (train.trim_padding):
+        the minibatch at its own width, not the whole batch's (the same log-probs, less work), every (N, T) tensor
+        cut to its completion columns."""
+        sub = self.rollout.select(rows)
+        sub, window = sub.trimmed() if trim else (sub, slice(0, None))
+        width = sub.completion_mask.shape[1]
+        cut = lambda x: None if x is None else x[rows][:, :width] if x.dim() > 1 else x[rows]  # noqa: E731
+        return PolicyInputs(sub, mask=cut(self.mask), adv=cut(self.adv), old_logp=cut(self.old_logp),
+                            behaviour=cut(self.behaviour), ref_logp=cut(self.ref_logp),
+                            teacher_logp=cut(self.teacher_logp)), window
+
+
 def _update(cfg, s: Setup, batch: Batch, step: int) -> dict:
     """Advantages (the critic component's: the group's rewards, or PPO's value model), then `train.minibatches`
     off-policy gradient steps of the policy on the batch, then the critic's own.
@@ -213,86 +245,100 @@ def _update(cfg, s: Setup, batch: Batch, step: int) -> dict:
     if cfg.train.sort_minibatches:  # rows of similar lengths together: less padding in each (other minibatches)
         parts = distributed.by_length(parts, ro.attention_mask.sum(-1), cfg.seed, step)
     if s.critic.trains_policy(step):  # (not during a critic's warm-up)
-        metrics |= _policy_updates(cfg, s, ro, mask, adv, old_logp, behaviour, ref_logp, parts, step, teacher_logp)
+        inputs = PolicyInputs(ro, mask=mask, adv=adv, old_logp=old_logp, behaviour=behaviour, ref_logp=ref_logp,
+                              teacher_logp=teacher_logp)
+        metrics |= _policy_updates(cfg, s, inputs, parts, step)
     metrics |= s.critic.update(ro, mask, parts, step)
     return metrics | s.moe_step.end_step(bare, ro, step)
 
 
-def _policy_updates(cfg, s: Setup, ro, mask, adv, old_logp, behaviour, ref_logp, parts: list, step: int,
-                    teacher_logp=None) -> dict:
-    """One gradient step of the policy loss per minibatch `parts[i]` (rows of this rank's batch); `behaviour`: the
-    sampler's log-probs, which the mismatch corrections weigh against `old_logp`; `teacher_logp`: a teacher's, whose
-    reverse KL is a loss component beside the policy loss (teacher.coef, teacher.rl_coef)."""
-    model, opt, dist, algo, temp = s.policy, s.opt, s.dist, cfg.algo, cfg.rollout.temperature
-    corrections = active(cfg.rollout)  # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
-    spec = get_loss(algo.loss)
-    agg = algo.agg or spec.agg
-    hyper = hyper_of(algo) | dict(max_tokens=cfg.rollout.max_new_tokens,  # the loss's keys from algo.*, and
-                                  beta=0.0 if algo.kl_in_reward else algo.beta)  # the KL in the loss or the reward
-    gather = lambda x: dist.all_gather_rows(x)[0]  # noqa: E731  (every rank's tokens: the one-process minibatch's)
-    model.train()
-    topk = spec.topk  # a loss that reads the sampler's top-k (DPPO-TopK) also reads the policy's log-probs of them
+def _policy_updates(cfg, s: Setup, inputs: PolicyInputs, parts: list, step: int) -> dict:
+    """One gradient step of the policy per minibatch `parts[i]` (rows of this rank's batch: `_minibatch_update`),
+    then the schedule's step; the step's metrics over its minibatches."""
+    s.policy.train()
     per_mb: dict[str, list[float]] = {"train/lr": [s.sched.get_last_lr()[0]]}  # the rate this step's updates use
     # the policy's optimizer updates before this step's: the schedule counts the steps it trained (not a critic's
     # warm-up), each of `train.minibatches` updates
     updates = s.sched.last_epoch * cfg.train.minibatches
     for i, rows in enumerate(parts):
-        sub = ro.select(rows)
-        # train.trim_padding: the minibatch at its own width, not the whole batch's (the same log-probs, less work);
-        # the batch's (N, T) tensors cut to its completion columns
-        sub, window = sub.trimmed() if cfg.train.trim_padding else (sub, slice(0, None))
-        width = sub.completion_mask.shape[1]
-        cut = lambda x: None if x is None else x[rows][:, :width] if x.dim() > 1 else x[rows]  # noqa: E731
-        m, old, adv_mb = cut(mask), cut(old_logp), cut(adv)
-        # train.shared_prefix: one forward of rows packed behind the prefix they share (None: nothing to share, or
-        # a model whose packed forward would not give the plain numbers, said once: the plain forward)
-        packing = packed(model, sub.input_ids, sub.attention_mask, sub.prompt_len, sub.pad_id) \
-            if cfg.train.shared_prefix else None
-        with s.moe_step.minibatch(model, ro, rows, window, packing) as mb:  # MoE: replay, capture, aux loss
-            logp, entropy, _, *top = token_logprobs(model, sub, temp, with_entropy=True, topk=topk, packing=packing)
-            is_weight, corr = correction_weights(corrections, MismatchBatch(
-                old, cut(behaviour), m, adv_mb, logp.detach()), cfg.rollout)
-            kept, keep = m, None
-            if algo.top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL)
-                keep = high_entropy_mask(entropy, m, algo.top_entropy_quantile, gather)
-                kept = m * keep
-                corr["policy/entropy_kept_frac"] = float(kept.sum() / m.sum().clamp(min=1))
-            loss, stats = policy_loss(
-                algo.loss, logp, old, adv_mb, m, router_shift=mb.router_shift(sub), ref_logp=cut(ref_logp),
-                is_weight=is_weight, keep=keep, generator=distributed.keyed_generator(cfg.seed, step, i, purpose="loss"),
-                topk_old_logp=sub.topk_logp if topk else None, topk_logp=top[0] if topk else None,
-                gather=dist.all_gather_rows if dist.world > 1 else None, **hyper)
-            # under several ranks: this rank's share of the one-process loss (1 x in one process)
-            denominator = aggregate_denominator(m, agg, cfg.rollout.max_new_tokens, clamp=False)
-            loss = loss * dist.loss_scale(denominator)
-            if teacher_logp is not None:  # on-policy distillation: its own component, over its own token count
-                total, n = reverse_kl_term(logp, old, cut(teacher_logp), m)
-                stats["distill/loss"] = float(total.detach() / n.clamp(min=1))
-                loss = cfg.teacher.rl_coef * loss + cfg.teacher.coef * total / n.clamp(min=1) * dist.loss_scale(n)
-            loss = loss + mb.aux_loss(sub)
-            if algo.entropy_coef:  # TRL's bonus: coef x the mean entropy of the tokens the policy term trains on
-                total, n = entropy_bonus(entropy, kept)
-                loss = loss - algo.entropy_coef * total / n.clamp(min=1) * dist.loss_scale(n)
-            loss.backward()  # into no gradients: each update frees its own after its step
-            stats |= mb.stats() | corr
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        opt.step()
-        # freed now, not before the next backward: otherwise a full set of gradients (the weights' size) lives
-        # through the next minibatch's forward, beside its activations, and sets the step's peak memory
-        opt.zero_grad(set_to_none=True)
+        stats = _minibatch_update(cfg, s, inputs, rows, distributed.keyed_generator(cfg.seed, step, i, purpose="loss"))
         if s.ref_sync is not None:  # TRL's reference resets count optimizer updates
-            s.ref_sync.after_update(model, updates + i + 1)
-        stats |= {
-            "train/loss": loss.item(),
-            "train/grad_norm": distributed.scalar(grad_norm),
-            "policy/entropy": ((entropy * m).sum() / m.sum().clamp(min=1)).item(),
-        }
+            s.ref_sync.after_update(s.policy, updates + i + 1)
         for k, v in stats.items():
             per_mb.setdefault(k, []).append(float(v))
     s.sched.step()  # the schedule counts the steps the policy trained (not a critic's warm-up: verl's too)
     # extremes stay extremes; everything else is the mean over minibatches
     return {k: min(v) if k.endswith("_min") else max(v) if k.endswith("_max") else sum(v) / len(v)
             for k, v in per_mb.items()}
+
+
+def _minibatch_update(cfg, s: Setup, inputs: PolicyInputs, rows: torch.Tensor, generator: torch.Generator) -> dict:
+    """One optimizer update of the policy on the minibatch `rows` of `inputs`: the policy's forward on it, its loss
+    (`_minibatch_loss`; `generator`: the loss's own randomness), backward, the clipped gradients' step; its metrics."""
+    model = s.policy
+    mb, window = inputs.select(rows, cfg.train.trim_padding)
+    sub = mb.rollout
+    # train.shared_prefix: one forward of rows packed behind the prefix they share (None: nothing to share, or
+    # a model whose packed forward would not give the plain numbers, said once: the plain forward)
+    packing = packed(model, sub.input_ids, sub.attention_mask, sub.prompt_len, sub.pad_id) \
+        if cfg.train.shared_prefix else None
+    topk = get_loss(cfg.algo.loss).topk  # a loss that reads the sampler's top-k (DPPO-TopK) reads the policy's too
+    with s.moe_step.minibatch(model, inputs.rollout, rows, window, packing) as moe:  # MoE: replay, capture, aux loss
+        logp, entropy, _, *top = token_logprobs(model, sub, cfg.rollout.temperature, with_entropy=True, topk=topk,
+                                                packing=packing)
+        loss, stats, corr = _minibatch_loss(cfg, s.dist, mb, logp, entropy, top[0] if topk else None, moe, generator)
+        loss.backward()  # into no gradients: each update frees its own after its step
+        stats |= moe.stats() | corr
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    s.opt.step()
+    # freed now, not before the next backward: otherwise a full set of gradients (the weights' size) lives
+    # through the next minibatch's forward, beside its activations, and sets the step's peak memory
+    s.opt.zero_grad(set_to_none=True)
+    return stats | {
+        "train/loss": loss.item(),
+        "train/grad_norm": distributed.scalar(grad_norm),
+        "policy/entropy": ((entropy * mb.mask).sum() / mb.mask.sum().clamp(min=1)).item(),
+    }
+
+
+def _minibatch_loss(cfg, dist, mb: PolicyInputs, logp: torch.Tensor, entropy: torch.Tensor,
+                    topk_logp: Optional[torch.Tensor], moe, generator: torch.Generator
+                    ) -> tuple[torch.Tensor, dict, dict]:
+    """The loss of minibatch `mb` from the policy's forward on it (`logp`, `entropy`, and `topk_logp`: its log-probs
+    of the sampler's top-k, for a loss that reads them), as gradients flow through it: the policy term (weighed by
+    the mismatch corrections, on the high-entropy tokens only under algo.top_entropy_quantile), a teacher's reverse
+    KL (teacher.coef, teacher.rl_coef), the MoE step's (`moe`) aux loss, the entropy bonus. Returns the loss, its
+    stats and, apart, the corrections' (the step logs them after the MoE step's)."""
+    algo, m, sub = cfg.algo, mb.mask, mb.rollout
+    spec = get_loss(algo.loss)
+    hyper = hyper_of(algo) | dict(max_tokens=cfg.rollout.max_new_tokens,  # the loss's keys from algo.*, and
+                                  beta=0.0 if algo.kl_in_reward else algo.beta)  # the KL in the loss or the reward
+    # TIS and masks of the mismatch (gspo/algos/mismatch.py), each off by default
+    is_weight, corr = correction_weights(active(cfg.rollout), MismatchBatch(
+        mb.old_logp, mb.behaviour, m, mb.adv, logp.detach()), cfg.rollout)
+    kept, keep = m, None
+    if algo.top_entropy_quantile < 1.0:  # the policy term on the high-entropy tokens only (TRL)
+        gather = lambda x: dist.all_gather_rows(x)[0]  # noqa: E731  (every rank's tokens: the one-process minibatch's)
+        keep = high_entropy_mask(entropy, m, algo.top_entropy_quantile, gather)
+        kept = m * keep
+        corr["policy/entropy_kept_frac"] = float(kept.sum() / m.sum().clamp(min=1))
+    loss, stats = policy_loss(
+        algo.loss, logp, mb.old_logp, mb.adv, m, router_shift=moe.router_shift(sub), ref_logp=mb.ref_logp,
+        is_weight=is_weight, keep=keep, generator=generator,
+        topk_old_logp=sub.topk_logp if spec.topk else None, topk_logp=topk_logp,
+        gather=dist.all_gather_rows if dist.world > 1 else None, **hyper)
+    # under several ranks: this rank's share of the one-process loss (1 x in one process)
+    denominator = aggregate_denominator(m, algo.agg or spec.agg, cfg.rollout.max_new_tokens, clamp=False)
+    loss = loss * dist.loss_scale(denominator)
+    if mb.teacher_logp is not None:  # on-policy distillation: its own component, over its own token count
+        total, n = reverse_kl_term(logp, mb.old_logp, mb.teacher_logp, m)
+        stats["distill/loss"] = float(total.detach() / n.clamp(min=1))
+        loss = cfg.teacher.rl_coef * loss + cfg.teacher.coef * total / n.clamp(min=1) * dist.loss_scale(n)
+    loss = loss + moe.aux_loss(sub)
+    if algo.entropy_coef:  # TRL's bonus: coef x the mean entropy of the tokens the policy term trains on
+        total, n = entropy_bonus(entropy, kept)
+        loss = loss - algo.entropy_coef * total / n.clamp(min=1) * dist.loss_scale(n)
+    return loss, stats, corr
 
 
 # --------------------------------------------------------------------------- helpers
