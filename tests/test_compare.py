@@ -806,3 +806,18 @@ def test_the_table_counts_kl_old_spikes_and_the_routing_mismatch(tmp_path):
     assert cells["kl/old > 0.1"](grpo) == "1/2 (6 steps)"
     assert cells["routing mismatch"](grpo) == "5%±1.41%" and cells["routing mismatch"](gspo) == "—"  # mean ± std
     assert cells["kl/old > 0.1"](gspo) == "0/1 (0 steps)"
+
+
+def test_p_improvement_needs_two_seeds_a_side():
+    """With one seed on a side the bootstrap resamples that seed alone: an interval of zero width, which would read
+    as certainty. The table shows a dash there, as for the other intervals, and the estimate from 2 seeds a side."""
+    from gspo.results.groups import Pairwise
+    from gspo.results.report import PAIR_COLUMNS
+    from gspo.results.stats import prob_improvement
+
+    cell = dict(PAIR_COLUMNS)["P(improvement) [95%]"]
+    one = Pairwise("a", "b", {}, improvement=prob_improvement([0.3], [0.4]))
+    assert cell(one, {"a": 1, "b": 1}) == "— (needs ≥ 2 seeds in both groups)"
+    assert cell(one, {"a": 2, "b": 1}) == "— (needs ≥ 2 seeds in both groups)"
+    two = Pairwise("a", "b", {}, improvement=prob_improvement([0.3, 0.5], [0.4, 0.2]))
+    assert cell(two, {"a": 2, "b": 2}).startswith("0.75 [")  # 0.3 > 0.2, 0.5 > 0.4, 0.5 > 0.2: 3 of 4 pairs

@@ -136,6 +136,14 @@ def _boot(b: "Bootstrap | None", fmt: str = "{:+.3f}") -> str:
     return "—" if b is None else f"{fmt.format(b.estimate)} [{fmt.format(b.low)}, {fmt.format(b.high)}]"
 
 
+def _improvement(p, n: dict) -> str:
+    """P(improvement) with its bootstrap interval; a dash below 2 seeds on a side, where resampling one seed gives
+    an interval of zero width that reads as certainty."""
+    if min(n[p.group], n[p.baseline]) < 2:
+        return "— (needs ≥ 2 seeds in both groups)"
+    return _boot(p.improvement, "{:.2f}")
+
+
 def _detectable(p) -> str:
     """The smallest difference detected at 80% power, unpaired (Welch's design) / paired by seed."""
     cells = [f"{x:.3f}" if x is not None else "—" for x in (p.detectable, p.detectable_paired)]
@@ -158,7 +166,7 @@ PAIR_COLUMNS: list[tuple[str, Callable[[Any, dict], str]]] = [
     ("Δ best acc [95% CI]", lambda p, n: _diff(p.stats["best_acc"])),
     ("Δ final acc, all comparisons together [95%]", lambda p, n: _diff(p.stats["final_acc_family"])),
     ("paired, all together [95%]", lambda p, n: _paired(p.paired_family)),
-    ("P(improvement) [95%]", lambda p, n: _boot(p.improvement, "{:.2f}")),
+    ("P(improvement) [95%]", lambda p, n: _improvement(p, n)),
     ("detectable at 80% power (unpaired / paired)", lambda p, n: _detectable(p)),
     ("Δ on the same problems [95%] (n)", lambda p, n: "—" if p.problems is None else
      f"{_boot(p.problems)} ({p.problems_n})"),
@@ -172,7 +180,8 @@ PAIR_LEGEND = ("Δ: group mean − baseline mean; [lo, hi]: Welch 95% interval (
                "together: intervals at the Bonferroni level 1 − 0.05 / m for the table's m comparisons, which hold "
                "together with 95% probability; a difference is settled when this interval excludes 0. "
                "P(improvement): the probability that a seed's final accuracy in the group exceeds one in the "
-               "baseline (Mann–Whitney U / (n_a n_b), ties ½), with a stratified bootstrap interval. Detectable at "
+               "baseline (Mann–Whitney U / (n_a n_b), ties ½), with a stratified bootstrap interval (from 2 seeds a "
+               "side). Detectable at "
                "80% power: the smallest true difference a two-sided 5% t test finds 80% of the time with these "
                "seeds and this spread (the pooled std of the two groups; paired: the std of the differences; "
                "exact noncentral t): a null rules out differences about this large, not smaller ones. On the same "
