@@ -130,7 +130,7 @@ def test_a_cell_is_a_treatment_applied_on_top_of_the_experiment():
     assert compose(["+experiment=moe_long", "+cell=gspo_sampler"]).rollout.old_logprobs == "sampler"
     with pytest.raises(ConfigError, match=r"write \+experiment=NAME first"):
         compose(["+cell=grpo_fp32", "+experiment=moe_mismatch"])
-    with pytest.raises(ConfigError, match="no such cell. Valid options: grpo, grpo_R2, grpo_R3"):
+    with pytest.raises(ConfigError, match="no such cell. Valid options: dapo, dapo_high40, grpo, grpo_R2, grpo_R3"):
         compose(["+cell=grpoo"])
 
 
