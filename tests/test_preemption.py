@@ -118,7 +118,8 @@ def test_ctrl_c_stops_after_the_step_with_exit_130_and_the_resume_line(tmp_path,
 
 
 def test_a_second_signal_exits_at_once(tmp_path, cache_dir):
-    """Step 2's reward function takes 4 s: the first SIGTERM waits for it, the second (2 s later) does not."""
+    """Step 2's reward function takes 8 s: the first SIGTERM, sent once it has begun, waits for it; the second (2 s
+    later) does not."""
     (tmp_path / "slow.py").write_text(f"""
 import time
 from pathlib import Path
@@ -127,13 +128,16 @@ def slow_later(prompts, completions, **kw):
     n = int(p.read_text()) if p.exists() else 0
     p.write_text(str(n + 1))
     if n >= 1:
-        time.sleep(4)
+        time.sleep(8)
     return [0.0] * len(completions)
 """)
-    run = tmp_path / "run"
+    run, calls = tmp_path / "run", tmp_path / "calls"
     proc = start(*opts(cache_dir, reward="python", **{"reward.fn": f"{tmp_path}/slow.py:slow_later"}),
                  f"hydra.run.dir={run}", cwd=tmp_path)
     after_first_step(proc, run)
+    scored = int(calls.read_text())
+    while int(calls.read_text() or scored) == scored and proc.poll() is None:  # until step 2's scoring has begun
+        time.sleep(0.05)  # (a signal before it is honoured at a boundary: the run saves and says "preempted")
     proc.send_signal(signal.SIGTERM)
     for line in proc.stdout:  # the first is seen; a repeat within a second would count as the same one
         if line.startswith("gspo: SIGTERM: finishing the step"):
