@@ -7,6 +7,8 @@ from common import *
 
 p = argparse.ArgumentParser()
 p.add_argument("--configs", default="192:32:18,192:48:12,0:32:24,384:32:12")
+p.add_argument("--target", default="lognorm", choices=["lognorm", "oracle"])
+p.add_argument("--out", default="blocks")
 args = p.parse_args()
 torch.set_num_threads(1)
 model, tok = dense()
@@ -39,13 +41,17 @@ def carve(S, m, seed=0):
     return out
 
 
-def fit_router(carved, ridge=1e-3):
+def fit_router(carved, k, ridge=1e-3):
     xtx, xty = {}, {}
     def add(l, x, h):
         shared, g = carved[l]
         parts = h[:, g].permute(1, 0, 2)
         contrib = torch.bmm(parts, downs[l][:, g].permute(1, 2, 0)).norm(dim=-1).t().double()
-        t = contrib.clamp_min(1e-12).log(); t = t - t.mean(-1, keepdim=True)
+        if args.target == "oracle":  # least-squares classification of the oracle's top-k (1 in, 0 out), centred
+            t = torch.zeros_like(contrib).scatter_(-1, contrib.topk(k, -1).indices, 1.0)
+        else:
+            t = contrib.clamp_min(1e-12).log()
+        t = t - t.mean(-1, keepdim=True)
         xd = x.double()
         xtx[l] = xtx.get(l, 0) + xd.t() @ xd
         xty[l] = xty.get(l, 0) + xd.t() @ t
@@ -87,8 +93,8 @@ for spec in args.configs.split(","):
     E = carved[0][1].shape[0]
     frac = (S + k * m) / I
     undo = patch_mlps(model, make_moe(carved, k)); kl_o = se.next_token_kl(ref, model, hid, hmask); undo()
-    routers = fit_router(carved)
+    routers = fit_router(carved, k)
     undo = patch_mlps(model, make_moe(carved, k, routers)); kl_r = se.next_token_kl(ref, model, hid, hmask); undo()
     res[spec] = dict(shared=S, m=m, E=E, k=k, active=frac, kl_oracle=kl_o, kl_router=kl_r, s=round(time.time() - t))
     print(json.dumps(res[spec]), flush=True)
-json.dump(res, open(HERE / "blocks.json", "w"), indent=1)
+json.dump(res, open(HERE / f"{args.out}.json", "w"), indent=1)
