@@ -30,7 +30,7 @@ from gspo.config.schema import SplitExpertsConfig
 from gspo.core.errors import ConfigError
 from gspo.config.loading import compose
 from gspo.models import moe
-from gspo.models import split_experts
+from gspo.models import split_experts, split_recovery
 from gspo.rollout.decoding import fast_decode
 from gspo.train.loop.trainer import train
 from gspo.train.start import split_moe
@@ -355,16 +355,16 @@ def test_recovery_distils_the_dense_model_into_the_experts_and_leaves_the_rest_a
     dense = _dense().eval()
     tok = TOK
     ids, mask = split_moe.calibration_ids(dense, tok, 12, 24, seed=0)
-    groups = split_experts.group_all_layers(dense, ids, mask, E, 0)
+    _, groups = split_experts.group_all_layers(dense, ids, mask, E, 0)
     routers, spreads = split_experts.fit_routers(dense, ids, mask, groups)
     moe = split_experts.to_mixtral(dense, groups, routers, K)
     split_experts._set_routers(moe, routers, [0.01 / max(s, 1e-12) for s in spreads])
     held, held_mask = ids[-4:], mask[-4:]
-    ref = [split_experts.token_logps(dense, held, held_mask)]
-    before = split_experts.next_token_kl(ref, moe, held, held_mask)
+    ref = [split_recovery.token_logps(dense, held, held_mask)]
+    before = split_recovery.next_token_kl(ref, moe, held, held_mask)
     frozen = {k: v.clone() for k, v in moe.state_dict().items() if ".mlp." not in k}
-    losses = split_experts.recover(dense, moe, ids[:-4], mask[:-4], epochs=4, lr=3e-5, batch=4, log=lambda m: None)
-    after = split_experts.next_token_kl(ref, moe, held, held_mask)
+    losses = split_recovery.recover(dense, moe, ids[:-4], mask[:-4], epochs=4, lr=3e-5, batch=4, log=lambda m: None)
+    after = split_recovery.next_token_kl(ref, moe, held, held_mask)
     assert losses[-1] < losses[0] and after < before, (losses, before, after)
     assert all(torch.equal(moe.state_dict()[k], v) for k, v in frozen.items())
     assert not any(p.requires_grad for p in moe.parameters()) and not moe.training

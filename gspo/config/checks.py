@@ -139,6 +139,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "model.split_experts.calibration_tokens": (*_at_least(16), ""),
     "model.split_experts.recovery_epochs": (*_at_least(0), "0 = no distillation from the dense model"),
     "model.split_experts.recovery_lr": (*_above(0), ""),
+    "model.split_experts.shared": (*_at_least(0), "0 = no shared expert (a Mixtral)"),
+    "model.split_experts.layerwise_epochs": (*_at_least(0), "0 = no layer-wise recovery"),
+    "model.split_experts.layerwise_lr": (*_above(0), ""),
     "model.warm_start.lr": (*_above(0), ""),
     "model.warm_start.batch_size": (*_at_least(1), ""),
     "reward.timeout_s": (*_at_least(0), "0 = no limit"),
@@ -222,19 +225,30 @@ def _max_positions(cfg: Any) -> Optional[int]:
     return conf.get("max_position_embeddings")
 
 
+def split_width_problem(width: int, experts: int, shared: int) -> Optional[str]:
+    """Why `experts` routed experts and a shared expert of `shared` neurons cannot split a dense MLP of `width`
+    neurons, or None: the shared expert takes fewer than all of them and the experts divide the rest equally."""
+    if shared >= width:
+        return f"model.split_experts.shared={shared}: must be below the dense MLP's {width} neurons"
+    if (width - shared) % experts:
+        rest = f"{width} - {shared} = {width - shared} routed" if shared else f"{width}"
+        return f"model.split_experts.experts={experts}: must divide the dense MLP's {rest} neurons"
+    return None
+
+
 def _split_width_problem(cfg: Any) -> Optional[str]:
-    """Why `model.split_experts.experts` cannot split the dense MLP of `model.path`, or None: its width
-    (`intermediate_size`) is read from config.json, or from a GGUF file's header (`feed_forward_length`), so a
-    width the experts do not divide is refused before the GGUF is dequantized or the dense model loaded
-    (gspo/models/split_experts.py `mixtral_config` refuses it again there, in the same words). None where the width
-    does not read from there (a per-layer width, a header without it): the build says so."""
-    experts = cfg.model.split_experts.experts
+    """`split_width_problem` for `model.path`'s MLP: its width (`intermediate_size`) is read from config.json, or
+    from a GGUF file's header (`feed_forward_length`), so a width the experts do not divide is refused before the
+    GGUF is dequantized or the dense model loaded (gspo/models/split_experts.py refuses it again there, in the same
+    words). None where the width does not read from there (a per-layer width, a header without it): the build says
+    so."""
+    scfg = cfg.model.split_experts
     try:
         width = model_path.text_config(cfg.model.path).get("intermediate_size")
     except (OSError, ValueError):
         return None
-    if isinstance(width, int) and width > 0 and width % experts:
-        return f"model.split_experts.experts={experts}: must divide the dense MLP's {width} neurons"
+    if isinstance(width, int) and width > 0:
+        return split_width_problem(width, scfg.experts, scfg.shared)
     return None
 
 
@@ -282,9 +296,10 @@ def _cross_checks(cfg: Any) -> Optional[str]:
     if problem:
         return problem
     if m.arch == "hf" and m.split_experts.experts and m.split_experts.recipe:
-        if m.split_experts.recovery_epochs:
-            return ("model.split_experts.recipe: a recipe holds a split without recovery; set "
-                    "model.split_experts.recovery_epochs=0")
+        for key in ("recovery_epochs", "layerwise_epochs", "shared"):
+            if m.split_experts[key]:
+                return (f"model.split_experts.recipe: a recipe holds a split without recovery or a shared expert; "
+                        f"set model.split_experts.{key}=0")
         try:
             model_path.split_recipe(m.split_experts.recipe)
         except ConfigError as e:

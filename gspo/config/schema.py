@@ -122,6 +122,14 @@ class SplitExpertsConfig:
     seed: int = 0  # the calibration text's and the clustering's seed
     recovery_epochs: int = 0  # passes of distillation from the dense model on the calibration text (experts, routers)
     recovery_lr: float = 3.0e-5  # AdamW's learning rate for that distillation
+    # neurons of each MLP in an always-on shared expert, the most important on the calibration text (DeepSeekMoE,
+    # Qwen2-MoE): > 0 builds a Qwen2MoeForCausalLM whose `experts` routed experts split the other neurons; 0 = a
+    # MixtralForCausalLM, every neuron routed
+    shared: int = 0
+    # passes of layer-wise recovery: each layer's experts trained to give the dense MLP's output on the MoE's own
+    # inputs (its upstream layers already recovered), layer after layer, the routers as fitted; resumable per layer
+    layerwise_epochs: int = 0
+    layerwise_lr: float = 1.0e-3  # Adam's learning rate for it (cosine to 0 over the passes)
     # a file of a build's decisions (each layer's neuron groups and router weights, which every build writes as
     # split.safetensors beside its checkpoint): the split made from it, the same bytes on any machine, where a build
     # from the calibration text differs with the CPU (its text is sampled). A path, or a recipe gspo ships (conf/model)

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from gspo.config.schema import SplitExpertsConfig
 from gspo.core.errors import ConfigError
+from gspo.models.split_recovery import batched_logps, next_token_kl, recover, recover_layers
 
 DENSE_FAMILIES = ("llama",)  # the families whose attention Mixtral's is, exactly (no q/k/v biases, no q/k norms)
 
@@ -134,14 +135,31 @@ PROFILE_TOKENS = 2048
 
 
 @torch.no_grad()
-def group_all_layers(model, ids: torch.Tensor, mask: torch.Tensor, experts: int, seed: int) -> list[torch.Tensor]:
-    """Per layer, (E, I / E) the neurons of each expert, sorted (`group_neurons` on the first PROFILE_TOKENS
-    calibration tokens, in one forward pass)."""
+def group_all_layers(model, ids: torch.Tensor, mask: torch.Tensor, experts: int, seed: int,
+                     shared: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, the shared expert's neurons (`shared` of them, sorted: `shared_neurons`) and (E, (I - shared) / E)
+    the routed experts' neurons, sorted (`group_neurons` on the others), both on the first PROFILE_TOKENS
+    calibration tokens, in one forward pass."""
     rows = max(1, int((mask.sum(-1).cumsum(0) < PROFILE_TOKENS).sum()))
-    groups: dict[int, torch.Tensor] = {}
-    each_layer(model, ids[:rows], mask[:rows],
-               lambda layer, x, h: groups.__setitem__(layer, group_neurons(h, experts, seed)), batch=rows)
-    return [groups[layer] for layer in sorted(groups)]
+    carved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    downs = [layer.mlp.down_proj.weight for layer in model.model.layers]
+
+    def carve(layer: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        common = shared_neurons(h, downs[layer], shared)
+        rest = torch.ones(h.shape[1], dtype=torch.bool)
+        rest[common] = False
+        others = torch.nonzero(rest).flatten()
+        carved[layer] = common, others[group_neurons(h[:, others], experts, seed)]
+
+    each_layer(model, ids[:rows], mask[:rows], carve, batch=rows)
+    return [carved[layer][0] for layer in sorted(carved)], [carved[layer][1] for layer in sorted(carved)]
+
+
+def shared_neurons(h: torch.Tensor, down: torch.Tensor, count: int) -> torch.Tensor:
+    """The `count` neurons, sorted, with the largest mean contribution |h_i| * ||down[:, i]|| over the tokens of h
+    (N, I): those that carry most of the MLP's output on most tokens, run for every token as the shared expert."""
+    importance = (h.abs() * down.norm(dim=0)).mean(0)
+    return importance.topk(count).indices.sort().values
 
 
 def group_neurons(h: torch.Tensor, experts: int, seed: int) -> torch.Tensor:
@@ -193,12 +211,11 @@ def fit_routers(model, ids: torch.Tensor, mask: torch.Tensor, groups: list[torch
     return routers, spreads
 
 
-# ----------------------------------------------------------------------------- step 3: the Mixtral checkpoint
-def mixtral_config(dense_config, experts: int, top_k: int):
-    """The MixtralConfig of the split model: the dense Llama's shape, attention and RoPE, E experts of
-    intermediate_size / E neurons each, top-k. ConfigError where the dense model is not one Mixtral can hold (top_k
-    in [1, experts] is the config's rule: gspo/config/checks.py)."""
-    from transformers import MixtralConfig
+# ----------------------------------------------------------------------------- step 3: the MoE checkpoint
+def _dense_shape(dense_config, experts: int, shared: int) -> dict:
+    """The dense Llama's shape, attention and RoPE as keyword arguments of a MoE config; ConfigError where the dense
+    model is not one a MoE here can hold (top_k in [1, experts] is the config's rule: gspo/config/checks.py)."""
+    from gspo.config.checks import split_width_problem
 
     c = dense_config
     if c.model_type not in DENSE_FAMILIES:
@@ -206,19 +223,47 @@ def mixtral_config(dense_config, experts: int, top_k: int):
                           f"reproduces (supported: {', '.join(DENSE_FAMILIES)})")
     if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise ConfigError("model.split_experts: the dense model has attention or MLP biases, which Mixtral has not")
-    if c.intermediate_size % experts:
-        raise ConfigError(f"model.split_experts.experts={experts}: must divide the dense MLP's "
-                          f"{c.intermediate_size} neurons")
-    return MixtralConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size // experts,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", None), hidden_act=c.hidden_act,
+    problem = split_width_problem(c.intermediate_size, experts, shared)
+    if problem:
+        raise ConfigError(problem)
+    return dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None), hidden_act=c.hidden_act,
         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
         rope_parameters=dict(c.rope_parameters), tie_word_embeddings=c.tie_word_embeddings,
         bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
-        attention_dropout=c.attention_dropout, sliding_window=None, num_local_experts=experts,
-        num_experts_per_tok=top_k, router_jitter_noise=0.0, output_router_logits=False,
-        architectures=["MixtralForCausalLM"])
+        attention_dropout=c.attention_dropout, output_router_logits=False)
+
+
+def check_shape(dense_config, settings: SplitExpertsConfig) -> None:
+    """ConfigError in one line where `settings` cannot split the dense model of `dense_config`."""
+    _dense_shape(dense_config, settings.experts, settings.shared)
+
+
+def mixtral_config(dense_config, experts: int, top_k: int):
+    """The MixtralConfig of the split model: the dense Llama's shape, attention and RoPE, E experts of
+    intermediate_size / E neurons each, top-k."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_dense_shape(dense_config, experts, 0),
+                         intermediate_size=dense_config.intermediate_size // experts, sliding_window=None,
+                         num_local_experts=experts, num_experts_per_tok=top_k, router_jitter_noise=0.0,
+                         architectures=["MixtralForCausalLM"])
+
+
+def qwen2moe_config(dense_config, experts: int, top_k: int, shared: int):
+    """The Qwen2MoeConfig of the split model with a shared expert of `shared` neurons: the dense Llama's shape and
+    RoPE, q/k/v without biases (then Qwen2-MoE's attention is Llama's), every layer a MoE of E routed experts of
+    (intermediate_size - shared) / E neurons, top-k with their weights renormalised (as Mixtral's)."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(**_dense_shape(dense_config, experts, shared), qkv_bias=False,
+                          intermediate_size=dense_config.intermediate_size,
+                          moe_intermediate_size=(dense_config.intermediate_size - shared) // experts,
+                          shared_expert_intermediate_size=shared, num_experts=experts, num_experts_per_tok=top_k,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                          architectures=["Qwen2MoeForCausalLM"])
 
 
 @torch.no_grad()
@@ -228,53 +273,49 @@ def to_mixtral(dense, groups: list[torch.Tensor], routers: list[torch.Tensor], t
     routed by `routers[l]` (E, H) times `scales[l]` (1 where None). Every other weight is the dense one, copied.
     Each expert's down projection carries the factor top_k that Mixtral's renormalised top-k weights (summing to
     1, about 1/k each) take away from the dense sum (weight 1 per neuron)."""
-    from transformers import MixtralForCausalLM
+    return to_moe(dense, None, groups, routers, top_k, scales)
+
+
+@torch.no_grad()
+def to_moe(dense, shared: Optional[list[torch.Tensor]], groups: list[torch.Tensor], routers: list[torch.Tensor],
+           top_k: int, scales: Optional[list[float]] = None):
+    """The MoE computing `dense` with each layer's MLP split into the routed experts `groups[l]` (E, m) and, where
+    `shared` is given and not empty, an always-on shared expert of the neurons `shared[l]`: a MixtralForCausalLM
+    without one, a Qwen2MoeForCausalLM with one. Routers `routers[l]` (E, H) times `scales[l]` (1 where None);
+    every other weight the dense one, copied. Each routed expert's down projection carries the factor top_k that
+    the renormalised top-k weights (summing to 1, about 1/k each) take away from the dense sum (weight 1 per
+    neuron); the shared expert's the factor 2 its gate, sigmoid(0) = 1/2 (its weights zero), takes away."""
+    from transformers import MixtralForCausalLM, Qwen2MoeForCausalLM
 
     experts = groups[0].shape[0]
-    config = mixtral_config(dense.config, experts, top_k)
+    width = int(shared[0].numel()) if shared else 0
+    if width:
+        config, cls = qwen2moe_config(dense.config, experts, top_k, width), Qwen2MoeForCausalLM
+    else:
+        config, cls = mixtral_config(dense.config, experts, top_k), MixtralForCausalLM
     config._attn_implementation = dense.config._attn_implementation
-    moe = MixtralForCausalLM(config).to(next(dense.parameters()).dtype)
+    moe = cls(config).to(next(dense.parameters()).dtype)
     state = {k: v for k, v in dense.state_dict().items() if ".mlp." not in k}
     missing, unexpected = moe.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
     for layer, (src, dst) in enumerate(zip(dense.model.layers, moe.model.layers)):
         g = groups[layer]
         gate, up, down = src.mlp.gate_proj.weight, src.mlp.up_proj.weight, src.mlp.down_proj.weight
-        dst.mlp.experts.gate_up_proj.copy_(torch.cat([gate[g], up[g]], dim=1))  # (E, 2 I/E, H): gate rows, then up
-        dst.mlp.experts.down_proj.copy_(down[:, g].permute(1, 0, 2) * top_k)  # (E, H, I/E)
+        dst.mlp.experts.gate_up_proj.copy_(torch.cat([gate[g], up[g]], dim=1))  # (E, 2m, H): gate rows, then up
+        dst.mlp.experts.down_proj.copy_(down[:, g].permute(1, 0, 2) * top_k)  # (E, H, m)
         dst.mlp.gate.weight.copy_(routers[layer] * (1.0 if scales is None else scales[layer]))
+        if width:
+            s = shared[layer]
+            dst.mlp.shared_expert.gate_proj.weight.copy_(gate[s])
+            dst.mlp.shared_expert.up_proj.weight.copy_(up[s])
+            dst.mlp.shared_expert.down_proj.weight.copy_(down[:, s] * 2)
+            dst.mlp.shared_expert_gate.weight.zero_()
     if config.tie_word_embeddings:
         moe.tie_weights()
     return moe.eval()
 
 
-# ----------------------------------------------------------------------------- how close to the dense model
-@torch.no_grad()
-def next_token_kl(dense_logps: list[torch.Tensor], model, ids: torch.Tensor, mask: torch.Tensor,
-                  batch: int = 8) -> float:
-    """Mean per-token KL(dense || model) of the next-token distributions on the real tokens of `ids`;
-    `dense_logps`: the dense model's log-probs there, per batch (`token_logps`)."""
-    total, count = 0.0, 0
-    for b, s in enumerate(range(0, ids.shape[0], batch)):
-        logp = token_logps(model, ids[s : s + batch], mask[s : s + batch])
-        ref = dense_logps[b]
-        total += float((ref.exp() * (ref - logp)).sum())
-        count += ref.shape[0]
-    return total / max(count, 1)
-
-
-@torch.no_grad()
-def token_logps(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(real tokens, V) float32 next-token log-probs of `model` on a right-padded batch."""
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    return F.log_softmax(logits.float(), -1)[mask.bool()]
-
-
-def batched_logps(model, ids: torch.Tensor, mask: torch.Tensor, batch: int = 8) -> list[torch.Tensor]:
-    """`token_logps` of `model` on `ids`, per batch of `batch` rows: what `next_token_kl` takes as `dense_logps`."""
-    return [token_logps(model, ids[s : s + batch], mask[s : s + batch]) for s in range(0, ids.shape[0], batch)]
-
-
+# ----------------------------------------------------------------------------- the routers' scale
 # the logit spreads tried: the typical spread across experts of a token's router logits, in nats; small keeps the
 # chosen experts' weights near 1/k (select, hardly rescale), large lets the router weigh them
 SCALES = (0.01, 0.03, 0.1)
@@ -300,42 +341,6 @@ def _set_routers(moe, routers: list[torch.Tensor], scales: list[float]) -> None:
     with torch.no_grad():
         for layer, r, s in zip(moe.model.layers, routers, scales):
             layer.mlp.gate.weight.copy_(r * s)
-
-
-# ----------------------------------------------------------------------------- recovery: the dense model distilled
-def recover(dense, moe, ids: torch.Tensor, mask: torch.Tensor, epochs: int, lr: float, batch: int = 8,
-            log: Callable[[str], None] = print) -> list[float]:
-    """Distil the dense model into the MoE's blocks on the calibration text, teacher-forced: `epochs` passes of
-    AdamW (lr `lr`, batches of `batch` sequences) on every expert's and router's weights, the loss the per-token
-    KL(dense || MoE) of the next-token distributions on the real tokens; attention, norms and embeddings stay the
-    dense model's, frozen. The mean training loss of each epoch."""
-    blocks = [p for layer in moe.model.layers for p in layer.mlp.parameters()]
-    for p in moe.parameters():
-        p.requires_grad_(False)
-    for p in blocks:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(blocks, lr=lr, weight_decay=0.0)
-    order = torch.Generator().manual_seed(0)
-    losses = []
-    try:  # (in eval mode: nothing in the model draws at random, the gradients flow all the same)
-        for epoch in range(epochs):
-            total, count = 0.0, 0
-            for rows in torch.randperm(ids.shape[0], generator=order).split(batch):
-                ref = token_logps(dense, ids[rows], mask[rows])
-                logits = moe(input_ids=ids[rows], attention_mask=mask[rows], use_cache=False).logits
-                logp = F.log_softmax(logits.float(), -1)[mask[rows].bool()]
-                loss = (ref.exp() * (ref - logp)).sum(-1).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total, count = total + loss.item() * ref.shape[0], count + ref.shape[0]
-            losses.append(total / max(count, 1))
-            log(f"gspo: split experts: recovery epoch {epoch + 1}/{epochs}: KL(dense || MoE) {losses[-1]:.4f} per "
-                "token on the calibration text")
-    finally:
-        for p in moe.parameters():
-            p.requires_grad_(False)
-    return losses
 
 
 # ----------------------------------------------------------------------------- the split as a file
@@ -415,12 +420,12 @@ def from_recipe(dense, path: Path, settings: SplitExpertsConfig, digest: str) ->
 
 # ----------------------------------------------------------------------------- the whole construction
 def split(dense, ids: torch.Tensor, mask: torch.Tensor, settings: SplitExpertsConfig,
-          log: Callable[[str], None] = print) -> tuple[object, dict]:
+          log: Callable[[str], None] = print, state_dir: Optional[Path] = None) -> tuple[object, dict]:
     """The MixtralForCausalLM split from `dense` (a LlamaForCausalLM) as `settings` ask, on the calibration text
     `ids` (right-padded, `mask` 1 on its real tokens: the caller's, gspo/train/start/split_moe.py `calibration_ids`),
     and a record of the construction (its settings, the calibration tokens, the router scale chosen, the KL to the dense
     model on the held-out eighth of the calibration text, seconds per phase)."""
-    mixtral_config(dense.config, settings.experts, settings.top_k)  # refuse what cannot be split, before any work
+    check_shape(dense.config, settings)  # refuse what cannot be split, before any work
     record: dict = {"settings": settings.__dict__, "seconds": {}}
     clock = time.time()
 
@@ -433,19 +438,27 @@ def split(dense, ids: torch.Tensor, mask: torch.Tensor, settings: SplitExpertsCo
     held, held_mask = ids[-max(1, len(ids) // 8):], mask[-max(1, len(ids) // 8):]  # kept out of the fit: the scale
     ids, mask = ids[: len(ids) - len(held)], mask[: len(ids) - len(held)]
     record["calibration_tokens"] = int(mask.sum()) + int(held_mask.sum())
-    groups = group_all_layers(dense, ids, mask, settings.experts, settings.seed)
-    lap("grouping", f"neurons grouped into {settings.experts} experts per layer")
+    shared, groups = group_all_layers(dense, ids, mask, settings.experts, settings.seed, settings.shared)
+    lap("grouping", f"neurons grouped into {settings.experts} experts per layer"
+                    + (f" beside a shared expert of {settings.shared}" if settings.shared else ""))
     routers, spreads = fit_routers(dense, ids, mask, groups)
     lap("routers", "routers fitted")
-    moe = to_mixtral(dense, groups, routers, settings.top_k)
+    moe = to_moe(dense, shared, groups, routers, settings.top_k)
     held_logps = batched_logps(dense, held, held_mask)  # the dense model on the held-out text, for every KL below
     spread, kls = choose_scale(held_logps, moe, routers, spreads, held, held_mask, log)
     record.update(router_logit_spread=spread, kl_by_spread=kls, kl_to_dense=kls[spread])
     lap("scale", f"router logit spread {spread} chosen")
+    if settings.layerwise_epochs:
+        record["layerwise"] = recover_layers(dense, moe, ids, mask, settings.layerwise_epochs, settings.layerwise_lr,
+                                             settings.seed, state_dir, log=log)
+        record["kl_to_dense_before_layerwise"] = record["kl_to_dense"]
+        record["kl_to_dense"] = next_token_kl(held_logps, moe, held, held_mask)
+        lap("layerwise", f"layer-wise recovery: KL(dense || MoE) {record['kl_to_dense_before_layerwise']:.4f} -> "
+                         f"{record['kl_to_dense']:.4f} per token on held-out calibration text")
     if settings.recovery_epochs:
+        record["kl_to_dense_before_recovery"] = record["kl_to_dense"]
         record["recovery_train_kl"] = recover(dense, moe, ids, mask, settings.recovery_epochs, settings.recovery_lr,
                                               log=log)
-        record["kl_to_dense_before_recovery"] = record["kl_to_dense"]
         record["kl_to_dense"] = next_token_kl(held_logps, moe, held, held_mask)
         lap("recovery", f"recovered: KL(dense || MoE) {record['kl_to_dense_before_recovery']:.4f} -> "
                         f"{record['kl_to_dense']:.4f} per token on held-out calibration text")

@@ -13,9 +13,11 @@ recipe file instead (gspo/models/split_experts.py `from_recipe`): the same bytes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,7 +27,7 @@ import torch
 from gspo.config.model_path import split_recipe
 from gspo.config.schema import SplitExpertsConfig
 from gspo.core.cache import build_once, file_sha256
-from gspo.core.provenance import machine
+from gspo.core.provenance import cpu, machine
 from gspo.models import split_experts
 from gspo.models.build import load_pretrained
 
@@ -34,21 +36,24 @@ BUILD_VERSION = 1  # bump when what is built changes, so stale copies are rebuil
 
 def settings_of(scfg) -> SplitExpertsConfig:
     """`model.split_experts` (a config node, or a mapping of its keys) as the schema's dataclass, each value of its
-    type."""
-    return SplitExpertsConfig(
-        experts=int(scfg.experts), top_k=int(scfg.top_k), calibration_sequences=int(scfg.calibration_sequences),
-        calibration_tokens=int(scfg.calibration_tokens), seed=int(scfg.seed),
-        recovery_epochs=int(scfg.recovery_epochs), recovery_lr=float(scfg.recovery_lr), recipe=scfg.get("recipe"))
+    type (a key the node lacks, from a config saved before the key existed: its default)."""
+    values = {}
+    for f in dataclasses.fields(SplitExpertsConfig):
+        value = scfg.get(f.name, f.default)
+        values[f.name] = value if value is None or f.name == "recipe" else type(f.default)(value)
+    return SplitExpertsConfig(**values)
 
 
 def keyed(settings: SplitExpertsConfig) -> dict:
     """What of the settings decides the build: from a recipe, the file's content (`_key`) and top_k; else all of
-    them, the recovery's only where it runs (a split built without it keeps the key it had before the recovery
-    existed)."""
+    them but the parts that do not run (no recovery, no layer-wise recovery, no shared expert: then their settings
+    stay out, and a build made before they existed keeps its key)."""
     if settings.recipe:
         return {"experts": settings.experts, "top_k": settings.top_k}
-    return {k: v for k, v in settings.__dict__.items()
-            if k != "recipe" and (settings.recovery_epochs or not k.startswith("recovery_"))}
+    idle = set() if settings.recovery_epochs else {"recovery_epochs", "recovery_lr"}
+    idle |= set() if settings.layerwise_epochs else {"layerwise_epochs", "layerwise_lr"}
+    idle |= set() if settings.shared else {"shared"}
+    return {k: v for k, v in settings.__dict__.items() if k != "recipe" and k not in idle}
 
 
 # ----------------------------------------------------------------------------- calibration text
@@ -64,14 +69,22 @@ def calibration_ids(model, tokenizer, sequences: int, length: int, seed: int) ->
 
     gen = torch.Generator().manual_seed(seed)
     opening = _chat_opening(tokenizer)
-    if not tokenizer.chat_template:
-        return _rows([opening + c for c in _completions(model, tokenizer, [opening] * sequences, length, gen)],
-                     tokenizer, length)
-    users = _completions(model, tokenizer, [opening] * sequences, length // 3, gen)
-    texts = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in users]
-    prompts = encode_prompts(tokenizer, texts, chat_template=True)
-    answers = _completions(model, tokenizer, prompts, max(1, length - max(map(len, prompts))), gen)
-    return _rows([p + a for p, a in zip(prompts, answers)], tokenizer, length)
+    rows: list[list[int]] = []
+    for start in range(0, sequences, CALIBRATION_CHUNK):  # (the same draws as one batch up to CALIBRATION_CHUNK)
+        count = min(CALIBRATION_CHUNK, sequences - start)
+        if not tokenizer.chat_template:
+            rows += [opening + c for c in _completions(model, tokenizer, [opening] * count, length, gen)]
+            continue
+        users = _completions(model, tokenizer, [opening] * count, length // 3, gen)
+        texts = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in users]
+        prompts = encode_prompts(tokenizer, texts, chat_template=True)
+        answers = _completions(model, tokenizer, prompts, max(1, length - max(map(len, prompts))), gen)
+        rows += [p + a for p, a in zip(prompts, answers)]
+    return _rows(rows, tokenizer, length)
+
+
+# conversations sampled at once: a batch's KV cache stays small (hundreds of MB for SmolLM2) however many are asked
+CALIBRATION_CHUNK = 64
 
 
 def _completions(model, tokenizer, prompts: list[list[int]], new: int, gen: torch.Generator) -> list[list[int]]:
@@ -109,19 +122,21 @@ def _chat_opening(tokenizer) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the whole construction, cached
-def build(dense, tokenizer, settings: SplitExpertsConfig, log: Callable[[str], None] = print) -> tuple[object, dict]:
-    """The MixtralForCausalLM split from `dense` (a LlamaForCausalLM) as `settings` ask, on calibration text it
-    writes itself (`calibration_ids`), and a record of the construction (gspo/models/split_experts.py `split`: its
-    settings, the router scale chosen, the KL to the dense model on held-out calibration text, seconds per phase,
-    the calibration's first)."""
-    split_experts.mixtral_config(dense.config, settings.experts, settings.top_k)  # refuse before any work
+def build(dense, tokenizer, settings: SplitExpertsConfig, log: Callable[[str], None] = print,
+          state_dir: Optional[Path] = None) -> tuple[object, dict]:
+    """The MoE split from `dense` (a LlamaForCausalLM) as `settings` ask, on calibration text it writes itself
+    (`calibration_ids`), and a record of the construction (gspo/models/split_experts.py `split`: its settings, the
+    router scale chosen, the KL to the dense model on held-out calibration text, seconds per phase, the
+    calibration's first). `state_dir`: where a layer-wise recovery keeps its finished layers (a build interrupted
+    midway continues there)."""
+    split_experts.check_shape(dense.config, settings)  # refuse before any work
     t0 = time.time()
     torch.manual_seed(settings.seed)
     ids, mask = calibration_ids(dense, tokenizer, settings.calibration_sequences, settings.calibration_tokens,
                                 settings.seed)
     seconds = round(time.time() - t0, 1)
     log(f"gspo: split experts: {int(mask.sum())} tokens of calibration text the model wrote ({seconds:.0f} s)")
-    moe, record = split_experts.split(dense, ids, mask, settings, log)
+    moe, record = split_experts.split(dense, ids, mask, settings, log, state_dir)
     record["seconds"] = {"calibration": seconds, **record["seconds"]}
     return moe, record
 
@@ -143,8 +158,10 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
         if recipe is not None:
             moe, record = split_experts.from_recipe(dense.eval(), recipe, settings, digest)
         else:
-            moe, record = build(dense.eval(), tokenizer, settings, log=(lambda m: None) if log is None else log)
-        if not settings.recovery_epochs:  # the split's decisions, to make the same split anywhere
+            moe, record = build(dense.eval(), tokenizer, settings, log=(lambda m: None) if log is None else log,
+                                state_dir=_partial_dir(target) if settings.layerwise_epochs else None)
+        if not (settings.recovery_epochs or settings.layerwise_epochs or settings.shared):
+            # the split's decisions, to make the same split anywhere (a Mixtral's without recovery)
             split_experts.save_recipe(tmp / split_experts.RECIPE, *split_experts.recipe_of(dense, moe), digest,
                                       record.get("recipe_record", record))
         moe.save_pretrained(tmp, safe_serialization=True)
@@ -155,6 +172,7 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
         (tmp / "split_experts.json").write_text(json.dumps(record, indent=1))
 
     if build_once(target, write):
+        shutil.rmtree(target.with_name(target.name + ".partial"), ignore_errors=True)
         if log is not None:
             how = f" by the recipe {recipe}" if recipe is not None else ""
             log(f"gspo: model.split_experts: {settings.experts} experts, top-{settings.top_k}, built from {dense_dir}"
@@ -164,10 +182,21 @@ def checkpoint(dense_dir: Path, scfg, cache_dir: str | Path, log: Optional[Calla
     return target
 
 
+def _partial_dir(target: Path) -> Path:
+    """Where a layer-wise recovery of `target` keeps its finished layers until the build completes: kept from an
+    interrupted build on this machine (the calibration text, which is sampled, is the same here), emptied where it
+    came from another CPU model."""
+    partial = target.with_name(target.name + ".partial")
+    stamp, here = partial / "cpu.json", {**cpu(), "torch": torch.__version__}
+    if partial.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()) != here):
+        shutil.rmtree(target.with_name(target.name + ".partial"), ignore_errors=True)
+    partial.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(here))
+    return partial
+
+
 def _copy_generation_config(src: Path, dst: Path) -> None:
     """The dense checkpoint's generation_config.json (its end tokens), beside the split one."""
-    import shutil
-
     if (src / "generation_config.json").is_file():
         shutil.copy(src / "generation_config.json", dst / "generation_config.json")
 
