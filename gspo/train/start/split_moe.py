@@ -127,13 +127,19 @@ def build(dense, tokenizer, settings: SplitExpertsConfig, log: Callable[[str], N
     """The MoE split from `dense` (a LlamaForCausalLM) as `settings` ask, on calibration text it writes itself
     (`calibration_ids`), and a record of the construction (gspo/models/split_experts.py `split`: its settings, the
     router scale chosen, the KL to the dense model on held-out calibration text, seconds per phase, the
-    calibration's first). `state_dir`: where a layer-wise recovery keeps its finished layers (a build interrupted
-    midway continues there)."""
+    calibration's first). `state_dir`: where the calibration text and a layer-wise recovery's finished layers are
+    kept (a build interrupted midway continues there)."""
     split_experts.check_shape(dense.config, settings)  # refuse before any work
     t0 = time.time()
     torch.manual_seed(settings.seed)
-    ids, mask = calibration_ids(dense, tokenizer, settings.calibration_sequences, settings.calibration_tokens,
-                                settings.seed)
+    kept = state_dir / "calibration.pt" if state_dir is not None else None
+    if kept is not None and kept.is_file():
+        ids, mask = torch.load(kept)
+    else:
+        ids, mask = calibration_ids(dense, tokenizer, settings.calibration_sequences, settings.calibration_tokens,
+                                    settings.seed)
+        if kept is not None:
+            torch.save((ids, mask), kept)
     seconds = round(time.time() - t0, 1)
     log(f"gspo: split experts: {int(mask.sum())} tokens of calibration text the model wrote ({seconds:.0f} s)")
     moe, record = split_experts.split(dense, ids, mask, settings, log, state_dir)
