@@ -126,7 +126,7 @@ def test_the_shared_split_is_built_once_keyed_by_what_runs_and_loads_as_qwen2_mo
     record = json.loads((path / "split_experts.json").read_text())
     assert len(record["layerwise"]) == 2 and "kl_to_dense_before_layerwise" in record
     assert not (path / split_experts.RECIPE).exists() and not path.with_name(path.name + ".partial").exists()
-    # interrupted in its second layer, the build continues from its calibration text and first layer
+    # interrupted in its second layer, the build continues from its calibration text, split and first layer
     done = []
     real = split_recovery._fit_block
 
@@ -142,12 +142,13 @@ def test_the_shared_split_is_built_once_keyed_by_what_runs_and_loads_as_qwen2_mo
         with pytest.raises(KeyboardInterrupt):
             split_moe.checkpoint(dense_dir, other, tmp_path / "cache", log=None)
     partial = next((tmp_path / "cache").glob("*.partial"))
-    assert {p.name for p in partial.iterdir()} == {"cpu.json", "calibration.pt", "layer-000.json",
-                                                   "layer-000.safetensors"}
+    assert {p.name for p in partial.iterdir()} == {"cpu.json", "calibration.pt", "carve.safetensors",
+                                                   "layer-000.json", "layer-000.safetensors"}
     fitted = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(split_recovery, "_fit_block", lambda block, *a: fitted.append(1) or real(block, *a))
         mp.setattr(split_moe, "calibration_ids", lambda *a: pytest.fail("the calibration text was written again"))
+        mp.setattr(split_experts, "group_all_layers", lambda *a: pytest.fail("the neurons were grouped again"))
         resumed = split_moe.checkpoint(dense_dir, other, tmp_path / "cache", log=None)
     assert fitted == [1] and not partial.exists()
     assert json.loads((resumed / "split_experts.json").read_text())["layerwise"][0]["layer"] == 0

@@ -419,12 +419,43 @@ def from_recipe(dense, path: Path, settings: SplitExpertsConfig, digest: str) ->
 
 
 # ----------------------------------------------------------------------------- the whole construction
+# held-out calibration tokens the KL to the dense model is measured on, at most: their dense log-probs are kept for
+# every KL of the build, one float per vocabulary entry a token (2,048 x SmolLM2's 49,152: 400 MB)
+HELD_TOKENS = 2048
+
+
+def _save_carve(path: Path, moe, shared: list[torch.Tensor], groups: list[torch.Tensor], record: dict) -> None:
+    """The split before any recovery (each layer's shared and routed neurons, its router as scaled) and its record
+    so far, for an interrupted build to continue from (`_load_carve`)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i, (s, g, layer) in enumerate(zip(shared, groups, moe.model.layers)):
+        tensors |= {f"{i}.shared": s.contiguous(), f"{i}.groups": g.contiguous(),
+                    f"{i}.router": layer.mlp.gate.weight.detach().clone()}
+    save_file(tensors, str(path), metadata={"record": json.dumps(record)})
+
+
+def _load_carve(dense, path: Path, top_k: int) -> tuple[object, dict]:
+    """The MoE `_save_carve` wrote the decisions of, made from `dense` again, and that build's record so far."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as fh:
+        done = json.loads((fh.metadata() or {})["record"])
+        t = {name: fh.get_tensor(name) for name in fh.keys()}
+    layers = range(len(dense.model.layers))
+    return to_moe(dense, [t[f"{i}.shared"] for i in layers], [t[f"{i}.groups"] for i in layers],
+                  [t[f"{i}.router"] for i in layers], top_k), done
+
+
 def split(dense, ids: torch.Tensor, mask: torch.Tensor, settings: SplitExpertsConfig,
           log: Callable[[str], None] = print, state_dir: Optional[Path] = None) -> tuple[object, dict]:
-    """The MixtralForCausalLM split from `dense` (a LlamaForCausalLM) as `settings` ask, on the calibration text
-    `ids` (right-padded, `mask` 1 on its real tokens: the caller's, gspo/train/start/split_moe.py `calibration_ids`),
-    and a record of the construction (its settings, the calibration tokens, the router scale chosen, the KL to the dense
-    model on the held-out eighth of the calibration text, seconds per phase)."""
+    """The MoE split from `dense` (a LlamaForCausalLM) as `settings` ask (a MixtralForCausalLM; with a shared expert
+    a Qwen2MoeForCausalLM), on the calibration text `ids` (right-padded, `mask` 1 on its real tokens: the caller's,
+    gspo/train/start/split_moe.py `calibration_ids`), and a record of the construction (its settings, the
+    calibration tokens, the router scale chosen, the KL to the dense model on the held-out eighth of the calibration
+    text (HELD_TOKENS of it at most), seconds per phase). Given `state_dir`, the split before recovery and each
+    layer the layer-wise recovery finishes are kept there, and an interrupted build continues from them."""
     check_shape(dense.config, settings)  # refuse what cannot be split, before any work
     record: dict = {"settings": settings.__dict__, "seconds": {}}
     clock = time.time()
@@ -438,16 +469,26 @@ def split(dense, ids: torch.Tensor, mask: torch.Tensor, settings: SplitExpertsCo
     held, held_mask = ids[-max(1, len(ids) // 8):], mask[-max(1, len(ids) // 8):]  # kept out of the fit: the scale
     ids, mask = ids[: len(ids) - len(held)], mask[: len(ids) - len(held)]
     record["calibration_tokens"] = int(mask.sum()) + int(held_mask.sum())
-    shared, groups = group_all_layers(dense, ids, mask, settings.experts, settings.seed, settings.shared)
-    lap("grouping", f"neurons grouped into {settings.experts} experts per layer"
-                    + (f" beside a shared expert of {settings.shared}" if settings.shared else ""))
-    routers, spreads = fit_routers(dense, ids, mask, groups)
-    lap("routers", "routers fitted")
-    moe = to_moe(dense, shared, groups, routers, settings.top_k)
+    rows = max(1, int((held_mask.sum(-1).cumsum(0) <= HELD_TOKENS).sum()))  # the KL's share of them
+    held, held_mask = held[:rows], held_mask[:rows]
     held_logps = batched_logps(dense, held, held_mask)  # the dense model on the held-out text, for every KL below
-    spread, kls = choose_scale(held_logps, moe, routers, spreads, held, held_mask, log)
-    record.update(router_logit_spread=spread, kl_by_spread=kls, kl_to_dense=kls[spread])
-    lap("scale", f"router logit spread {spread} chosen")
+    carved = state_dir / "carve.safetensors" if state_dir is not None else None
+    if carved is not None and carved.is_file():
+        moe, done = _load_carve(dense, carved, settings.top_k)
+        record.update(done)
+        log(f"gspo: split experts: the split of an interrupted build reused ({carved})")
+    else:
+        shared, groups = group_all_layers(dense, ids, mask, settings.experts, settings.seed, settings.shared)
+        lap("grouping", f"neurons grouped into {settings.experts} experts per layer"
+                        + (f" beside a shared expert of {settings.shared}" if settings.shared else ""))
+        routers, spreads = fit_routers(dense, ids, mask, groups)
+        lap("routers", "routers fitted")
+        moe = to_moe(dense, shared, groups, routers, settings.top_k)
+        spread, kls = choose_scale(held_logps, moe, routers, spreads, held, held_mask, log)
+        record.update(router_logit_spread=spread, kl_by_spread=kls, kl_to_dense=kls[spread])
+        lap("scale", f"router logit spread {spread} chosen")
+        if carved is not None:
+            _save_carve(carved, moe, shared, groups, record)
     if settings.layerwise_epochs:
         record["layerwise"] = recover_layers(dense, moe, ids, mask, settings.layerwise_epochs, settings.layerwise_lr,
                                              settings.seed, state_dir, log=log)

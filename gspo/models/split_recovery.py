@@ -170,8 +170,13 @@ def _fit_block(block, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float, 
 
 
 def _relative_error(block, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, grad: bool = False):
-    """Mean over tokens of ||block(x) - y||^2 / (||y||^2 + scale): a float, or with `grad` the loss tensor."""
-    with torch.set_grad_enabled(grad):
+    """Mean over tokens of ||block(x) - y||^2 / (||y||^2 + scale): with `grad` the loss tensor of a batch, else a
+    float over all of x, in chunks of 4,096 tokens (a block's routing tensors grow with the tokens it is given)."""
+    def errors(x, y):
         out = block(x.unsqueeze(0)).squeeze(0)  # (the blocks take (batch, tokens, hidden))
-        loss = ((out - y).pow(2).sum(-1) / (y.pow(2).sum(-1) + scale)).mean()
-    return loss if grad else float(loss)
+        return (out - y).pow(2).sum(-1) / (y.pow(2).sum(-1) + scale)
+
+    if grad:
+        return errors(x, y).mean()
+    with torch.no_grad():
+        return float(sum(errors(a, b).sum() for a, b in zip(x.split(4096), y.split(4096))) / x.shape[0])
