@@ -472,6 +472,8 @@ def split(dense, ids: torch.Tensor, mask: torch.Tensor, settings: SplitExpertsCo
     rows = max(1, int((held_mask.sum(-1).cumsum(0) <= HELD_TOKENS).sum()))  # the KL's share of them
     held, held_mask = held[:rows], held_mask[:rows]
     held_logps = batched_logps(dense, held, held_mask)  # the dense model on the held-out text, for every KL below
+    if state_dir is not None:
+        state_dir.mkdir(parents=True, exist_ok=True)
     carved = state_dir / "carve.safetensors" if state_dir is not None else None
     if carved is not None and carved.is_file():
         moe, done = _load_carve(dense, carved, settings.top_k)
