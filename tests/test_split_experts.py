@@ -11,6 +11,7 @@ SmolLM2 split into experts), when the wheel is installed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -279,13 +280,15 @@ def test_the_cached_split_is_readable_by_those_sharing_the_cache(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o755
 
 
+@pytest.mark.parametrize("shared", [0, 16], ids=["mixtral", "shared_expert"])
 @pytest.mark.parametrize("replay", ["R2", "R3"])
-def test_it_trains_under_routing_replay_with_the_routing_metrics(replay, tmp_path, cache_dir):
-    """model=hf with model.split_experts: the run builds the MoE from the dense checkpoint and trains it as a MoE."""
+def test_it_trains_under_routing_replay_with_the_routing_metrics(replay, shared, tmp_path, cache_dir):
+    """model=hf with model.split_experts: the run builds the MoE from the dense checkpoint (with a shared expert of
+    16 of the tiny MLP's 64 neurons: a Qwen2-MoE) and trains it as a MoE."""
     dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
     run_dir = tmp_path / "run"
     cfg = compose(run_config(dense_dir, cache_dir, **{
-        "model.split_experts.experts": E, "model.split_experts.top_k": K,
+        "model.split_experts.experts": E, "model.split_experts.top_k": K, "model.split_experts.shared": shared,
         "model.split_experts.calibration_sequences": 8, "model.split_experts.calibration_tokens": 32,
         "moe.routing_replay": replay, "rollout.old_logprobs": "recompute"}))
     summary = train(cfg, run_dir)
@@ -295,8 +298,9 @@ def test_it_trains_under_routing_replay_with_the_routing_metrics(replay, tmp_pat
     assert 0.0 < last["moe/expert_load_entropy"] <= 1.0
 
 
-def test_the_fast_engine_samples_what_hf_samples_on_the_split_model():
-    built, _ = split_moe.build(_dense(), TOK, SETTINGS, log=lambda m: None)
+@pytest.mark.parametrize("shared", [0, 64], ids=["mixtral", "shared_expert"])
+def test_the_fast_engine_samples_what_hf_samples_on_the_split_model(shared):
+    built, _ = split_moe.build(_dense(), TOK, dataclasses.replace(SETTINGS, shared=shared), log=lambda m: None)
     built = built.float().eval()
     assert fast_decode.resolve("fast", built) == "fast"
     hf, fast = _both(built, temperature=0.7, top_p=0.9, capture_routing=True)

@@ -6,7 +6,8 @@ and a router that does not rescale, the split model computes the dense model's o
 the shared expert is the neurons of largest mean contribution; the layer-wise recovery sees the inputs the model's
 own forward gives its MoE blocks, moves only the experts, lowers each layer's error and the held-out KL, and a
 build interrupted midway continues to the same weights; the checkpoint is keyed by what runs, loads as transformers'
-Qwen2MoeForCausalLM, trains under Routing Replay and is sampled by the fast engine as by hf."""
+Qwen2MoeForCausalLM (its training under Routing Replay and its fast engine: test_split_experts, parametrized
+over the shared expert)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from test_cli import one_line_exit_2
-from test_fast_decode import TOK, _assert_same, _both
+from test_fast_decode import TOK
 from test_families import run_config, tiny_checkpoint
 from test_split_experts import _dense, _ids, _logp
 from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
 from typer.testing import CliRunner
 
 from cli.main import app
-from gspo.config.loading import compose
 from gspo.config.schema import SplitExpertsConfig
 from gspo.models import moe, split_experts, split_recovery
-from gspo.rollout.decoding import fast_decode
-from gspo.train.loop.trainer import train
 from gspo.train.start import split_moe
 
 E, K, S = 4, 2, 64  # 4 routed experts of (256 - 64) / 4 = 48 neurons, top-2, a shared expert of 64
@@ -172,26 +170,3 @@ def test_what_the_shared_split_cannot_do_is_refused_in_one_line(tmp_path):
         f"hydra.run.dir={tmp_path / 'run'}"])
     one_line_exit_2(res, "a recipe holds a split without recovery or a shared expert; set "
                          "model.split_experts.shared=0")
-
-
-@pytest.mark.parametrize("replay", ["R2", "R3"])
-def test_it_trains_under_routing_replay_with_the_routing_metrics(replay, tmp_path, cache_dir):
-    dense_dir = tiny_checkpoint("llama", tmp_path / "dense")
-    cfg = compose(run_config(dense_dir, cache_dir, **{
-        "model.split_experts.experts": E, "model.split_experts.top_k": K, "model.split_experts.shared": S_TINY,
-        "model.split_experts.calibration_sequences": 8, "model.split_experts.calibration_tokens": 32,
-        "moe.routing_replay": replay, "rollout.old_logprobs": "recompute"}))
-    summary = train(cfg, tmp_path / "run")
-    assert summary["status"] == "finished" and summary["steps"] == 2
-    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    assert last["moe/update_mismatch"] == 0.0 and "moe/routing_volatility" in last
-
-
-def test_the_fast_engine_samples_what_hf_samples_on_the_shared_split():
-    built, _ = split_moe.build(_dense(), TOK, SHARED, log=lambda m: None)
-    built = built.float().eval()
-    assert fast_decode.resolve("fast", built) == "fast"
-    hf, fast = _both(built, temperature=0.7, top_p=0.9, capture_routing=True)
-    _assert_same(hf, fast)
-    real = hf.attention_mask.bool()
-    assert torch.equal(fast.routing[real], hf.routing[real]) and (hf.routing[real][..., 0] >= 0).any()
