@@ -1,7 +1,7 @@
 """gspo: an experiment runner for group-based RL fine-tuning of language models.
 
 The parts, bottom to top; a module imports only from its own package or from a package
-below it (tests/test_layout.py keeps this true, and the floors inside rollout/ and train/):
+below it (tests/contracts/test_layout.py keeps this true, and the floors inside rollout/ and train/):
 
   core      what every layer uses: errors, processes' lifetime, files written whole, the build-once cache
             and its content hashes, the run's provenance (the machine), the authenticated network channel

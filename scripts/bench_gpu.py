@@ -301,7 +301,8 @@ FAMILIES = {  # decode part's check: tiny random models of the other families th
 def decode_check(a) -> dict:
     """graph against static, bit for bit, and eager against graph, on tiny Llama (every bias, eager attention),
     Qwen2 (q/k/v biases) and Mistral models in float32 and bf16: 4 prompts x G=4, 48 tokens, temperature 0.7,
-    top-p 0.9, the top-2 kept (what tests/test_fast_decode.py's GPU tests check, without their dependencies)."""
+    top-p 0.9, the top-2 kept (what tests/rollout/decoding/test_fast_decode.py's GPU tests check, without their
+    dependencies)."""
     import transformers
 
     from gspo.rollout.decoding import static_decode

@@ -3,7 +3,7 @@
     python scripts/check_families.py                  # all families (a few minutes on one core)
     python scripts/check_families.py llama gpt_oss    # some
 
-Per family: a tiny random model from the family's own config class (tests/test_families.py's builder:
+Per family: a tiny random model from the family's own config class (tests/models/test_families.py's builder:
 4 layers, width 32, 4 experts), then gspo's greedy sampler against `model.generate` on the same
 left-padded prompts, and gspo's token log-probs against a plain forward's. One line each:
 
@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: its tests package
 MAX_PARAMS = 5_000_000
 
 
 def check(model_type: str) -> tuple[str, str]:
     """(status: ok | wrong | FAIL | BUILD | SKIP, the report line) for one family."""
-    import test_families as tf
+    from tests.models import test_families as tf
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from gspo.models.build import char_tokenizer, choose_attention, normalise_config

@@ -15,7 +15,7 @@
 # Parts:
 #   setup  pip-install WHEELS (--no-deps, into /tmp/site) and gspo itself (editable, no deps); GPU and versions
 #   suite  the default suite (`pytest`, the README's test command) with CUDA torch, on SUITE_WORKERS xdist workers
-#   gputest  tests/test_gpu.py: short `gspo train hardware=gpu` runs (skipped without CUDA)
+#   gputest  tests/e2e/test_gpu.py: short `gspo train hardware=gpu` runs (skipped without CUDA)
 #   job    `gspo train hardware=gpu`: the README's default job on the GPU (time, peak memory, accuracy)
 #   real   `gspo train +experiment=smollm2_math hardware=gpu` in bf16 and in float32 (REAL_STEPS steps each,
 #          the sampler/trainer mismatch logged every step); needs the GGUF at GGUF
@@ -109,9 +109,9 @@ EOF
     tail -3 "$OUT/suite.log"
     ;;
   gputest)
-    # tests/test_gpu.py, and the CUDA-graph decode's tests (graph == static bit for bit); all skipped without CUDA
-    stamp "gputest: pytest tests/test_gpu.py, tests/test_fast_decode.py -k cuda (at most $GPUTEST_S s)"
-    timeout "$GPUTEST_S" python3 -m pytest tests/test_gpu.py tests/test_fast_decode.py -k "cuda or gpu" -p no:xdist \
+    # tests/e2e/test_gpu.py, and the CUDA-graph decode's tests (graph == static bit for bit); all skipped without CUDA
+    stamp "gputest: pytest tests/e2e/test_gpu.py, tests/rollout/decoding/test_fast_decode.py -k cuda (at most $GPUTEST_S s)"
+    timeout "$GPUTEST_S" python3 -m pytest tests/e2e/test_gpu.py tests/rollout/decoding/test_fast_decode.py -k "cuda or gpu" -p no:xdist \
       -p no:cacheprovider -rfEs >"$OUT/gputest.log" 2>&1
     echo "gputest rc=$?"; tail -3 "$OUT/gputest.log"
     ;;

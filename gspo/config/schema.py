@@ -22,7 +22,7 @@ TINY_MAX_POSITIONS = 256  # positions of the models built from config (model.arc
 # Markings: what a key is, beyond its type and default, as a field's `metadata` (on a node, for every key below it
 # that does not mark itself otherwise). An unmarked key defines the experiment: what the run computes. From these
 # gspo/config/keys.py derives what a resume may change, which keys tell two arms of `gspo compare` apart, and what
-# the warm-started base depends on; tests/test_keys.py holds each list.
+# the warm-started base depends on; tests/config/test_keys.py holds each list.
 RUN = {"run": True}  # how or where the run computes, records or names itself, not what it computes (devices,
 #   threads, kernels, processes, timeouts, logging, checkpoints, diagnostics): a resume may change it, and compare
 #   takes runs that differ in it alone for one arm

@@ -7,7 +7,7 @@ logits for backward. Here the LM head is applied chunk by chunk over the selecte
 positions inside one autograd function that saves only its inputs (hidden states and
 the head's weight) and recomputes each chunk's logits in backward, so memory is
 O(chunk x V) whatever the batch. The values and gradients are those of the naive path
-(tests/test_logprobs.py checks both in float64).
+(tests/models/test_logprobs.py checks both in float64).
 
 `head_logprobs(model, ...)` runs the model once with its LM head swapped (by hooks, for
 the call) for that function, so the (rows, T, V) logits are never formed. The forward

@@ -5,8 +5,8 @@ their first 62 of about 140 tokens). The plain forward computes that prefix once
 the prefix once, then the rest of each of several rows; a 4-D attention mask lets each row's tokens see the prefix
 and their own earlier tokens only, and their position ids continue the prefix's, so every token sees the context it
 sees unpacked: the same log-probs and gradients up to float rounding (other matrix shapes sum in another order;
-tests/test_packing.py). A forward row's attention is quadratic in its length, so rows are packed into as many forward
-rows as make the work least (`_bins`), each holding the prefix.
+tests/models/test_packing.py). A forward row's attention is quadratic in its length, so rows are packed into as many
+forward rows as make the work least (`_bins`), each holding the prefix.
 
 Prefix Grouper (arXiv 2506.05433) encodes a group's prompt once for its G completions; gspo's minibatches hold about
 one row of every group (`distributed.minibatches`), so what their rows share is the batch-wide prefix, which this
@@ -36,10 +36,10 @@ MIN_PREFIX = 8
 
 # Families (config.model_type) whose every layer is attention that reads a prepared 4-D mask as given and places
 # tokens by their position ids, with nothing else mixing tokens: packed, each token computes what it computes
-# unpacked. Each is checked against the plain forward in float64 (tests/test_packing.py, which fails when one here is
-# not among its cases). Not here, so plain: recurrent and state-space hybrids (Mamba, Jamba, Falcon-H1, Qwen3-Next,
-# LFM2), GPT-1 (its attention reads no 4-D mask), Llama 4 (chunked attention; an attention scale from the column),
-# and every family never checked.
+# unpacked. Each is checked against the plain forward in float64 (tests/models/test_packing.py, which fails when one
+# here is not among its cases). Not here, so plain: recurrent and state-space hybrids (Mamba, Jamba, Falcon-H1,
+# Qwen3-Next, LFM2), GPT-1 (its attention reads no 4-D mask), Llama 4 (chunked attention; an attention scale from the
+# column), and every family never checked.
 EXACT_FAMILIES = frozenset({
     "llama", "gpt2", "mistral", "gemma2", "gemma3_text", "phi3", "qwen2", "qwen3", "granite", "cohere", "mixtral",
     "olmoe", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3", "glm4_moe",

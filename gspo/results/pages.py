@@ -28,7 +28,8 @@ records (a key comes from the last record that holds it: a run's `metrics.jsonl`
 printed), a `.safetensors` file is its header's metadata (a value that is a JSON string is read as JSON).
 
 `python -m gspo.results.pages` rewrites every block of README.md and docs/**/*.md from the logs; `--check` only
-says which blocks differ (tests/test_results_pages.py runs it), so a number in a block is a number the logs give.
+says which blocks differ (tests/results/test_results_pages.py runs it), so a number in a block is a number the logs
+give.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
   batch.py    a batch sampled, scored and shaped (`collect`); source.py: where it is sampled, in this process
               (`Inline`) or in rollout worker processes (workers.py `WorkerPool`, each a worker.py)
 
-Floors (tests/test_layout.py): processes/ and decoding/ import neither each other nor anything above them;
+Floors (tests/contracts/test_layout.py): processes/ and decoding/ import neither each other nor anything above them;
 engine/ imports those two; the batch modules at the top import any of them. Imports `gspo.models`, `gspo.tasks`,
 `gspo.algos`, `gspo.config` and `gspo.core`.
 """

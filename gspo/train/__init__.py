@@ -9,7 +9,7 @@
   loop/        the loop (`trainer.train`) and its components: set-up, the checkpointer, the critic, the reference
                and teacher models, the MoE step, metrics logging
 
-Floors (tests/test_layout.py), bottom to top: run, ranks, evaluation, start and preflight, loop; a module imports
-its own folder or a lower floor. Imports any part below it (rollout, algos, models, tasks, config, core); never
+Floors (tests/contracts/test_layout.py), bottom to top: run, ranks, evaluation, start and preflight, loop; a module
+imports its own folder or a lower floor. Imports any part below it (rollout, algos, models, tasks, config, core); never
 `gspo.results`.
 """

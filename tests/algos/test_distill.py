@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
-from gguf_files import write_tiny_gguf
-from test_cli import one_line_exit_2
+from tests.conftest import tiny
+from tests.helpers.gguf_files import write_tiny_gguf
+from tests.cli.test_cli import one_line_exit_2
 from typer.testing import CliRunner
 
 from cli.main import app

@@ -2,8 +2,8 @@
 
 Each loss: a hand-worked value and gradient on a batch small enough to do on paper, then the vectorised loss
 against straight-line per-token formulas (never the implementation) on unequal lengths with -inf in the padding,
-values AND gradients. The peers' own functions are compared in tests/test_peers_trl.py (TRL's luspo and vespo) and
-below where a fetched source tree is named (VERL_SRC: verl's dro and gdpo; AREAL_SRC: AReaL's M2PO mask).
+values AND gradients. The peers' own functions are compared in tests/contracts/test_peers_trl.py (TRL's luspo and vespo)
+and below where a fetched source tree is named (VERL_SRC: verl's dro and gdpo; AREAL_SRC: AReaL's M2PO mask).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_losses import LENGTHS, grad, make_batch
+from tests.algos.test_losses import LENGTHS, grad, make_batch
 
 from gspo.algos.advantages import compute_advantages, gdpo
 from gspo.algos.losses import LOSSES, m2_keep, policy_loss

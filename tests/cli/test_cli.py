@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, tiny
+from tests.conftest import REPO, child_env, tiny
 from typer.testing import CliRunner
 
 from cli.main import TRAIN_EXAMPLES, app
@@ -19,7 +19,7 @@ from gspo.core.errors import ConfigError
 from gspo.train.loop.trainer import train
 
 runner = CliRunner()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def gspo_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:

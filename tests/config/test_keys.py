@@ -8,7 +8,7 @@ import dataclasses
 import typing
 
 import pytest
-from conftest import tiny
+from tests.conftest import REPO, tiny
 
 from gspo.config import keys
 from gspo.config.loading import compose
@@ -100,9 +100,8 @@ def test_every_marking_is_one_the_schema_defines():
 def test_the_contract_lists_what_a_resume_may_change():
     """docs/contracts.md's list of the keys a resume may change is the schema's, key for key."""
     import re
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "contracts.md").read_text()
+    text = (REPO / "docs" / "contracts.md").read_text()
     para = text[text.index("A resume continues the same experiment"):text.index("A different value for any other key")]
     listed = {k.removesuffix(".*").removesuffix("*") for k in re.findall(r"`([a-z_.*]+)`", para)}
     derived = set()

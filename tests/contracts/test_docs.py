@@ -15,13 +15,12 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_REAL_MODEL, uses_real_model
+from tests.conftest import HAVE_REAL_MODEL, REPO, uses_real_model
 from typer.main import get_command
 from typer.testing import CliRunner
 
 from cli.main import app
 
-REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if (REPO / "docs" / "data") not in p.parents),
         REPO / "examples" / "README.md"]  # (CHANGELOG.md names scripts that are gone; docs/data holds compare's outputs)
 PLACEHOLDER = re.compile(r"\.\.\.|^\[|(^|[=/])(DIR|RUN_DIR|DATE|TIME|FILE|SWEEP|RUN_[A-Z]|OVERRIDES|KEY|LR|S)\b|/path/to/|(^|=)/models/")

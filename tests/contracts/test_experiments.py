@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 import torch
-from conftest import needs_real_model
+from tests.conftest import REPO, needs_real_model
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -161,7 +161,7 @@ def test_the_moe_mismatch_arms_differ_only_in_what_they_compare():
 
 # The study data kept in docs/data and the preset its runs were made with. Each keeps running as its kept runs ran:
 # train.shared_prefix (on by default since) as they ran it. Not here: runs of the default config (readme_sweep,
-# gpu_h200/job: the default task shares no prefix, tests/test_packing.py), and smollm2_moe/learns, one run made
+# gpu_h200/job: the default task shares no prefix, tests/models/test_packing.py), and smollm2_moe/learns, one run made
 # before train.shared_prefix existed, which smollm2_moe_math then switched on for its studies.
 KEPT_STUDIES = {
     "smollm2_study": "smollm2_math", "gpu_h200/real_float32": "smollm2_math", "gpu_h200/real_bfloat16": "smollm2_math",
@@ -178,13 +178,12 @@ OTHER_STUDIES = {"moe_long": False, "dense_long": False, "moe_mismatch": False, 
 def test_every_preset_runs_the_forward_its_kept_study_ran():
     """A new seed of a kept study composes train.shared_prefix as its kept runs recorded it (a config.yaml without
     the key ran before it existed: plain); every study preset names it, so the default moving moves none."""
-    from pathlib import Path
 
     from omegaconf import OmegaConf
 
     from gspo.config.loading import CHANGED_DEFAULTS
 
-    data = Path(__file__).resolve().parent.parent / "docs" / "data"
+    data = REPO / "docs" / "data"
     for where, preset in KEPT_STUDIES.items():
         configs = sorted((data / where).rglob("config.yaml"))
         assert configs, where

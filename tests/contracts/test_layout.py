@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "gspo"
+from tests.conftest import REPO
+
+ROOT = REPO / "gspo"
 RANK = {"core": 0, "config": 1, "tasks": 2, "algos": 2, "models": 2, "rollout": 3, "train": 4, "results": 5}
 # the folders of a package, bottom to top ("": its modules outside any folder): a module imports its own folder or a
 # folder of a lower floor; folders of one floor never import each other

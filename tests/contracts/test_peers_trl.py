@@ -163,7 +163,7 @@ def test_reference_reset_equals_trls_sync_ref_model_callback():
 
 @pytest.fixture(scope="module")
 def reward_dir(tmp_path_factory):
-    from conftest import tiny_reward_model
+    from tests.conftest import tiny_reward_model
 
     return tiny_reward_model(tmp_path_factory.mktemp("rm"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from tests.conftest import tiny
 from safetensors.torch import load_file
 
 from gspo.config.loading import compose

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-from conftest import child_env
+from tests.conftest import REPO, child_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 TESTS = '''
 import time
@@ -49,7 +48,7 @@ def test_a_default_test_over_the_bound_fails_the_session_and_slow_or_engine_ones
 def test_the_tests_run_first_exist_and_are_collected_first(request):
     """conftest's FIRST names test modules, or tests by the start of their names, that exist (a renamed one would
     silently lose its place), and this session collected them before every other test, in that order."""
-    from conftest import FIRST, first_rank
+    from tests.conftest import FIRST, first_rank
 
     for first in FIRST:
         module, _, test = first.partition("::")

@@ -12,11 +12,12 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from typer.testing import CliRunner
+from tests.conftest import REPO
 
 from cli.main import app
 from gspo.models.build import char_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny
+from tests.conftest import tiny
 
 from gspo.config.loading import compose
 from gspo.train.loop.trainer import train
@@ -34,7 +34,7 @@ def test_train_on_gpu(tmp_path, cache_dir, model, algo, dtype):
 def every_preset_on(device: str) -> dict[str, tuple]:
     """Each algo preset's advantages, loss and gradient (float64) with its tensors on `device`, returned on the CPU."""
     from omegaconf import OmegaConf
-    from test_losses import make_batch
+    from tests.algos.test_losses import make_batch
 
     from gspo.algos.advantages import ADVANTAGES, compute_advantages
     from gspo.algos.losses import HYPER_NAMES, LOSSES, policy_loss
@@ -75,7 +75,7 @@ def test_a_gpu_run_samples_the_same_with_its_decode_replayed(tmp_path, cache_dir
     float32, MoE with R3 (the routing recorded while sampling, replayed in the update): the same completions and
     rewards at every step (the weights updated between rollouts are the graph's too), the other numbers equal up
     to float32 rounding."""
-    from test_train import read_metrics
+    from tests.train.loop.test_train import read_metrics
 
     from gspo.rollout.decoding import static_decode
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from tests.conftest import tiny
 from omegaconf import OmegaConf
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -304,7 +304,7 @@ def test_gradient_checkpointing_still_reaches_the_adapters(tmp_path, cache_dir, 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lora_on_two_ranks_computes_what_one_process_computes(strategy, tmp_path, cache_dir):
     """GRPO with the KL term (reference = adapters off) and LoRA: 2 gloo ranks == 1 process, adapter for adapter."""
-    from test_distributed import assert_adam_close, cli, jsonl, small
+    from tests.train.ranks.test_distributed import assert_adam_close, cli, jsonl, small
 
     from gspo.train.loop.trainer import train
 

@@ -297,7 +297,7 @@ def test_issue_15_failures_train_under_r3(family, tmp_path, cache_dir, capsys):
 
 
 def test_an_explicit_attention_the_class_refuses_is_one_line(tmp_path, cache_dir):
-    from test_cli import one_line_exit_2
+    from tests.cli.test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
@@ -359,7 +359,7 @@ def test_lora_on_gpt2_names_its_conv1d_layers(tmp_path, cache_dir):
     ("gemma2", {}),  # log-probs off the model's own (soft-capped) logits, through the FSDP2 wrapper
 ])
 def test_fsdp2_on_other_families_computes_what_one_process_computes(family, extra, tmp_path, cache_dir):
-    from test_distributed import assert_same_run, cli
+    from tests.train.ranks.test_distributed import assert_same_run, cli
 
     path = tiny_checkpoint(family, tmp_path / family)
     # a reward every completion earns differently (a random tiny model rarely earns the task's): a gradient

@@ -1,7 +1,7 @@
 """GGUF checkpoints (`model.path=FILE.gguf`, `pkg:DIST/FILE`, `model=smollm2`): dequantized once into a
 content-keyed cache as an ordinary checkpoint that loads like any other; bad files refused in one line.
 
-The files are tiny Llama GGUFs written here (tests/gguf_files.py); nothing is downloaded."""
+The files are tiny Llama GGUFs written here (tests/helpers/gguf_files.py); nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
-from conftest import tiny
-from gguf_files import write_tiny_gguf
+from tests.conftest import tiny
+from tests.helpers.gguf_files import write_tiny_gguf
 from gspo.config import model_path
 from gspo.config.checks import model_dir_problem
 from gspo.core.errors import ConfigError

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_rollout import TOK, _qwen3, _sampled
+from tests.rollout.decoding.test_rollout import TOK, _qwen3, _sampled
 
 from gspo.models import moe as moe_lib
 from gspo.models.packing import for_forward, pack, shared_prefix_len
@@ -58,7 +58,7 @@ def test_nothing_to_share_is_not_packed():
 def _split_mixtral(prefix: str):
     """test_split_experts' tiny Llama split into a Mixtral (as model=smollm2_moe is made), float64, and a sampled
     rollout of prompts opening with `prefix`."""
-    from test_split_experts import SETTINGS, _dense
+    from tests.models.test_split_experts import SETTINGS, _dense
 
     from gspo.train.start import split_moe
 
@@ -118,7 +118,7 @@ def test_a_run_with_a_shared_prefix_is_the_plain_run(model, tmp_path, cache_dir,
     load-balancing loss) and the final weights are the plain run's to float32 rounding; summary.json says which
     forward each ran."""
     import gspo.train.loop.trainer as trainer_mod
-    from conftest import tiny
+    from tests.conftest import tiny
     from transformers import AutoModelForCausalLM
 
     from gspo.config.loading import compose
@@ -160,7 +160,7 @@ def test_on_the_default_task_nothing_is_shared_so_a_default_run_is_the_plain_run
     MIN_PREFIX leading tokens, so every minibatch runs the plain forward (the runs kept from before the default,
     docs/data/readme_sweep, are what the default computes)."""
     import gspo.train.loop.trainer as trainer_mod
-    from conftest import tiny
+    from tests.conftest import tiny
 
     from gspo.config.loading import compose
     from gspo.train.loop.trainer import train
@@ -176,8 +176,9 @@ def test_on_the_default_task_nothing_is_shared_so_a_default_run_is_the_plain_run
 
 # --------------------------------------------------------------------------- every family: exact, or plain
 
-# (family, config overrides, packed?): tests/test_families.py's tiny models (2 layers, width 32), float64. A window
-# written "longest" is the longest row of the batch (then it hides nothing: packed), "longest-1" one less (plain).
+# (family, config overrides, packed?): tests/models/test_families.py's tiny models (2 layers, width 32), float64. A
+# window written "longest" is the longest row of the batch (then it hides nothing: packed), "longest-1" one less
+# (plain).
 FAMILIES = [
     ("qwen3", {}, True), ("qwen3_moe", {}, True), ("llama", {}, True), ("gpt2", {}, True), ("phi3", {}, True),
     ("mixtral", {}, True), ("olmoe", {}, True), ("qwen2", {}, True), ("qwen2_moe", {}, True), ("granite", {}, True),
@@ -205,7 +206,7 @@ FAMILIES = [
 def family_rows():
     """Rows every family's tiny model reads (one character vocabulary): 4 prompts of one length opening with 13
     shared characters, 2 sampled completions each (uneven lengths), by a tiny Llama."""
-    from test_families import tiny_model
+    from tests.models.test_families import tiny_model
 
     from gspo.rollout.decoding.generate import generate
     from gspo.rollout.decoding.params import SamplingParams
@@ -219,7 +220,7 @@ def family_rows():
 def _family_model(family: str, extra: dict, dtype: torch.dtype = torch.float64):
     """test_families' tiny model of `family` with `extra` config values, in `dtype` (float64 unless told), experts
     computed eagerly."""
-    from test_families import ALPHABET, EXTRA, SMALL
+    from tests.models.test_families import ALPHABET, EXTRA, SMALL
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from gspo.models.build import char_tokenizer, choose_attention, normalise_config

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_real_model
+from tests.conftest import needs_real_model
 from omegaconf import OmegaConf
-from test_cli import one_line_exit_2
-from test_distributed import cli, jsonl
-from test_fast_decode import SMOL, TOK, _assert_same, _both, _family
-from test_families import run_config, tiny_checkpoint
+from tests.cli.test_cli import one_line_exit_2
+from tests.train.ranks.test_distributed import cli, jsonl
+from tests.rollout.decoding.test_fast_decode import SMOL, TOK, _assert_same, _both, _family
+from tests.models.test_families import run_config, tiny_checkpoint
 from transformers import AutoModelForCausalLM, MixtralForCausalLM
 from typer.testing import CliRunner
 
@@ -185,7 +185,7 @@ def test_what_the_split_cannot_do_is_refused_before_the_dense_model_loads(tmp_pa
     by the build, after the GGUF copy and the dense load. Both are refused by the config checks, the width read from
     config.json or from a GGUF file's header: one line, exit 2, nothing dequantized, loaded or built. Two sequences
     (one to fit, one held out) build."""
-    from gguf_files import write_tiny_gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     from gspo.models import gguf
 
@@ -313,8 +313,8 @@ def test_the_fast_engine_samples_what_hf_samples_on_the_split_model(shared):
 @needs_real_model
 def test_the_moe_preset_is_smollm2_math_on_the_split_model():
     """+experiment=smollm2_moe_math differs from +experiment=smollm2_math only in its model, its name and
-    train.shared_prefix (a speed setting: the same numbers to float32 rounding, tests/test_packing.py), so their runs
-    compare the dense and the MoE model; the model is the dense one's path, split."""
+    train.shared_prefix (a speed setting: the same numbers to float32 rounding, tests/models/test_packing.py), so their
+    runs compare the dense and the MoE model; the model is the dense one's path, split."""
     moe_cfg, dense_cfg = compose(["+experiment=smollm2_moe_math"]), compose(["+experiment=smollm2_math",
                                                                             "train.shared_prefix=true"])
     for group in ("task", "rollout", "train", "eval", "reward", "algo", "moe"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
+from tests.conftest import REPO
 
 from gspo.results.compare import CompareError, Run, compare, detect_collapse, load_runs, print_report
 from gspo.results.groups import aggregate
@@ -497,7 +498,7 @@ def test_the_collapse_flag_has_a_measured_false_positive_rate_on_null_series():
     are all 0) and 362 of 1,000 runs of 30 steps were flagged collapsed. A real collapse is still caught."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     from collapse_rates import collapse_curve, flagged, simulated_run
 
     rng = np.random.default_rng(0)
@@ -562,7 +563,7 @@ def test_the_staleness_figure_reads_each_cell_at_each_k(tmp_path, capsys):
     (the last eval after step 0), mean and t interval per (cell, K); an unfinished run is left out."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     from plot_staleness import cells, main
 
     finals = {("grpo", 0): [0.5, 0.7], ("grpo", 4): [0.2, 0.4], ("gspo_sampler", 4): [0.6, 0.6]}
@@ -588,7 +589,7 @@ def test_the_cell_figure_reads_final_accuracy_and_mean_curves(tmp_path, capsys):
     left out), and a cell where some seed never logged it has no curve."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts"))
     from plot_cells import finished_cells, main, mean_curve
 
     for seed, (scale, final) in enumerate([(0.1, 0.5), (0.3, 0.7)]):
@@ -664,7 +665,7 @@ def as_colleague(*args: str, cwd: Path):
     import subprocess
     import sys
 
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(REPO)
     make_run(cwd / "warm-up", "grpo")
     env = {**os.environ, "PYTHONPATH": root, "MPLCONFIGDIR": str(cwd / ".mpl"), "GSPO_WARM_UP": str(cwd / "warm-up")}
     return subprocess.run([sys.executable, "-c", AS_COLLEAGUE, *args], cwd=cwd, env=env, capture_output=True,

@@ -4,7 +4,7 @@ import json
 from math import comb
 
 import pytest
-from conftest import tiny
+from tests.conftest import tiny
 
 from gspo.config.loading import compose
 from gspo.results.evaluate import run_eval

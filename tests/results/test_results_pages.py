@@ -9,11 +9,12 @@ import struct
 from pathlib import Path
 
 import pytest
+from tests.conftest import REPO
 
 from gspo.results import pages
-from test_compare import sweep
+from tests.results.test_compare import sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 def test_the_pages_scanned_are_the_readme_and_every_docs_page():

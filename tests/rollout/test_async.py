@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import alive_of_this_test, child_env, tiny
+from tests.conftest import alive_of_this_test, child_env, tiny
 from safetensors.torch import load_file
 
 from gspo.config.loading import compose
@@ -29,7 +29,6 @@ from gspo.train.run import checkpoint
 
 pytestmark = pytest.mark.usefixtures("tag")
 
-REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/", "memory/")  # the clock and the worker process itself
 
 

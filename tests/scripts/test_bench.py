@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import child_env
+from tests.conftest import REPO, child_env
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_common as bc  # noqa: E402

@@ -4,12 +4,12 @@ counts gspo's decode steps (one per token after the first, on the engine asked f
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_decode as bd  # noqa: E402
 

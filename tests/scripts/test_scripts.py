@@ -5,9 +5,9 @@ file that exists. Every link resolves. Every page a row says cites its script re
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO
+
 SCRIPTS = REPO / "scripts"
 README = SCRIPTS / "README.md"
 ROW = re.compile(r"^\| `([\w.-]+)` \|(.*)$")

@@ -5,7 +5,7 @@ import random
 import warnings
 
 import pytest
-from conftest import tiny
+from tests.conftest import REPO, tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
@@ -238,9 +238,8 @@ def test_final_answer_takes_what_follows_the_last_marker():
 
 
 def test_references_of_the_shipped_example_verify():
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "arithmetic_chat.jsonl"
+    path = REPO / "examples" / "arithmetic_chat.jsonl"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a small file: the warning is expected
         t = task(path, prompt_column="messages", eval_fraction=0.25)

@@ -2,10 +2,9 @@
 
 import json
 import math
-from pathlib import Path
 
 import pytest
-from conftest import tiny
+from tests.conftest import REPO, tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
@@ -245,7 +244,7 @@ def fails_later(prompts, completions, **kw):
 
 
 def test_the_shipped_reward_file():
-    path = Path(__file__).resolve().parent.parent / "examples" / "rewards.py"
+    path = REPO / "examples" / "rewards.py"
     problems = [Problem([{"role": "user", "content": "q"}], "3 + 4 = 7\n#### 7", {"row": {"answer": "3 + 4 = 7\n#### 7"}})] * 4
     texts = ["3 + 4 = 7\n#### 7", "#### 8", "7", "#### 7.0"]
     r, parts = score(Unjudged(), cfg([f"{path}:accuracy", f"{path}:formatted"], weights=[1.0, 0.2]), texts, problems)
@@ -257,7 +256,7 @@ def test_the_shipped_reward_file():
 def test_a_hanging_function_ends_the_run_in_one_line_and_keeps_the_finished_steps(tmp_path, cache_dir, monkeypatch):
     """reward.timeout_s: step 2's call never returns; one line names the limit and where the function is stuck,
     exit 2; steps 0-1 and step 1's checkpoint are on disk. (Call 0 is the up-front probe, call 1 step 1's.)"""
-    from test_cli import one_line_exit_2
+    from tests.cli.test_cli import one_line_exit_2
 
     from gspo.train.run import checkpoint
 

@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from conftest import tiny
+from tests.conftest import tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 

@@ -33,7 +33,7 @@ On CUDA its steps run, by default, on a static KV cache and as one CUDA graph re
 (`rollout.decode`, gspo/rollout/decoding/static_decode.py: a `FastDecoder` that changes only where keys and values go
 and how the routers are called); elsewhere as described here.
 
-It samples what the `hf` engine samples, given the same uniforms (tests/test_fast_decode.py:
+It samples what the `hf` engine samples, given the same uniforms (tests/rollout/decoding/test_fast_decode.py:
 identical tokens, log-probs within 1e-5, identical captured routing). `rollout.matmul=onednn` runs the decode
 steps' Linear products through oneDNN on copies of their weights reordered for the rollout's row count, made at its
 start and dropped at its end (a training update between rollouts is seen by the next one): on a CPU's thin decode
@@ -135,7 +135,7 @@ def resolve(engine: str, model: torch.nn.Module, compile: bool = False) -> str:
     """`hf` or `fast` for this model: `fast`/`auto` fall back to `hf` where unsupported (`fast`: a warning, once per reason).
 
     `auto` (the default) picks `fast` wherever it is supported: its equality tests against `hf` pass
-    for every family it serves (tests/test_fast_decode.py), and it was faster on every CPU benchmark
+    for every family it serves (tests/rollout/decoding/test_fast_decode.py), and it was faster on every CPU benchmark
     (docs/benchmarks.md, measured on Qwen3 and Qwen3-MoE).
     """
     if engine == "vllm":  # the trainer's own model decodes (evaluation): gspo's engines, as `auto` picks them

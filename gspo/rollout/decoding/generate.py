@@ -116,7 +116,8 @@ class Rollout:
 
 
 # Rollout's tensors by what their second dimension spans: the prompt and completion columns (N, P+T, ...), or
-# the completion's (N, T, ...); every other tensor field is one value per row (tests/test_rollout.py checks the lists)
+# the completion's (N, T, ...); every other tensor field is one value per row (tests/rollout/decoding/test_rollout.py
+# checks the lists)
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "routing", "router_logp")
 COMPLETION_COLUMNS = ("completion_mask", "sampler_logp", "kept_mass", "topk_ids", "topk_logp")
 

@@ -51,7 +51,7 @@ def old_logprobs_mode(cfg) -> str:
     """Where the old policy's log-probs come from: `sampler` (recorded while sampling) or `recompute`.
 
     `auto`: the sampler's when the sampler IS the float32 trainer, where they equal a recomputed
-    forward to ~1e-6 per token (tests/test_logprobs.py), so the old-policy pass is wasted work; a
+    forward to ~1e-6 per token (tests/models/test_logprobs.py), so the old-policy pass is wasted work; a
     recomputed pass whenever the two differ (a bf16/fp16 trainer, whose sampling and training kernels
     disagree by more than GSPO's clip range, docs/benchmarks.md, a sampler in another precision, an inference
     engine, or a batch sampled `rollout.staleness` steps ago).
@@ -62,7 +62,7 @@ def old_logprobs_mode(cfg) -> str:
     # a stale batch (rollout.staleness > 0) was sampled by an older policy: the ratio is taken against the current
     # weights (the proximal policy), the behaviour gap left to the mismatch corrections
     # a float32 merged copy (model.lora.sample_merged) is the trainer's function to rounding: W x + s B A x against
-    # (W + s B A) x, ~1e-6 per token (tests/test_sampler.py)
+    # (W + s B A) x, ~1e-6 per token (tests/rollout/decoding/test_sampler.py)
     same = cfg.hardware.dtype == "float32" and not cfg.rollout.staleness and cfg.rollout.engine != "vllm" \
         and sampler_dtype(cfg) == cfg.hardware.dtype
     return "sampler" if same else "recompute"

@@ -31,8 +31,8 @@ never move, so it can be recorded once and replayed:
 `static` runs these buffers and calls op by op on any device (how the CPU tests check this decode against the
 `fast` engine and `hf`); `graph` records them on CUDA (`torch.cuda.CUDAGraph`) at a rollout's first decode step,
 after WARMUP eager runs on a side stream, and replays them: the same kernels on the same buffers, so graph and
-static give the same bits (tests/test_fast_decode.py checks it on a GPU). A step is idempotent (the same inputs
-write the same slot), so the warm-up and the capture can run at the first real step.
+static give the same bits (tests/rollout/decoding/test_fast_decode.py checks it on a GPU). A step is idempotent (the
+same inputs write the same slot), so the warm-up and the capture can run at the first real step.
 
 The graph reads the model's weights where they are: an update in place (the optimizer's step, a sampler copy's
 re-sync) is seen by the next replay. Graphs are kept for the next rollout of the same shape (MAX_DECODERS, the

@@ -330,7 +330,7 @@ def _first_load_processing(model: torch.nn.Module) -> None:
     addresses); on the CPU that step is the experts' prepack (and the expert width's padding to a multiple of
     32), so reloaded experts would be read unpacked (~10 nats off). With the layer's kernel cleared, the reload
     prepacks them into the existing storage, as the first load did. Measured: the reloaded engine's float32
-    log-probs equal the trainer's to ~5e-7 (tests/test_vllm.py)."""
+    log-probs equal the trainer's to ~5e-7 (tests/rollout/engine/test_vllm.py)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if getattr(method, "moe_kernel", None) is not None:

@@ -1,7 +1,7 @@
 """The interfaces the loop's components meet: typed, so a new one is checked against them, not found by trying.
 
 The sources themselves are gspo/rollout/source.py's `Inline` and gspo/rollout/workers.py's `WorkerPool`
-(tests/test_layout.py checks that both have these methods with these parameters).
+(tests/contracts/test_layout.py checks that both have these methods with these parameters).
 """
 
 from __future__ import annotations

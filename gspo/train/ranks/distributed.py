@@ -5,7 +5,7 @@ starts the ranks), and `Dist`, the rank's place, collectives, wrapping and gathe
 are gspo/train/loop/checkpointer.py's, the held-out evaluation's split over ranks gspo/train/evaluation/evaluator.py's.
 
 How the work is split, and why 2 ranks x P prompts compute what 1 rank x 2P prompts
-does (tests/test_distributed.py checks it):
+does (tests/train/ranks/test_distributed.py checks it):
 
 - prompts: every rank draws the step's whole prompt list from the shared seed and keeps
   its contiguous share [r P/W, (r+1) P/W). A group never straddles ranks, so group

@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
-from conftest import tiny
+from tests.conftest import tiny
 from omegaconf import OmegaConf
-from test_train import read_metrics
+from tests.train.loop.test_train import read_metrics
 from typer.testing import CliRunner
 
 from cli.main import app

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from tests.conftest import tiny
 
 from gspo.algos.losses import LOSSES, policy_loss
 from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
@@ -247,7 +247,7 @@ def test_a_worker_and_a_resume_compute_the_run_with_tools(tmp_path, cache_dir, m
     """rollout.workers=1 samples (tools included, in the worker's own tool process) what the trainer's process
     samples; a run stopped after step 2 (as by SIGTERM) with a batch sampled ahead (its conversations in the
     checkpoint) and resumed equals the run never stopped."""
-    from test_async import stop_after
+    from tests.rollout.test_async import stop_after
 
     o = opts(cache_dir, model="qwen3-tiny", **{"train.steps": 3, "rollout.staleness": 1, "rollout.worker_threads": 1,
                                                "train.checkpoint_every": 1})
@@ -335,7 +335,7 @@ def test_the_tool_experiments_references_fit_its_budget():
 def test_two_ranks_sample_the_trajectories_one_process_samples(tmp_path, cache_dir):
     """hardware=cpu-ddp (2 gloo ranks, each its share of the prompts, its own tool process) computes the
     one-process step: the same trajectories, rewards, tool counts and loss."""
-    from test_async import gspo
+    from tests.rollout.test_async import gspo
 
     o = opts(cache_dir, **{"train.steps": 1, "logger.wandb_cfg.samples_every": 1})
     train(compose(o), tmp_path / "one")
@@ -352,7 +352,7 @@ def test_two_ranks_sample_the_trajectories_one_process_samples(tmp_path, cache_d
 def test_a_trl_tool_file_trains_on_a_built_in_task(tmp_path, cache_dir):
     """examples/tools.py (TRL's documented form) on the default task: the tiny model's template renders its tools,
     a run of a step trains and logs the tool metrics (the model was never taught to call them)."""
-    from test_tools import REPO
+    from tests.conftest import REPO
 
     o = tiny(cache_dir, **{"rollout.tools": f"{REPO / 'examples/tools.py'}:multiply,add", "train.steps": 1,
                            "hardware.threads": 1})

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny
-from test_fast_decode import QWEN2_MOE_SMOL, SMOL, _assert_same, _both, _family, _model
+from tests.conftest import tiny
+from tests.rollout.decoding.test_fast_decode import QWEN2_MOE_SMOL, SMOL, _assert_same, _both, _family, _model
 
 from gspo.config.loading import compose
 from gspo.core.errors import ConfigError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny
+from tests.conftest import REPO, tiny
 from omegaconf import OmegaConf
 
 from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
@@ -236,7 +236,7 @@ def test_a_lora_run_samples_with_a_merged_bf16_copy(tmp_path, cache_dir):
     assert step["time/weight_sync_s"] >= 0 and step["rollout/logprob_abs_diff_mean"] > 0
 
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = REPO / "scripts"
 WIDE = {"model": "qwen3-moe-wide"}
 
 

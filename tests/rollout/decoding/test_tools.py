@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import REPO
 
 from gspo.core.errors import ConfigError
 from gspo.models.build import char_tokenizer
@@ -18,7 +19,6 @@ from gspo.rollout.decoding.params import SamplingParams
 from gspo.rollout.decoding.rollouts import rollout
 from gspo.tasks.tools import Toolbox
 
-REPO = Path(__file__).resolve().parent.parent
 
 TOOLS = '''
 import asyncio, os, sys, time

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from tests.conftest import REPO
 
 from gspo.rollout.engine import delta
 from gspo.rollout.engine.delta import Mirror, Tracker, full_push, whole_regions
@@ -183,9 +184,8 @@ def test_the_pages_delta_push_table_is_what_its_logs_say():
     """docs/benchmarks.md's table of delta pushes on SmolLM2 is `scripts/bench_push.py --report` of the JSON logs in
     docs/data/push_delta, as it stands (bytes and shares: machine-independent)."""
     import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO
     sys.path.insert(0, str(repo / "scripts"))
     try:
         import bench_push

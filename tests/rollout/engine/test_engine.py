@@ -1,7 +1,8 @@
 """The inference engine as a sampler, the parts that need no engine installed (rollout.engine=vllm): the Rollout
 it assembles, how its requests map to rows, the weights it is sent, and what the config refuses.
 
-The engine itself (vLLM) is tested in tests/test_vllm.py, in the environment the README's engine line builds."""
+The engine itself (vLLM) is tested in tests/rollout/engine/test_vllm.py, in the environment the README's engine line
+builds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import tiny
+from tests.conftest import tiny
 from safetensors.torch import load_file
 
 from gspo.config.loading import compose

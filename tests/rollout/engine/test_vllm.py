@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("tag")]
 
-from conftest import alive_of_this_test, child_env, tiny  # noqa: E402
-from test_async import assert_same_run, gspo, sigterm_after_steps, steady  # noqa: E402
+from tests.conftest import REPO, alive_of_this_test, child_env, tiny  # noqa: E402
+from tests.rollout.test_async import assert_same_run, gspo, sigterm_after_steps, steady  # noqa: E402
 
 from gspo.algos.mismatch import routing_mismatch  # noqa: E402
 from gspo.config.loading import compose  # noqa: E402
@@ -40,7 +40,6 @@ from gspo.rollout.engine.slots import PREFIX, layout_of, shm_dir  # noqa: E402
 from gspo.train.run import checkpoint  # noqa: E402
 from gspo.train.loop.trainer import train  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55=", "3+4="]
 ENGINE = {"model.head_dim": 32, "rollout.engine": "vllm"}  # vLLM's CPU attention takes head sizes 32, 64, ...
@@ -423,8 +422,8 @@ def test_the_engine_serves_a_mixtral_split_from_a_dense_llama_and_r3_replays_its
     MixtralForCausalLM and served by the float32 engine: after each update its log-probs are the trainer's to 1e-3
     per token (the issue's bound), the experts it routed are recorded (rollout/routing_mismatch), and R3's update
     replays them (moe/update_mismatch 0)."""
-    from test_split_experts import SETTINGS, _dense
-    from test_fast_decode import TOK as SPLIT_TOK
+    from tests.models.test_split_experts import SETTINGS, _dense
+    from tests.rollout.decoding.test_fast_decode import TOK as SPLIT_TOK
 
     from gspo.train.start import split_moe
 
@@ -694,7 +693,7 @@ def test_the_engine_samples_tool_trajectories_the_trainer_scores_as_it_does(tmp_
     model's tokens the engine's log-probs are the trainer's, the tools' tokens (not the engine's) do not shift them,
     the engine's routing (recorded per turn, prefix-cached positions kept from the turn that first fed them) is the
     trainer's, and R3 replays it through the whole trajectory: the update routes as recorded."""
-    from test_multiturn import opts as tool_opts
+    from tests.rollout.decoding.test_multiturn import opts as tool_opts
 
     train(compose(tool_opts(cache_dir, **ENGINE, **{"train.steps": 2, "algo": "grpo", "moe.routing_replay": "R3",
                                                      "rollout.old_logprobs": "recompute", "eval.every": 0})), tmp_path)
@@ -709,7 +708,7 @@ def test_a_tool_run_without_the_engines_log_probs_trains_on_recomputed_ones(tmp_
     """+experiment=tools at top_p 0.9 and temperature 0.7, where vLLM records no log-probs in gspo's convention:
     the trajectories carry none (no mismatch metric against made-up zeros, no made-up kept mass of 1); the old
     policy's log-probs are the trainer's own, and the run trains."""
-    from test_multiturn import opts as tool_opts
+    from tests.rollout.decoding.test_multiturn import opts as tool_opts
 
     train(compose(tool_opts(cache_dir, **ENGINE, **{"train.steps": 2, "rollout.top_p": 0.9,
                                                      "rollout.temperature": 0.7, "rollout.mismatch_every": 1,

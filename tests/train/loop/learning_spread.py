@@ -1,4 +1,5 @@
-"""The spread of the slow learning test (tests/test_train.py::test_new_family_learns_on_the_tiny_moe) over seeds.
+"""The spread over seeds of the slow learning test, beside this file
+(tests/train/loop/test_train.py::test_new_family_learns_on_the_tiny_moe).
 
 The test's run: 60 steps of 16 prompts x 8 on the default tiny MoE and addition prompts, one thread, rewarded
 1 for a completion that contains the digit 7 and 0 otherwise (`has_seven`): a reward about a quarter of the
@@ -13,8 +14,9 @@ the mean of the first 10. The test's threshold is set from this table (written b
 this module for its run (ALGOS, `overrides`, the `has_seven` reward, `reward_gain`): one description of the run for
 the test and for the measurement.
 
-    python tests/learning_spread.py                          # every algorithm the test covers, 3 seeds, 2 jobs
-    python tests/learning_spread.py gpg topr --seeds 5 --jobs 1 --override reward=tinyzero   # the task's reward
+    python tests/train/loop/learning_spread.py        # every algorithm the test covers, 3 seeds, 2 jobs
+    python tests/train/loop/learning_spread.py gpg topr --seeds 5 --jobs 1 --override reward=tinyzero
+                                                      # two of them, 5 seeds, 1 job, the task's reward
 
 Runs go to --out (default outputs/learning_spread/<algo>_s<seed>); a finished run is not run again, one cut short
 is resumed.

@@ -1,7 +1,7 @@
 """The baselines in the loop (issue 41): PPO's critic (metrics, checkpoint, exact resume, warm-up), the KL in the
 reward, TRL's knobs (refused where they cannot apply, exact resume of reference resets) and reward models
-(reward=model beside functions, refusals). The math itself: tests/test_value.py, tests/test_losses.py and, against
-TRL's own code, tests/test_peers_trl.py."""
+(reward=model beside functions, refusals). The math itself: tests/algos/test_value.py, tests/algos/test_losses.py and,
+against TRL's own code, tests/contracts/test_peers_trl.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny, tiny_reward_model
+from tests.conftest import tiny, tiny_reward_model
 from safetensors.torch import load_file
 
 from gspo.algos.advantages import compute_advantages

@@ -5,9 +5,9 @@ import json
 import math
 from pathlib import Path
 
-import learning_spread  # tests/learning_spread.py: the learning test's run and the script that measures its spread
 import pytest
-from conftest import tiny
+from tests.conftest import tiny
+from tests.train.loop import learning_spread  # the learning test's run, and the script that measures its spread
 from transformers import AutoModelForCausalLM
 
 from gspo.config.loading import compose
@@ -182,7 +182,7 @@ def test_trimming_each_minibatch_to_its_own_width_changes_no_number(algo, replay
 
 # The measured spread of what the test asserts on: the batch reward, last 20 steps minus first 10. A seed draws
 # its own warm-started base and samples, as another CPU's rounding does (2-core x86, torch 2.13.0+cpu):
-#   python tests/learning_spread.py --seeds 3 --jobs 2                     (passk, grpo_passk: --seeds 5)
+#   python tests/train/loop/learning_spread.py --seeds 3 --jobs 2          (passk, grpo_passk: --seeds 5)
 #   algo                          min     mean    max         algo                          min     mean    max
 #   dppo_tv                       +0.679  +0.698  +0.716      topr                          +0.651  +0.689  +0.714
 #   dppo_kl                       +0.676  +0.693  +0.710      reinforce_plus_plus           +0.632  +0.686  +0.718

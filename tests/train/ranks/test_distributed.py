@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, tiny
+from tests.conftest import child_env, tiny
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -26,7 +26,6 @@ from gspo.train.ranks import distributed, launcher
 from gspo.train.run import checkpoint
 from gspo.train.start.warm_start import base_model
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def small(cache_dir, **extra) -> list[str]:
@@ -195,7 +194,7 @@ def test_one_update_on_two_ranks_is_the_one_process_update(tmp_path):
     rank with no tokens adds nothing to the loss's denominator: 2 gloo ranks = 1 process, in loss, gradient
     norm and weights. (Before: REINFORCE++'s loss 0.0498 vs 0.0411, GPG's halved; the grad norm of the
     overlong case 2/3 of the one-process one.)"""
-    from gloo import run_ranks
+    from tests.helpers.gloo import run_ranks
 
     torch.set_num_threads(1)
     configs = update_configs()
@@ -254,7 +253,7 @@ def evaluated(dist: distributed.Dist, cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def reduced(tmp_path_factory) -> list[dict]:
-    from gloo import run_ranks
+    from tests.helpers.gloo import run_ranks
 
     # resolved here: a spawned rank has not registered the config's resolvers (eval.every's)
     return run_ranks(reduce_counted, 2, tmp_path_factory.mktemp("reduce"),
@@ -326,7 +325,7 @@ def merged_under_fsdp_each(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def fsdp_sent(tmp_path_factory) -> list[dict]:
     """merged_under_fsdp for each LoRA rank, on one pair of gloo ranks (spawning them costs more than the work)."""
-    from gloo import run_ranks
+    from tests.helpers.gloo import run_ranks
 
     return run_ranks(merged_under_fsdp_each, 2, tmp_path_factory.mktemp("fsdp"))
 
@@ -668,7 +667,7 @@ def test_a_checkpoint_resumes_under_another_world_size(one_process, tmp_path):
     run = shutil.copytree(one_process, tmp_path / "run")
     with (run / "heldout.jsonl").open("a") as fh:
         fh.write(json.dumps({"step": 2, "n": 16, "problems": "planted", "correct": "1" * 16}) + "\n")
-    # (another world size changes the numbers: a resume refused unless forced, tests/test_resume.py)
+    # (another world size changes the numbers: a resume refused unless forced, tests/train/run/test_resume.py)
     cli("train", f"resume={run}", "train.steps=2", "hardware.strategy=ddp", "hardware.nproc=2", "force_resume=true",
         cwd=tmp_path)
     assert [m["step"] for m in jsonl(run / "metrics.jsonl")] == [0, 1, 2]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, tiny
+from tests.conftest import child_env, tiny
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -26,7 +26,6 @@ from gspo.core.errors import ConfigError
 from gspo.train.loop.trainer import train
 from gspo.train.run import checkpoint, preemption
 
-REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, tiny
+from tests.conftest import child_env, tiny
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -23,7 +23,6 @@ from gspo.config.loading import compose
 from gspo.train.loop.trainer import train
 from gspo.train.run import checkpoint
 
-REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/")  # wall-clock metrics differ between any two runs
 
 
@@ -218,7 +217,7 @@ def test_keep_checkpoints_keeps_the_newest_n(tmp_path, cache_dir):
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(tmp_path, cache_dir, monkeypatch):
     """No space left while step 2's checkpoint is written: one line naming the path and the error, exit 2;
     step 1's checkpoint and the metrics up to step 2 are intact, no half-written directory is left."""
-    from test_cli import one_line_exit_2
+    from tests.cli.test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
@@ -280,7 +279,7 @@ def test_wall_s_counts_a_restart_from_step_0(tmp_path, cache_dir):
 
 
 def test_resume_refuses_keys_that_change_the_experiment(tmp_path, cache_dir, monkeypatch):
-    from test_cli import one_line_exit_2
+    from tests.cli.test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
@@ -320,7 +319,7 @@ def test_a_resume_that_changes_the_numbers_is_refused_unless_forced_then_said_an
     would make the run no longer the one its seed gives (docs/contracts.md): it is refused in one line, exit 2,
     nothing recorded, unless forced (force_resume=true); then it says so in one line and summary.json lists it, from
     what to what and from which step. One that changes only train.steps is neither refused nor said."""
-    from test_cli import one_line_exit_2
+    from tests.cli.test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app

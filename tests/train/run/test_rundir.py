@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny
-from test_cli import one_line_exit_2
+from tests.conftest import tiny
+from tests.cli.test_cli import one_line_exit_2
 from typer.testing import CliRunner
 
 from cli.main import app

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env, tiny
+from tests.conftest import child_env, tiny
 from omegaconf import OmegaConf
-from test_cli import one_line_exit_2
+from tests.cli.test_cli import one_line_exit_2
 from typer.testing import CliRunner
 
 import gspo.rollout.batch as trainer  # where the loop scores its rollouts
@@ -26,7 +26,6 @@ from gspo.results.runs import load_runs
 from gspo.train.run import preemption, sweep
 
 runner = CliRunner()
-REPO = Path(__file__).resolve().parent.parent
 NOISY = ("time/", "throughput/", "memory/")  # the clock's and the machine's, not the run's
 
 

@@ -2,7 +2,7 @@
 
 
 import torch
-from conftest import child_env
+from tests.conftest import child_env
 from omegaconf import OmegaConf
 
 from gspo.config.schema import ModelConfig, WarmStartConfig
@@ -89,7 +89,7 @@ def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_
     with a line naming it."""
     import json
 
-    from conftest import tiny
+    from tests.conftest import tiny
 
     from gspo.config.loading import compose
     from gspo.tasks import build_task
@@ -123,7 +123,7 @@ def test_the_cached_base_and_a_partial_warm_start_are_readable_by_those_sharing_
     import random
     import stat
 
-    from conftest import tiny
+    from tests.conftest import tiny
 
     from gspo.config.loading import compose
     from gspo.tasks import build_task
