@@ -1,4 +1,5 @@
-"""What a run shows: gspo's warnings as one line each, library deprecations hidden, eval's title whole."""
+"""What a run shows: gspo's warnings as one line each, library deprecations hidden (eval's title whole:
+tests/results/test_evaluate.py)."""
 
 import warnings
 from pathlib import Path
@@ -42,13 +43,3 @@ def test_a_real_warning_through_the_warnings_module(tidy, capsys):
         warnings.warn_explicit("held-out split is small", UserWarning, data.__file__, 1)
     err = capsys.readouterr().err
     assert err == "gspo: warning: held-out split is small\n" and "data.py" not in err
-
-
-def test_eval_title_keeps_a_long_path_on_one_line(monkeypatch, capsys):
-    from gspo.results.evaluate import _print_eval
-
-    monkeypatch.setenv("COLUMNS", "40")
-    path = "outputs/2026-11-23/08-38-17/checkpoints/step_000200"
-    _print_eval({"model": path, "task": "addition", "n": 200, "eval/accuracy": 0.5})
-    out = capsys.readouterr().out
-    assert path in out.splitlines() and "eval/accuracy" in out

@@ -1,28 +1,14 @@
-"""Held-out evaluation: the unbiased pass@k estimator by hand, and `gspo eval` on a run."""
+"""`gspo eval` on a run (the unbiased pass@k estimator by hand: tests/train/evaluation/test_heldout.py), and its
+title."""
 
 import json
-from math import comb
 
 import pytest
 from tests.conftest import tiny
 
 from gspo.config.loading import compose
 from gspo.results.evaluate import run_eval
-from gspo.train.evaluation.heldout import pass_at_k
 from gspo.train.loop.trainer import train
-
-
-def test_pass_at_k_by_hand():
-    assert pass_at_k(4, 0, 1) == 0.0
-    assert pass_at_k(4, 4, 2) == 1.0
-    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # 1 - C(3,1)/C(4,1) = 1 - 3/4
-    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # C(6,4) = 15, C(8,4) = 70
-    assert pass_at_k(8, 7, 2) == 1.0  # fewer than k wrong: every k-subset has a correct one
-    n, c, k = 10, 3, 5
-    assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
-    with pytest.raises(ValueError):
-        pass_at_k(2, 1, 3)
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +105,13 @@ def test_eval_pass_k_override_is_used_not_ignored(cache_dir):
     assert "eval/pass@4" in res  # the default
     res = run_eval(None, tiny(cache_dir, **{"task.eval_size": 4, "eval.pass_k": 0}), examples=0)
     assert not any(k.startswith("eval/pass@") for k in res)
+
+
+def test_eval_title_keeps_a_long_path_on_one_line(monkeypatch, capsys):
+    from gspo.results.evaluate import _print_eval
+
+    monkeypatch.setenv("COLUMNS", "40")
+    path = "outputs/2026-11-23/08-38-17/checkpoints/step_000200"
+    _print_eval({"model": path, "task": "addition", "n": 200, "eval/accuracy": 0.5})
+    out = capsys.readouterr().out
+    assert path in out.splitlines() and "eval/accuracy" in out

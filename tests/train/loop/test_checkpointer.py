@@ -1,5 +1,5 @@
-"""The checkpointer and the evaluator decide their own timing: when the loop's `maybe_save` / `maybe_run` act; the
-run's record says where a run starts."""
+"""The checkpointer decides its own timing: when the loop's `maybe_save` acts; the run's record says where a run
+starts. (The evaluator's `maybe_run`: tests/train/evaluation/test_evaluator.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import save_file
 
 from gspo.config.loading import compose
-from gspo.train.evaluation.evaluator import Evaluator
 from gspo.train.loop.checkpointer import Checkpointer, RunRecord, next_step
 from gspo.train.ranks.distributed import Dist
 from gspo.train.run import checkpoint
@@ -57,10 +56,3 @@ def test_the_resume_point_is_the_newest_readable_checkpoint(tmp_path):
     (tmp_path / "config.yaml").write_text("{}")  # (what compose asks of a resumed run's directory)
     run = RunRecord(compose(["train.steps=2", f"resume={tmp_path}"]), tmp_path, Dist(), torch.float32)
     assert run.start == 2 and run.resume_from.name == "step_000002" and run.finished
-
-
-def test_evaluates_the_base_every_eval_every_steps_and_the_last():
-    ev = Evaluator(compose(["train.steps=7", "eval.every=3"]), Dist(), None, None, None, [])
-    assert [s for s in range(8) if ev.due(s)] == [0, 3, 6, 7]
-    ev = Evaluator(compose(["train.steps=7", "eval.every=0"]), Dist(), None, None, None, [])
-    assert [s for s in range(8) if ev.due(s)] == [0, 7] and ev.maybe_run(3) == {}
