@@ -1,6 +1,7 @@
 """Asynchronous rollouts (rollout.staleness, rollout.workers): the staleness is exact, where sampling runs
-changes nothing, a resume computes what the uninterrupted run does, and a worker's failure ends the run in
-one line with no process left behind.
+changes nothing, a SIGTERM stops the trainer and its workers (that a resume computes what the uninterrupted run does:
+tests/contracts/test_resume_equals_uninterrupted.py), and a worker's failure ends the run in one line with no process
+left behind.
 
 What "the same run" holds to: every sampled token, reward and metric and the final weights bitwise, with
 the sampling done at the same thread count in the trainer's process and in the worker
@@ -9,7 +10,6 @@ the last bits of a log-prob."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.conftest import alive_of_this_test, child_env, tiny
-from safetensors.torch import load_file
+from tests.helpers.runs import assert_same_run, steady
 
 from gspo.config.loading import compose
 from gspo.core.errors import ConfigError
@@ -29,27 +29,10 @@ from gspo.train.run import checkpoint
 
 pytestmark = pytest.mark.usefixtures("tag")
 
-NOISY = ("time/", "throughput/", "memory/")  # the clock and the worker process itself
-
 
 def opts(cache_dir, **extra) -> list[str]:
     return tiny(cache_dir, **{"model": "qwen3-tiny", "train.steps": 5, "hardware.threads": 1,
                               "rollout.worker_threads": 1, "train.checkpoint_every": 1, **extra})
-
-
-def steady(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(NOISY)} for r in rows]
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(checkpoint.latest(run_dir) / "model.safetensors")
-
-
-def assert_same_run(a: Path, b: Path) -> None:
-    assert steady(a) == steady(b)
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def gspo(*args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -130,42 +113,6 @@ def test_staleness_and_workers_are_checked_up_front(cache_dir):
     from gspo.rollout.decoding.sampler import old_logprobs_mode
 
     assert old_logprobs_mode(cfg) == "recompute"  # a stale batch: the ratio against the current weights
-
-
-def stop_after(monkeypatch, step: int) -> None:
-    """The stop request a SIGTERM makes, at the boundary after `step` (as preemption.StopSignals sees it)."""
-    from gspo.train.run import preemption
-
-    calls = []
-    monkeypatch.setattr(preemption.StopSignals, "requested",
-                        lambda self: calls.append(1) or ("preempted" if len(calls) > step else None))
-
-
-def test_a_resumed_stale_run_is_the_uninterrupted_run(tmp_path, cache_dir, monkeypatch):
-    """Staleness 2, stopped after step 3 (as by SIGTERM): the checkpoint keeps the two batches the older weights
-    sampled ahead (steps 4 and 5; step 6's, sampled by the checkpoint's own weights, is sampled again), and the
-    resumed run equals the run that never stopped."""
-    extra = {"rollout.staleness": 2, "train.steps": 6}
-    train(compose(opts(cache_dir, **extra)), tmp_path / "whole")
-    with monkeypatch.context() as m:
-        stop_after(m, 3)
-        assert train(compose(opts(cache_dir, **extra)), tmp_path / "part")["status"] == "preempted"
-    state = checkpoint.load_state(checkpoint.latest(tmp_path / "part"))
-    assert state["step"] == 3 and sorted(state["pending"][0]) == [4, 5]
-    train(compose(opts(cache_dir, **extra) + [f"resume={tmp_path / 'part'}"]), tmp_path / "part")
-    assert_same_run(tmp_path / "whole", tmp_path / "part")
-
-
-@pytest.mark.slow
-def test_a_resumed_run_with_workers_is_the_uninterrupted_run(tmp_path, cache_dir, monkeypatch):
-    """The same with the sampling in a worker: its batches in flight at the checkpoint are waited for and kept."""
-    extra = {"rollout.staleness": 2, "rollout.workers": 1, "train.steps": 6}
-    train(compose(opts(cache_dir, **extra)), tmp_path / "whole")
-    with monkeypatch.context() as m:
-        stop_after(m, 3)
-        train(compose(opts(cache_dir, **extra)), tmp_path / "part")
-    train(compose(opts(cache_dir, **extra) + [f"resume={tmp_path / 'part'}"]), tmp_path / "part")
-    assert_same_run(tmp_path / "whole", tmp_path / "part")
 
 
 # --------------------------------------------------------------------------- faults

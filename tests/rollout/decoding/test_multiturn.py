@@ -1,6 +1,7 @@
 """Multi-turn rollouts with tools, from the losses up: the tools' tokens are absent from every loss, the log-probs,
 routing and mismatch statistics; trajectories are keyed per turn and do not depend on the batch; every engine
-samples the same; a run with tools trains, samples in a worker, resumes and shows whole conversations."""
+samples the same; a run with tools trains and shows whole conversations (that it samples in a worker and resumes
+exactly: tests/contracts/test_resume_equals_uninterrupted.py)."""
 
 from __future__ import annotations
 
@@ -241,26 +242,6 @@ def test_a_run_with_tools_trains_and_logs_its_trajectories(algo, extra, tmp_path
         assert all(row["moe/update_mismatch"] == 0.0 for row in m[1:])
     sample_row = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
     assert sample_row["completion"][0]["role"] == "assistant"  # the whole conversation, not a string
-
-
-def test_a_worker_and_a_resume_compute_the_run_with_tools(tmp_path, cache_dir, monkeypatch):
-    """rollout.workers=1 samples (tools included, in the worker's own tool process) what the trainer's process
-    samples; a run stopped after step 2 (as by SIGTERM) with a batch sampled ahead (its conversations in the
-    checkpoint) and resumed equals the run never stopped."""
-    from tests.rollout.test_async import stop_after
-
-    o = opts(cache_dir, model="qwen3-tiny", **{"train.steps": 3, "rollout.staleness": 1, "rollout.worker_threads": 1,
-                                               "train.checkpoint_every": 1})
-    train(compose([*o, "rollout.workers=0"]), tmp_path / "w0")
-    train(compose([*o, "rollout.workers=1"]), tmp_path / "w1")
-    with monkeypatch.context() as m:
-        stop_after(m, 2)
-        assert train(compose(o), tmp_path / "r")["status"] == "preempted"
-    train(compose([*o, f"resume={tmp_path / 'r'}"]), tmp_path / "r")
-    noisy = ("time/", "throughput/", "memory/")
-    steady = [[{k: v for k, v in row.items() if not k.startswith(noisy)} for row in metrics(tmp_path / d)]
-              for d in ("w0", "w1", "r")]
-    assert steady[0] == steady[1] == steady[2]
 
 
 REWARD = '''

@@ -26,7 +26,8 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("tag")]
 
 from tests.conftest import REPO, alive_of_this_test, child_env, tiny  # noqa: E402
-from tests.rollout.test_async import assert_same_run, gspo, sigterm_after_steps, steady  # noqa: E402
+from tests.helpers.runs import assert_same_run, steady  # noqa: E402
+from tests.rollout.test_async import gspo, sigterm_after_steps  # noqa: E402
 
 from gspo.algos.mismatch import routing_mismatch  # noqa: E402
 from gspo.config.loading import compose  # noqa: E402

@@ -1,5 +1,6 @@
-"""The baselines in the loop (issue 41): PPO's critic (metrics, checkpoint, exact resume, warm-up), the KL in the
-reward, TRL's knobs (refused where they cannot apply, exact resume of reference resets) and reward models
+"""The baselines in the loop (issue 41): PPO's critic (its warm-up; its metrics, checkpoint and exact resume in
+tests/contracts/test_resume_equals_uninterrupted.py), the KL in the reward, TRL's knobs (refused where they cannot
+apply; reference resets counted, and resumed exactly in the contract) and reward models
 (reward=model beside functions, refusals). The math itself: tests/algos/test_value.py, tests/algos/test_losses.py and,
 against TRL's own code, tests/contracts/test_peers_trl.py."""
 
@@ -17,55 +18,19 @@ from safetensors.torch import load_file
 from gspo.algos.advantages import compute_advantages
 from gspo.core.errors import ConfigError
 from gspo.config.loading import compose
-from gspo.train.run import checkpoint
 from gspo.train.ranks import distributed
 from gspo.train.preflight import check
 from gspo.train.loop.critic import CRITIC_FILE, Critic
-from gspo.train.loop.reference import REFERENCE_FILE
 from gspo.train.loop.trainer import train
-
-NOISY = ("time/", "throughput/", "eval/")  # eval/: a run cut at step 2 evaluates there (its last step)
 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def steady(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(NOISY)} for r in rows]
-
-
-def weights(run_dir: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
-    return load_file(checkpoint.latest(run_dir) / name)
-
-
-def assert_resume_is_exact(tmp_path, opts: list[str], files: tuple[str, ...]) -> None:
-    """4 steps in one go == 2 steps, then a resume to 4: metrics and every weight file, bit for bit."""
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    train(compose(opts + ["train.steps=4"]), whole)
-    train(compose(opts + ["train.steps=2"]), cut)
-    train(compose(opts + ["train.steps=4", f"resume={cut}"]), cut)
-    assert steady(metrics(cut)) == steady(metrics(whole))
-    for name in ("model.safetensors", *files):
-        a, b = weights(whole, name), weights(cut, name)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-
-
 # --------------------------------------------------------------------------- PPO's critic
 
-
-def test_ppo_logs_the_critic_and_its_checkpoint_resumes_exactly(tmp_path, cache_dir):
-    opts = tiny(cache_dir, algo="ppo", **{"train.checkpoint_every": 1, "hardware.threads": 1})
-    assert_resume_is_exact(tmp_path, opts, (CRITIC_FILE,))
-    rows = metrics(tmp_path / "whole")[1:]
-    for key in ("critic/value_loss", "critic/explained_variance", "critic/value_mean", "critic/clip_frac",
-                "critic/grad_norm", "critic/lr", "train/loss"):
-        assert all(key in r for r in rows), key
-    state = checkpoint.load_state(checkpoint.latest(tmp_path / "whole"))
-    assert set(state["critic"]) == {"optimizer", "scheduler"}
-    critic = weights(tmp_path / "whole", CRITIC_FILE)
-    assert {"score.weight", "score.bias"} <= critic.keys() and any(k.startswith("model.layers.") for k in critic)
-    assert not any(k.startswith("lm_head") for k in critic)  # the backbone only: no LM head in the value model
+# (its metrics, its checkpoint and its exact resume: tests/contracts/test_resume_equals_uninterrupted.py, ppo_critic)
 
 
 def test_a_critic_warmup_trains_the_critic_alone_first(tmp_path, cache_dir):
@@ -145,24 +110,6 @@ def test_the_knobs_are_refused_in_one_line_where_they_cannot_apply(cache_dir):
     assert "only the gae advantage" in ignored_override([compose(["algo=grpo"])], "algo.critic.lr=1e-4")
     assert "reference resets are off" in ignored_override([compose(["algo=grpo"])], "algo.ref_model_sync_steps=8")
     assert ignored_override([compose(["algo=ppo"])], "algo.critic.lr=1e-4") is None
-
-
-def test_reference_resets_move_the_reference_and_resume_exactly(tmp_path, cache_dir):
-    """TRL's sync_ref_model every 3 optimizer updates (2 a step): the reference is mixed at updates 3 and 6 and
-    checkpointed; a resume from step 2 continues with the mixed reference, exactly."""
-    opts = tiny(cache_dir, algo="grpo", **{"algo.sync_ref_model": True, "algo.ref_model_sync_steps": 3,
-                                           "algo.ref_model_mixup_alpha": 0.5, "train.lr": 1e-2,
-                                           "train.checkpoint_every": 1, "hardware.threads": 1})
-    assert_resume_is_exact(tmp_path, opts, (REFERENCE_FILE,))
-    from gspo.tasks import build_task
-    from gspo.train.start.warm_start import base_model
-
-    from gspo.models.build import load_pretrained
-
-    cfg = compose(opts)
-    base = load_pretrained(base_model(cfg, build_task(cfg.task)))[0].state_dict()
-    ref = weights(tmp_path / "whole", REFERENCE_FILE)
-    assert max(float((ref[k] - base[k]).abs().max()) for k in ref) > 1e-4
 
 
 def test_reference_resets_count_the_policys_updates_not_a_critics_warm_up(tmp_path, cache_dir, monkeypatch):

@@ -27,7 +27,6 @@ from gspo.train.run import checkpoint
 from gspo.train.start.warm_start import base_model
 
 
-
 def small(cache_dir, **extra) -> list[str]:
     """A dense tiny model, 4 prompts x 4 completions (2 prompts a rank), 2 minibatches, 1 step;
     GRPO with token-mean aggregation and a KL reference, so the loss scaling by token counts

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from tests.conftest import child_env, tiny
-from safetensors.torch import load_file
+from tests.helpers.runs import assert_same_run
 from typer.testing import CliRunner
 
 import gspo.rollout.batch as trainer  # where the loop scores its rollouts
@@ -26,20 +25,9 @@ from gspo.core.errors import ConfigError
 from gspo.train.loop.trainer import train
 from gspo.train.run import checkpoint, preemption
 
-NOISY = ("time/", "throughput/")
-
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def steady(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(NOISY)} for r in rows]
-
-
-def same_weights(a: Path, b: Path) -> bool:
-    x, y = (load_file(checkpoint.latest(d) / "model.safetensors") for d in (a, b))
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def opts(cache_dir, **extra) -> list[str]:
@@ -97,8 +85,7 @@ def test_sigterm_checkpoints_the_last_step_and_the_resume_is_exact(tmp_path, cac
 
     res = CliRunner().invoke(app, ["train", f"resume={run}"])  # (in this process: the stopped one is gone)
     assert res.exit_code == 0, res.output[-3000:]
-    assert steady(metrics(run)) == steady(metrics(whole))
-    assert same_weights(run, whole)
+    assert_same_run(run, whole)
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
 
 
@@ -233,8 +220,7 @@ def test_sigterm_under_cpu_ddp_stops_every_rank_after_the_same_step(tmp_path, ca
     res = start(f"resume={run}", cwd=tmp_path)
     out, _ = res.communicate(timeout=600)
     assert res.returncode == 0, out[-3000:]
-    assert steady(metrics(run)) == steady(metrics(whole))
-    assert same_weights(run, whole)
+    assert_same_run(run, whole)
 
 
 def descendants(pid: int) -> list[int]:
@@ -271,6 +257,5 @@ def test_submitit_requeues_a_preempted_job_and_the_requeued_job_resumes(tmp_path
     assert proc.returncode == 0, out[-3000:]
     log = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
     assert "gspo: preempted after step" in log and f"gspo: continuing the run in {run}" in log, log[-3000:]
-    assert steady(metrics(run)) == steady(metrics(whole))
-    assert same_weights(run, whole)
+    assert_same_run(run, whole)
     assert json.loads((run / "summary.json").read_text())["status"] == "finished"
