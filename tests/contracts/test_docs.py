@@ -103,9 +103,14 @@ def test_a_docs_command_runs(where, argv, monkeypatch, tmp_path):
 
 
 def test_every_script_the_docs_name_exists():
-    named = {m for path in DOCS for m in re.findall(r"scripts/[\w.-]+\.(?:py|sh|sbatch)", path.read_text())}
+    """Every scripts/ file the docs name (a path that starts there: tests/scripts/ holds its tests), and every test
+    file (tests/ mirrors the package: a file moved leaves no page naming where it was)."""
+    named = {m for path in DOCS for m in re.findall(r"(?<![\w./-])scripts/[\w.-]+\.(?:py|sh|sbatch)", path.read_text())}
     assert named, "no script named: the pattern is wrong"
     assert sorted(n for n in named if not (REPO / n).is_file()) == []
+    tests = {m for path in DOCS for m in re.findall(r"(?<![\w./-])tests/[\w/]+\.py", path.read_text())}
+    assert len(tests) > 20, "no test file named: the pattern is wrong"
+    assert sorted(n for n in tests if not (REPO / n).is_file()) == []
 
 
 # --------------------------------------------------------------------------- links between the pages
