@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from gspo.train.run import checkpoint
 
-NOISY = ("time/", "throughput/", "memory/")  # the clock's and the machine's (a worker's, an engine's RSS), not the run's
+NOISY = ("time/", "throughput/", "memory/")  # the clock's and the machine's (a worker's, an engine's RSS)
 
 
 def metrics(run_dir: Path) -> list[dict]:
