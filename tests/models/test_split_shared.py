@@ -16,10 +16,10 @@ import json
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_cli import one_line_exit_2
-from test_fast_decode import TOK
-from test_families import run_config, tiny_checkpoint
-from test_split_experts import _dense, _ids, _logp
+from tests.cli.test_cli import one_line_exit_2
+from tests.rollout.decoding.test_fast_decode import TOK
+from tests.models.test_families import run_config, tiny_checkpoint
+from tests.models.test_split_experts import _dense, _ids, _logp
 from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
 from typer.testing import CliRunner
 
