@@ -9,9 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import tiny
-from tests.helpers.gguf_files import write_tiny_gguf
-from tests.cli.test_cli import one_line_exit_2
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -21,6 +18,9 @@ from gspo.core.errors import ConfigError
 from gspo.train.loop.teacher import tokenizer_difference
 from gspo.train.loop.trainer import train
 from gspo.train.run import checkpoint
+from tests.cli.test_cli import one_line_exit_2
+from tests.conftest import tiny
+from tests.helpers.gguf_files import write_tiny_gguf
 
 F64 = torch.float64
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.algos.test_losses import LENGTHS, grad, make_batch
 
 from gspo.algos.advantages import compute_advantages, gdpo
 from gspo.algos.losses import LOSSES, m2_keep, policy_loss
+from tests.algos.test_losses import LENGTHS, grad, make_batch
 
 F64 = torch.float64
 

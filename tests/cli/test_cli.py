@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import REPO, child_env, tiny
 from typer.testing import CliRunner
 
 from cli.main import TRAIN_EXAMPLES, app
 from gspo.config.loading import compose
 from gspo.core.errors import ConfigError
 from gspo.train.loop.trainer import train
+from tests.conftest import REPO, child_env, tiny
 
 runner = CliRunner()
 ROOT = REPO

@@ -8,11 +8,11 @@ import dataclasses
 import typing
 
 import pytest
-from tests.conftest import REPO, tiny
 
 from gspo.config import keys
 from gspo.config.loading import compose
 from gspo.config.schema import Config, ModelConfig, TaskConfig, leaf_keys
+from tests.conftest import REPO, tiny
 
 # A resume may change these (a key, or every key under a `x.` prefix), hardware.dtype excepted
 RESUME_MAY_CHANGE = (

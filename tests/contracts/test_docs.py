@@ -15,11 +15,11 @@ import shlex
 from pathlib import Path
 
 import pytest
-from tests.conftest import HAVE_REAL_MODEL, REPO, uses_real_model
 from typer.main import get_command
 from typer.testing import CliRunner
 
 from cli.main import app
+from tests.conftest import HAVE_REAL_MODEL, REPO, uses_real_model
 
 DOCS = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.md") if (REPO / "docs" / "data") not in p.parents),
         REPO / "examples" / "README.md"]  # (CHANGELOG.md names scripts that are gone; docs/data holds compare's outputs)

@@ -5,7 +5,6 @@ import statistics
 
 import pytest
 import torch
-from tests.conftest import REPO, needs_real_model
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -13,6 +12,7 @@ from gspo.algos.shaping import overlong_penalty
 from gspo.config.loading import compose
 from gspo.config.schema import group_options
 from gspo.tasks import build_task
+from tests.conftest import REPO, needs_real_model
 
 runner = CliRunner()
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 
 import torch
-from tests.conftest import tiny
-from tests.helpers.runs import assert_same_run
 
 from gspo.config.loading import compose
 from gspo.config.schema import group_options
 from gspo.train.loop.trainer import train
+from tests.conftest import tiny
+from tests.helpers.runs import assert_same_run
 
 
 def opts(cache_dir, **extra) -> list[str]:

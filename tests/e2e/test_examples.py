@@ -12,10 +12,10 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from typer.testing import CliRunner
-from tests.conftest import REPO
 
 from cli.main import app
 from gspo.models.build import char_tokenizer
+from tests.conftest import REPO
 
 ROOT = REPO
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from tests.conftest import tiny
 
 from gspo.config.loading import compose
 from gspo.train.loop.trainer import train
+from tests.conftest import tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -34,11 +34,11 @@ def test_train_on_gpu(tmp_path, cache_dir, model, algo, dtype):
 def every_preset_on(device: str) -> dict[str, tuple]:
     """Each algo preset's advantages, loss and gradient (float64) with its tensors on `device`, returned on the CPU."""
     from omegaconf import OmegaConf
-    from tests.algos.test_losses import make_batch
 
     from gspo.algos.advantages import ADVANTAGES, compute_advantages
     from gspo.algos.losses import HYPER_NAMES, LOSSES, policy_loss
     from gspo.config.schema import CONF_DIR, AlgoConfig
+    from tests.algos.test_losses import make_batch
 
     out = {}
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.25], dtype=torch.float64, device=device)
@@ -75,9 +75,8 @@ def test_a_gpu_run_samples_the_same_with_its_decode_replayed(tmp_path, cache_dir
     float32, MoE with R3 (the routing recorded while sampling, replayed in the update): the same completions and
     rewards at every step (the weights updated between rollouts are the graph's too), the other numbers equal up
     to float32 rounding."""
-    from tests.train.loop.test_train import read_metrics
-
     from gspo.rollout.decoding import static_decode
+    from tests.train.loop.test_train import read_metrics
 
     overrides = {"moe.routing_replay": "R3", "rollout.max_new_tokens": 12, "train.lr": 0.05, "hardware": "gpu",
                  "hardware.dtype": "float32"}

@@ -4,11 +4,11 @@ word problems through the CLI, as the README's line runs it. Skipped, saying the
 from __future__ import annotations
 
 import pytest
-from tests.conftest import needs_real_model
-from tests.train.ranks.test_distributed import cli, jsonl
 from typer.testing import CliRunner
 
 from cli.main import app
+from tests.conftest import needs_real_model
+from tests.train.ranks.test_distributed import cli, jsonl
 
 pytestmark = needs_real_model
 

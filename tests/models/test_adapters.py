@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import tiny
 from omegaconf import OmegaConf
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -23,6 +22,7 @@ from gspo.tasks import build_task
 from gspo.train.loop.trainer import train
 from gspo.train.preflight import check
 from gspo.train.run import checkpoint
+from tests.conftest import tiny
 
 # the tiny shapes of conftest.tiny: hidden 32, 2 heads x 16 (q: 32 wide), 1 kv head x 16, 2 layers
 H, Q, KV, LAYERS, E, I_MOE, I_DENSE = 32, 32, 16, 2, 8, 32, 64
@@ -289,9 +289,8 @@ def test_gradient_checkpointing_still_reaches_the_adapters(tmp_path, cache_dir, 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lora_on_two_ranks_computes_what_one_process_computes(strategy, tmp_path, cache_dir):
     """GRPO with the KL term (reference = adapters off) and LoRA: 2 gloo ranks == 1 process, adapter for adapter."""
-    from tests.train.ranks.test_distributed import assert_adam_close, cli, jsonl, small
-
     from gspo.train.loop.trainer import train
+    from tests.train.ranks.test_distributed import assert_adam_close, cli, jsonl, small
 
     over = small(cache_dir, **{"model.lora.r": 4, "train.lr": 0.05})
     train(compose(over), tmp_path / "one")

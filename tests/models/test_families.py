@@ -297,10 +297,10 @@ def test_issue_15_failures_train_under_r3(family, tmp_path, cache_dir, capsys):
 
 
 def test_an_explicit_attention_the_class_refuses_is_one_line(tmp_path, cache_dir):
-    from tests.cli.test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
+    from tests.cli.test_cli import one_line_exit_2
 
     path = tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss")
     res = CliRunner().invoke(app, ["train", *run_config(path, cache_dir, **{"model.attn_implementation": "sdpa"}),

@@ -11,11 +11,11 @@ import json
 
 import pytest
 import torch
-from tests.rollout.decoding.test_rollout import TOK, _qwen3, _sampled
 
 from gspo.models import moe as moe_lib
 from gspo.models.packing import for_forward, pack, shared_prefix_len
 from gspo.rollout.decoding.generate import token_logprobs
+from tests.rollout.decoding.test_rollout import TOK, _qwen3, _sampled
 
 # the end-to-end test's data file is small on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:task.path=.*held-out problems:UserWarning")
@@ -58,9 +58,8 @@ def test_nothing_to_share_is_not_packed():
 def _split_mixtral(prefix: str):
     """test_split_experts' tiny Llama split into a Mixtral (as model=smollm2_moe is made), float64, and a sampled
     rollout of prompts opening with `prefix`."""
-    from tests.models.test_split_experts import SETTINGS, _dense
-
     from gspo.train.start import split_moe
+    from tests.models.test_split_experts import SETTINGS, _dense
 
     model, _ = split_moe.build(_dense(), TOK, SETTINGS, log=lambda m: None)
     model = model.double().eval()
@@ -118,12 +117,12 @@ def test_a_run_with_a_shared_prefix_is_the_plain_run(model, tmp_path, cache_dir,
     load-balancing loss) and the final weights are the plain run's to float32 rounding; summary.json says which
     forward each ran."""
     import gspo.train.loop.trainer as trainer_mod
-    from tests.conftest import tiny
     from transformers import AutoModelForCausalLM
 
     from gspo.config.loading import compose
     from gspo.train.run import checkpoint
     from gspo.train.loop.trainer import train
+    from tests.conftest import tiny
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{SHARED}{i}+{i}=", "answer": str(2 * i)}) + "\n"
@@ -160,10 +159,10 @@ def test_on_the_default_task_nothing_is_shared_so_a_default_run_is_the_plain_run
     MIN_PREFIX leading tokens, so every minibatch runs the plain forward (the runs kept from before the default,
     docs/data/readme_sweep, are what the default computes)."""
     import gspo.train.loop.trainer as trainer_mod
-    from tests.conftest import tiny
 
     from gspo.config.loading import compose
     from gspo.train.loop.trainer import train
+    from tests.conftest import tiny
 
     packings = []
     plain = trainer_mod.packed
@@ -206,10 +205,9 @@ FAMILIES = [
 def family_rows():
     """Rows every family's tiny model reads (one character vocabulary): 4 prompts of one length opening with 13
     shared characters, 2 sampled completions each (uneven lengths), by a tiny Llama."""
-    from tests.models.test_families import tiny_model
-
     from gspo.rollout.decoding.generate import generate
     from gspo.rollout.decoding.params import SamplingParams
+    from tests.models.test_families import tiny_model
 
     model, tok = tiny_model("llama")
     prompts = [f"# sum these:\n{p}" for p in ("1+2=", "3+4=", "5*6=", "7-8=")]
@@ -220,10 +218,10 @@ def family_rows():
 def _family_model(family: str, extra: dict, dtype: torch.dtype = torch.float64):
     """test_families' tiny model of `family` with `extra` config values, in `dtype` (float64 unless told), experts
     computed eagerly."""
-    from tests.models.test_families import ALPHABET, EXTRA, SMALL
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from gspo.models.build import char_tokenizer, choose_attention, normalise_config
+    from tests.models.test_families import ALPHABET, EXTRA, SMALL
 
     tok = char_tokenizer(ALPHABET)
     base = AutoConfig.for_model(family).to_dict()

@@ -17,12 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import needs_real_model
 from omegaconf import OmegaConf
-from tests.cli.test_cli import one_line_exit_2
-from tests.train.ranks.test_distributed import cli, jsonl
-from tests.rollout.decoding.test_fast_decode import SMOL, TOK, _assert_same, _both, _family
-from tests.models.test_families import run_config, tiny_checkpoint
 from transformers import AutoModelForCausalLM, MixtralForCausalLM
 from typer.testing import CliRunner
 
@@ -35,6 +30,11 @@ from gspo.models import split_experts, split_recovery
 from gspo.rollout.decoding import fast_decode
 from gspo.train.loop.trainer import train
 from gspo.train.start import split_moe
+from tests.cli.test_cli import one_line_exit_2
+from tests.conftest import needs_real_model
+from tests.models.test_families import run_config, tiny_checkpoint
+from tests.rollout.decoding.test_fast_decode import SMOL, TOK, _assert_same, _both, _family
+from tests.train.ranks.test_distributed import cli, jsonl
 
 E, K = 4, 2
 SETTINGS = SplitExpertsConfig(experts=E, top_k=K, calibration_sequences=8, calibration_tokens=32)
@@ -185,9 +185,8 @@ def test_what_the_split_cannot_do_is_refused_before_the_dense_model_loads(tmp_pa
     by the build, after the GGUF copy and the dense load. Both are refused by the config checks, the width read from
     config.json or from a GGUF file's header: one line, exit 2, nothing dequantized, loaded or built. Two sequences
     (one to fit, one held out) build."""
-    from tests.helpers.gguf_files import write_tiny_gguf
-
     from gspo.models import gguf
+    from tests.helpers.gguf_files import write_tiny_gguf
 
     monkeypatch.setattr(gguf, "dequantize", lambda *a, **k: pytest.fail("the GGUF file was dequantized"))
     monkeypatch.setattr(split_moe, "checkpoint", lambda *a, **k: pytest.fail("the split was built"))

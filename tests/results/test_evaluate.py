@@ -4,11 +4,11 @@ title."""
 import json
 
 import pytest
-from tests.conftest import tiny
 
 from gspo.config.loading import compose
 from gspo.results.evaluate import run_eval
 from gspo.train.loop.trainer import train
+from tests.conftest import tiny
 
 
 @pytest.fixture(scope="module")

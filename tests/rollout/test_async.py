@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import alive_of_this_test, child_env, tiny
-from tests.helpers.runs import assert_same_run, steady
 
 from gspo.config.loading import compose
 from gspo.core.errors import ConfigError
 from gspo.train.loop.trainer import train
 from gspo.train.preflight import check
 from gspo.train.run import checkpoint
+from tests.conftest import alive_of_this_test, child_env, tiny
+from tests.helpers.runs import assert_same_run, steady
 
 pytestmark = pytest.mark.usefixtures("tag")
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from tests.conftest import REPO, child_env
 
 SCRIPTS = REPO / "scripts"

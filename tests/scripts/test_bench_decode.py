@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))

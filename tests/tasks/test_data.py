@@ -5,7 +5,6 @@ import random
 import warnings
 
 import pytest
-from tests.conftest import REPO, tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
@@ -16,6 +15,7 @@ from gspo.core.errors import ConfigError
 from gspo.tasks import Problem, Verdict, build_task
 from gspo.tasks.data import SMALL_HELDOUT, check_answer, final_answer, normalise
 from gspo.train.preflight import check
+from tests.conftest import REPO, tiny
 
 # small files are the point of several tests here; the warning itself is tested where it matters
 pytestmark = pytest.mark.filterwarnings("ignore:task.path=.*held-out problems:UserWarning")

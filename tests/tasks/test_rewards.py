@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-from tests.conftest import REPO, tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
@@ -15,6 +14,7 @@ from gspo.core.errors import ConfigError
 from gspo.tasks import Problem, Verdict, build_task
 from gspo.tasks.rewards import RewardError, score
 from gspo.train.preflight import check
+from tests.conftest import REPO, tiny
 
 FNS = '''
 import math
@@ -256,9 +256,8 @@ def test_the_shipped_reward_file():
 def test_a_hanging_function_ends_the_run_in_one_line_and_keeps_the_finished_steps(tmp_path, cache_dir, monkeypatch):
     """reward.timeout_s: step 2's call never returns; one line names the limit and where the function is stuck,
     exit 2; steps 0-1 and step 1's checkpoint are on disk. (Call 0 is the up-front probe, call 1 step 1's.)"""
-    from tests.cli.test_cli import one_line_exit_2
-
     from gspo.train.run import checkpoint
+    from tests.cli.test_cli import one_line_exit_2
 
     counter = tmp_path / "calls"
     (tmp_path / "slow.py").write_text(f'''

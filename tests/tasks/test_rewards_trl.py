@@ -13,7 +13,6 @@ import re
 
 import pytest
 import torch
-from tests.conftest import tiny
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
@@ -24,6 +23,7 @@ from gspo.config.schema import RewardConfig
 from gspo.tasks import Problem, Verdict, build_task
 from gspo.tasks.rewards import RewardError, probe, score, trainer_state
 from gspo.train.loop.trainer import train
+from tests.conftest import tiny
 
 # In the spirit of TRL's documentation ("Using a custom reward function"): each takes what it needs by keyword.
 FNS = '''

@@ -12,9 +12,7 @@ import math
 
 import pytest
 import torch
-from tests.conftest import tiny
 from omegaconf import OmegaConf
-from tests.train.loop.test_train import read_metrics
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -26,6 +24,8 @@ from gspo.rollout.decoding import fast_decode
 from gspo.rollout.decoding.generate import generate
 from gspo.rollout.decoding.params import SamplingParams
 from gspo.train.loop.trainer import train
+from tests.conftest import tiny
+from tests.train.loop.test_train import read_metrics
 
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["1+2=", "33+44+5=", "7=", "12+345+6789="]  # lengths 4..12: left padding up to 8 columns

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import tiny
 
 from gspo.algos.losses import LOSSES, policy_loss
 from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
@@ -24,6 +23,7 @@ from gspo.rollout.decoding.rollouts import rollout
 from gspo.tasks import build_task
 from gspo.train.loop.trainer import train
 from gspo.train.start.warm_start import base_model
+from tests.conftest import tiny
 
 F64 = torch.float64
 

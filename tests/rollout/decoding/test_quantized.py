@@ -7,8 +7,6 @@ import json
 
 import pytest
 import torch
-from tests.conftest import tiny
-from tests.rollout.decoding.test_fast_decode import QWEN2_MOE_SMOL, SMOL, _assert_same, _both, _family, _model
 
 from gspo.config.loading import compose
 from gspo.core.errors import ConfigError
@@ -19,6 +17,8 @@ from gspo.rollout.decoding.quantized import Int8Linear, available, quantize
 from gspo.rollout.decoding.sampler import Sampler, _plain, old_logprobs_mode, separate
 from gspo.train.loop.trainer import train
 from gspo.train.preflight import check
+from tests.conftest import tiny
+from tests.rollout.decoding.test_fast_decode import QWEN2_MOE_SMOL, SMOL, _assert_same, _both, _family, _model
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import REPO, tiny
 from omegaconf import OmegaConf
 
 from gspo.algos.mismatch import mismatch_metrics, routing_mismatch
@@ -23,6 +22,7 @@ from gspo.rollout.decoding.sampler import Sampler, _Copy, old_logprobs_mode, sep
 from gspo.train.loop.moe_step import MoEStep
 from gspo.train.loop.trainer import train
 from gspo.train.preflight import check
+from tests.conftest import REPO, tiny
 
 TOK = char_tokenizer("0123456789+=")
 PROMPTS = ["12+34=", "7+8=", "90+1=", "5+55="]

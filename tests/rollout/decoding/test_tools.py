@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import REPO
 
 from gspo.core.errors import ConfigError
 from gspo.models.build import char_tokenizer
@@ -18,7 +17,7 @@ from gspo.rollout.decoding.multiturn import ToolUse
 from gspo.rollout.decoding.params import SamplingParams
 from gspo.rollout.decoding.rollouts import rollout
 from gspo.tasks.tools import Toolbox
-
+from tests.conftest import REPO
 
 TOOLS = '''
 import asyncio, os, sys, time

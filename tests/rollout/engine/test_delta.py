@@ -9,10 +9,10 @@ import itertools
 
 import pytest
 import torch
-from tests.conftest import REPO
 
 from gspo.rollout.engine import delta
 from gspo.rollout.engine.delta import Mirror, Tracker, full_push, whole_regions
+from tests.conftest import REPO
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:

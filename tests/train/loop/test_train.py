@@ -6,14 +6,14 @@ import math
 from pathlib import Path
 
 import pytest
-from tests.conftest import tiny
-from tests.train.loop import learning_spread  # the learning test's run, and the script that measures its spread
 from transformers import AutoModelForCausalLM
 
 from gspo.config.loading import compose
 from gspo.config.schema import group_options
 from gspo.train.loop.trainer import train
 from gspo.train.run import checkpoint
+from tests.conftest import tiny
+from tests.train.loop import learning_spread  # the learning test's run, and the script that measures its spread
 
 STEP_KEYS = {
     "reward/mean", "reward/std", "reward/frac_zero_std", "reward/tinyzero/mean", "clip/frac_low", "clip/frac_high",

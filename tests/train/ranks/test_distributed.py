@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import child_env, tiny
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -25,6 +24,7 @@ from gspo.train.loop.trainer import train
 from gspo.train.ranks import distributed, launcher
 from gspo.train.run import checkpoint
 from gspo.train.start.warm_start import base_model
+from tests.conftest import child_env, tiny
 
 
 def small(cache_dir, **extra) -> list[str]:

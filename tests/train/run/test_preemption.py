@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import child_env, tiny
-from tests.helpers.runs import assert_same_run
 from typer.testing import CliRunner
 
 import gspo.rollout.batch as trainer  # where the loop scores its rollouts
@@ -24,6 +22,8 @@ from gspo.config.loading import compose
 from gspo.core.errors import ConfigError
 from gspo.train.loop.trainer import train
 from gspo.train.run import checkpoint, preemption
+from tests.conftest import child_env, tiny
+from tests.helpers.runs import assert_same_run
 
 
 def metrics(run_dir: Path) -> list[dict]:

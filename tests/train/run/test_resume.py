@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import child_env, tiny
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from gspo.config.loading import compose
 from gspo.train.loop.trainer import train
 from gspo.train.run import checkpoint
+from tests.conftest import child_env, tiny
 
 NOISY = ("time/", "throughput/")  # wall-clock metrics differ between any two runs
 
@@ -176,10 +176,10 @@ def test_keep_checkpoints_keeps_the_newest_n(tmp_path, cache_dir):
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(tmp_path, cache_dir, monkeypatch):
     """No space left while step 2's checkpoint is written: one line naming the path and the error, exit 2;
     step 1's checkpoint and the metrics up to step 2 are intact, no half-written directory is left."""
-    from tests.cli.test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
+    from tests.cli.test_cli import one_line_exit_2
 
     real, calls = checkpoint.torch.save, []
 
@@ -238,10 +238,10 @@ def test_wall_s_counts_a_restart_from_step_0(tmp_path, cache_dir):
 
 
 def test_resume_refuses_keys_that_change_the_experiment(tmp_path, cache_dir, monkeypatch):
-    from tests.cli.test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
+    from tests.cli.test_cli import one_line_exit_2
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
@@ -278,10 +278,10 @@ def test_a_resume_that_changes_the_numbers_is_refused_unless_forced_then_said_an
     would make the run no longer the one its seed gives (docs/contracts.md): it is refused in one line, exit 2,
     nothing recorded, unless forced (force_resume=true); then it says so in one line and summary.json lists it, from
     what to what and from which step. One that changes only train.steps is neither refused nor said."""
-    from tests.cli.test_cli import one_line_exit_2
     from typer.testing import CliRunner
 
     from cli.main import app
+    from tests.cli.test_cli import one_line_exit_2
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"

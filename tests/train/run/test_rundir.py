@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import tiny
-from tests.cli.test_cli import one_line_exit_2
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -25,6 +23,8 @@ from gspo.core.errors import ConfigError
 from gspo.results.runs import load_runs
 from gspo.train.loop.trainer import train
 from gspo.train.run import rundir
+from tests.cli.test_cli import one_line_exit_2
+from tests.conftest import tiny
 
 runner = CliRunner()
 

@@ -13,9 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import child_env, tiny
 from omegaconf import OmegaConf
-from tests.cli.test_cli import one_line_exit_2
 from typer.testing import CliRunner
 
 import gspo.rollout.batch as trainer  # where the loop scores its rollouts
@@ -24,6 +22,8 @@ from gspo.config.loading import compose, job_name, sweep_combinations
 from gspo.core.errors import ConfigError
 from gspo.results.runs import load_runs
 from gspo.train.run import preemption, sweep
+from tests.cli.test_cli import one_line_exit_2
+from tests.conftest import child_env, tiny
 
 runner = CliRunner()
 NOISY = ("time/", "throughput/", "memory/")  # the clock's and the machine's, not the run's

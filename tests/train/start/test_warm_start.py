@@ -2,13 +2,13 @@
 
 
 import torch
-from tests.conftest import child_env
 from omegaconf import OmegaConf
 
 from gspo.config.schema import ModelConfig, WarmStartConfig
 from gspo.models.build import build_model, char_tokenizer
 from gspo.tasks import Problem, Verdict
 from gspo.train.start.warm_start import warm_start
+from tests.conftest import child_env
 
 
 class Echo:
@@ -89,11 +89,10 @@ def test_the_cache_is_keyed_by_the_data_files_content_and_says_when_it_reuses_a_
     with a line naming it."""
     import json
 
-    from tests.conftest import tiny
-
     from gspo.config.loading import compose
     from gspo.tasks import build_task
     from gspo.train.start.warm_start import base_model
+    from tests.conftest import tiny
 
     data = tmp_path / "d.jsonl"
 
@@ -123,11 +122,10 @@ def test_the_cached_base_and_a_partial_warm_start_are_readable_by_those_sharing_
     import random
     import stat
 
-    from tests.conftest import tiny
-
     from gspo.config.loading import compose
     from gspo.tasks import build_task
     from gspo.train.start.warm_start import _save_partial, base_model
+    from tests.conftest import tiny
 
     cfg = compose(tiny(tmp_path / "cache", **{"model.warm_start.steps": 1, "model.warm_start.target_accuracy": 0}))
     tok = char_tokenizer("0123456789=")
