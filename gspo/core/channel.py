@@ -116,16 +116,17 @@ class Gate:
     def _admit(self, sock: socket.socket, where: str) -> None:
         """Prove the peer on a thread of its own, if a slot is free and a thread starts; else close it, with a line."""
         if not self.slots.acquire(blocking=False):
-            sock.close()
+            # the line first: by the time the peer sees its connection closed, it is said
             self._say(f"{where}: closed at once: {self.pending} connections are being authenticated already, the "
                       "most at once (a flood of connections that say nothing?)")
+            sock.close()
             return
         try:
             threading.Thread(target=self._prove, args=(sock, where), name="gspo-gate-auth", daemon=True).start()
         except RuntimeError as e:  # "can't start new thread": the process is at its limit; it may not stay there
             self.slots.release()
-            sock.close()
             self._say(f"{where}: closed: no thread could be started to authenticate it ({e})")
+            sock.close()
 
     def _prove(self, sock: socket.socket, where: str) -> None:
         try:
