@@ -1,6 +1,10 @@
 """Layer-wise recovery: each layer's MLP replaced by a shared expert + E routed experts (top-k, softmax weights
 renormalised, k folded in), trained to reproduce the dense MLP's output on the MoE's own upstream inputs, layer after
-layer. KL to the dense model on held-out calibration text before and after."""
+layer. KL to the dense model on held-out calibration text before and after.
+--target stream: the MLP is fitted to what the dense model's residual stream holds after the layer minus the MoE's
+own residual (dense stream_{l+1} - (MoE stream_l + attention)), so each layer also corrects the drift its upstream
+left (the asymmetric calibration of GPTQv2-style quantization); --target mlp (the default) fits the dense MLP's
+output on the MoE's inputs."""
 import sys, time, json, argparse, math
 import torch
 import torch.nn as nn
@@ -16,6 +20,7 @@ p.add_argument("--batch", type=int, default=256)
 p.add_argument("--train", default="calib_train")
 p.add_argument("--layers", type=int, default=0, help="recover only the first N layers (0 = all)")
 p.add_argument("--out", default="recover")
+p.add_argument("--target", choices=["mlp", "stream"], default="mlp")
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -91,6 +96,7 @@ B = 8
 mod = model.model
 with torch.no_grad():
     streams = [mod.embed_tokens(ids[s:s + B]) for s in range(0, len(ids), B)]
+    dstreams = [h.clone() for h in streams]  # the dense model's own, for --target stream
     pos = [torch.arange(ids.shape[1]).expand(min(B, len(ids) - s), -1) for s in range(0, len(ids), B)]
     rot = [mod.rotary_emb(h, p_) for h, p_ in zip(streams, pos)]
 real = [mask[s:s + B].bool() for s in range(0, len(ids), B)]
@@ -112,6 +118,13 @@ for l in range(n_layers):
         X = torch.cat([x[rm] for x, rm in zip(Xs, real)])
         Hs = act(dense_mlp, X)
         Y = dense_mlp.down_proj(Hs)
+        if args.target == "stream":
+            nxt = []
+            for h, r in zip(dstreams, rot):
+                a = layer.self_attn(layer.input_layernorm(h), position_embeddings=r, attention_mask=None)[0]
+                nxt.append(h + a + dense_mlp(layer.post_attention_layernorm(h + a)))
+            dstreams = nxt
+            Y = torch.cat([(d - r_)[rm] for d, r_, rm in zip(dstreams, Rs, real)])
     router = ridge_router(l, X, Hs)
     del Hs
     moe = SparseMLP(dense_mlp, *carved[l], router, k)
